@@ -1,0 +1,25 @@
+"""Exceptions. Each message names the cause and, where there is one, the fix."""
+
+
+class TensorCodecError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class InvalidTensorError(TensorCodecError, ValueError):
+    """The tensor handed in cannot be coded: NaN/Inf, wrong dtype, wrong rank, empty."""
+
+
+class BasisMismatchError(TensorCodecError, ValueError):
+    """The basis does not fit the tensor or the bitstream (other D, other content hash)."""
+
+
+class BitstreamError(TensorCodecError, ValueError):
+    """The bitstream is truncated, corrupt (CRC mismatch), or names something unknown."""
+
+
+class BackendUnavailable(TensorCodecError, RuntimeError):
+    """A codec backend cannot run on this machine (library missing, no GPU, no NVENC...)."""
+
+
+class CodecError(TensorCodecError, RuntimeError):
+    """A codec call failed. The message names the call, the status and a fix."""

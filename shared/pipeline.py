@@ -1,0 +1,180 @@
+"""TensorCodec: a [T, D] tensor -> a self-describing bitstream -> the tensor back.
+
+    codec = TensorCodec(basis, backend="x265", qp=18)      # basis=None codes the raw channels
+    blob = codec.encode(x)                                 # bytes
+    x_hat = codec.decode(blob)                             # torch tensor, x's dtype and shape
+
+Bitstream layout (all integers little-endian):
+
+    b"TNSC" | version u8 | header_len u32 | header JSON (UTF-8) | header CRC32 u32
+    then one chunk per entry of header["chunks"]:  tag 4 bytes | length u64 | payload | CRC32 u32
+
+The header names everything the receiver needs: shape, dtype, basis content hash and K,
+quantizer kind and bits, codec id and settings, frame layout, and whether the codec's output
+was replaced by the raw planes because it would have been larger ("fallback"). The quantizer's
+per-channel parameters travel in chunk "QPAR", the codec payload in chunk "DATA".
+The basis itself is a per-model artifact and travels separately (PoC 07 measures its size).
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import numpy as np
+
+from . import frames as framing
+from .basis import PCABasis, as_float_matrix
+from .codecs import get_backend
+from .errors import BasisMismatchError, BitstreamError, InvalidTensorError
+from .quant import PerChannelQuantizer
+
+MAGIC = b"TNSC"
+VERSION = 1
+DTYPES = {"bfloat16", "float16", "float32", "float64"}
+
+
+def _dtype_name(x) -> str:
+    name = str(x.dtype).replace("torch.", "")
+    if name not in DTYPES:
+        raise InvalidTensorError(f"dtype {name} is not supported: pass a float tensor ({', '.join(sorted(DTYPES))})")
+    return name
+
+
+def _to_output(values: np.ndarray, dtype: str):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(getattr(torch, dtype))
+
+
+def pack(header: dict, chunks: dict[str, bytes]) -> bytes:
+    header = dict(header, chunks=list(chunks))
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    prefix = MAGIC + struct.pack("<BI", VERSION, len(head)) + head
+    out = [prefix, struct.pack("<I", zlib.crc32(prefix))]
+    for tag, payload in chunks.items():
+        tag_b = tag.encode()
+        if len(tag_b) != 4:
+            raise ValueError(f"chunk tag must be 4 ASCII bytes, got {tag!r}")
+        out += [tag_b, struct.pack("<Q", len(payload)), payload, struct.pack("<I", zlib.crc32(payload))]
+    return b"".join(out)
+
+
+def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
+    blob = bytes(blob)
+    if len(blob) < 9:
+        raise BitstreamError(f"bitstream truncated: {len(blob)} bytes is shorter than the fixed header")
+    if blob[:4] != MAGIC:
+        raise BitstreamError(f"not a tensor-codec bitstream: magic {blob[:4]!r}, expected {MAGIC!r}")
+    version, head_len = struct.unpack_from("<BI", blob, 4)
+    if version != VERSION:
+        raise BitstreamError(f"bitstream version {version}; this build reads version {VERSION}: upgrade the reader")
+    end = 9 + head_len
+    if len(blob) < end + 4:
+        raise BitstreamError("bitstream truncated inside its header")
+    (crc,) = struct.unpack_from("<I", blob, end)
+    if crc != zlib.crc32(blob[:end]):
+        raise BitstreamError("header CRC32 mismatch: the bitstream is corrupt")
+    header = json.loads(blob[9:end])
+    offset, chunks = end + 4, {}
+    for tag in header["chunks"]:
+        if offset + 12 > len(blob):
+            raise BitstreamError(f"bitstream truncated before chunk {tag!r}")
+        got_tag = blob[offset: offset + 4].decode(errors="replace")
+        if got_tag != tag:
+            raise BitstreamError(f"expected chunk {tag!r}, found {got_tag!r}: the bitstream is corrupt")
+        (n,) = struct.unpack_from("<Q", blob, offset + 4)
+        start = offset + 12
+        if start + n + 4 > len(blob):
+            raise BitstreamError(f"chunk {tag!r} truncated: needs {n} bytes, {len(blob) - start - 4} left")
+        payload = blob[start: start + n]
+        (crc,) = struct.unpack_from("<I", blob, start + n)
+        if crc != zlib.crc32(payload):
+            raise BitstreamError(f"chunk {tag!r} CRC32 mismatch: the bitstream is corrupt")
+        chunks[tag] = payload
+        offset = start + n + 4
+    if offset != len(blob):
+        raise BitstreamError(f"{len(blob) - offset} unexpected bytes after the last chunk")
+    return header, chunks
+
+
+class TensorCodec:
+    """basis (or None for the raw channels) -> per-channel uint8 quantizer -> frames -> codec backend."""
+
+    def __init__(self, basis: PCABasis | None = None, backend: str = "x265", frame_size: int = framing.DEFAULT_FRAME,
+                 bits: int = 8, **codec_settings):
+        self.basis = basis
+        self.backend = get_backend(backend)
+        if bits != 8:
+            raise InvalidTensorError(f"the frame path carries 8-bit planes; got bits={bits}")
+        self.bits = bits
+        self.frame_size = frame_size
+        self.codec_settings = codec_settings
+
+    # -- the stages, exposed so benchmarks can time them separately ---------------------------
+    def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
+        values = as_float_matrix(x)
+        coeffs = self.basis.project(values) if self.basis is not None else values
+        quantizer = PerChannelQuantizer.fit(coeffs, self.bits)
+        return quantizer.quantize(coeffs), quantizer
+
+    def from_planes(self, planes: np.ndarray, quantizer: PerChannelQuantizer) -> np.ndarray:
+        coeffs = quantizer.dequantize(planes)
+        return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
+
+    # -- whole tensor --------------------------------------------------------------------------
+    def encode(self, x) -> bytes:
+        dtype = _dtype_name(x)
+        planes, quantizer = self.to_planes(x)
+        layout = framing.layout_for(*planes.shape, height=self.frame_size)
+        frames = framing.to_frames(planes, layout)
+        with self.backend.encoder(layout.width, layout.height, **self.codec_settings) as enc:
+            enc.submit(frames)
+            payload = enc.flush()
+        codec_id, fallback = self.backend.name, None
+        if len(payload) >= frames.nbytes:
+            fallback = f"{codec_id} produced {len(payload)} bytes >= {frames.nbytes} raw bytes; stored raw"
+            codec_id, payload = "raw", frames.tobytes()
+        header = {
+            "shape": list(planes.shape[:1]) + [self.basis.dim if self.basis is not None else planes.shape[1]],
+            "dtype": dtype,
+            "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
+            "quant": {"kind": "per_channel", "bits": self.bits},
+            "codec": {"id": codec_id, "settings": self.codec_settings},
+            "frames": layout.to_dict(),
+            "fallback": fallback,
+        }
+        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
+
+    def decode(self, blob: bytes):
+        header, chunks = unpack(blob)
+        return _to_output(self.decode_values(header, chunks), header["dtype"])
+
+    def decode_values(self, header: dict, chunks: dict[str, bytes]) -> np.ndarray:
+        expected = header["basis"]
+        if expected is not None:
+            if self.basis is None:
+                raise BasisMismatchError(f"bitstream needs basis {expected['hash']} (K={expected['k']}); "
+                                         "construct TensorCodec with that basis")
+            if expected["hash"] != self.basis.content_hash or expected["k"] != self.basis.k:
+                raise BasisMismatchError(
+                    f"bitstream was coded with basis {expected['hash']} (K={expected['k']}), this codec holds "
+                    f"{self.basis.content_hash} (K={self.basis.k}); load the sender's basis file"
+                )
+        backend = get_backend(header["codec"]["id"])
+        layout = framing.FrameLayout(**header["frames"])
+        quantizer = PerChannelQuantizer.from_bytes(chunks["QPAR"])
+        with backend.decoder(layout.width, layout.height, **header["codec"]["settings"]) as dec:
+            dec.submit(chunks["DATA"])
+            frames = dec.flush()
+        if frames.shape[0] != layout.n_frames:
+            raise BitstreamError(f"decoded {frames.shape[0]} frames, header says {layout.n_frames}")
+        values = self.from_planes(framing.from_frames(frames, layout), quantizer)
+        if list(values.shape) != header["shape"]:
+            raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
+        return values
+
+
+def read_header(blob: bytes) -> dict:
+    """The header of a bitstream, after checking every CRC in it."""
+    return unpack(blob)[0]

@@ -1,0 +1,265 @@
+"""Round trips, error bounds and bad input for basis, quant, frames, codecs, pipeline, metrics."""
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from shared import BackendUnavailable, BasisMismatchError, BitstreamError, InvalidTensorError
+from shared import frames as framing
+from shared.basis import CovarianceAccumulator, PCABasis, fit_basis, leave_one_out
+from shared.codecs import availability, get_backend
+from shared.metrics import aggregate, quality, ratio
+from shared.pipeline import TensorCodec, pack, read_header, unpack
+from shared.quant import PerChannelQuantizer
+
+RNG = np.random.default_rng(0)
+
+
+def low_rank(tokens=300, dim=64, rank=8, noise=0.01, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(tokens, rank)) @ rng.normal(size=(rank, dim)) + noise * rng.normal(size=(tokens, dim))
+            + 3.0).astype(np.float32)
+
+
+# -- basis ----------------------------------------------------------------------------------------
+def test_streaming_covariance_matches_numpy():
+    parts = [low_rank(seed=s) for s in range(3)]
+    acc = CovarianceAccumulator(64)
+    for p in parts:
+        acc.add(p)
+    mean, cov = acc.mean_cov()
+    allx = np.concatenate(parts).astype(np.float64)
+    np.testing.assert_allclose(mean, allx.mean(0), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(cov, np.cov(allx.T), rtol=1e-7, atol=1e-9)
+
+
+def test_basis_full_rank_reconstructs_exactly_and_low_rank_captures_variance():
+    x = low_rank()
+    full = fit_basis([x], k=64)
+    np.testing.assert_allclose(full.reconstruct(full.project(x)), x, atol=1e-4)
+    k8 = fit_basis([x], k=8)
+    assert quality(x, k8.reconstruct(k8.project(x)))["rel_mse"] < 1e-4
+    assert np.allclose(k8.components.T @ k8.components, np.eye(8), atol=1e-5)
+
+
+def test_basis_save_load_roundtrip(tmp_path):
+    b = fit_basis([low_rank()], k=16, model="toy", layer="3")
+    b.save(tmp_path / "b.safetensors")
+    c = PCABasis.load(tmp_path / "b.safetensors")
+    assert c.content_hash == b.content_hash and c.k == 16 and c.meta["model"] == "toy" and c.meta["n_captures"] == 1
+    np.testing.assert_array_equal(c.components, b.components)
+
+
+def test_leave_one_out_equals_fit_on_the_others():
+    parts = [low_rank(seed=s) for s in range(4)]
+    for i, b in leave_one_out(parts, k=8):
+        ref = fit_basis([p for j, p in enumerate(parts) if j != i], k=8)
+        np.testing.assert_allclose(np.abs(b.components.T @ ref.components), np.eye(8), atol=1e-4)
+        np.testing.assert_allclose(b.mean, ref.mean, atol=1e-5)
+
+
+def test_basis_for_other_dim_is_refused():
+    b = fit_basis([low_rank(dim=64)], k=8, model="toy", layer="1")
+    with pytest.raises(BasisMismatchError, match="D=32.*D=64"):
+        b.project(low_rank(dim=32))
+
+
+# -- quant -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [4, 8, 12])
+def test_quantizer_error_bound_and_params_roundtrip(bits):
+    x = low_rank()
+    q = PerChannelQuantizer.fit(x, bits)
+    codes = q.quantize(x)
+    assert codes.max() <= (1 << bits) - 1
+    err = np.abs(q.dequantize(codes) - x)
+    assert (err <= q.step / 2 * (1 + 1e-5) + 1e-6).all()
+    q2 = PerChannelQuantizer.from_bytes(q.to_bytes())
+    np.testing.assert_array_equal(q2.dequantize(codes), q.dequantize(codes))
+
+
+def test_quantizer_constant_channel_is_exact():
+    x = np.ones((10, 3), np.float32) * np.array([1.5, -2.0, 0.0], np.float32)
+    q = PerChannelQuantizer.fit(x)
+    np.testing.assert_array_equal(q.dequantize(q.quantize(x)), x)
+
+
+# -- frames ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 1), (256, 256), (300, 192), (1000, 70), (5, 600)])
+def test_frames_roundtrip_any_shape(shape):
+    planes = RNG.integers(0, 256, shape, dtype=np.uint8)
+    layout = framing.layout_for(*shape, height=64)
+    f = framing.to_frames(planes, layout)
+    assert f.shape == (layout.n_frames, 3, 64, 64) and f.dtype == np.uint8
+    np.testing.assert_array_equal(framing.from_frames(f, layout), planes)
+
+
+def test_frames_reject_bad_sizes():
+    with pytest.raises(InvalidTensorError):
+        framing.layout_for(0, 10)
+    with pytest.raises(InvalidTensorError, match="multiples of 8"):
+        framing.layout_for(10, 10, height=100)
+
+
+# -- codecs ------------------------------------------------------------------------------------------
+def smooth_frames(n=3, size=64):
+    yy, xx = np.mgrid[:size, :size]
+    base = (64 + 40 * np.sin(xx / 7.0) + 30 * np.cos(yy / 5.0)).astype(np.float32)
+    return np.stack([np.stack([base + 10 * c + 3 * i for c in range(3)]) for i in range(n)]).clip(0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("name,settings", [("x265", {}), ("ffv1", {}), ("zstd", {}), ("raw", {}),
+                                           ("ffmpeg-x265", {})])
+def test_lossless_backends_are_bit_exact_across_session_reuse(name, settings):
+    backend = get_backend(name)
+    frames = smooth_frames()
+    with backend.encoder(64, 64, preset="ultrafast", **settings) as enc, backend.decoder(64, 64) as dec:
+        for _ in range(2):  # a session is reusable after flush
+            enc.submit(frames[:2])
+            enc.submit(frames[2:])
+            payload = enc.flush()
+            dec.submit(payload)
+            np.testing.assert_array_equal(dec.flush(), frames)
+    if name != "raw":
+        assert len(payload) < frames.nbytes
+
+
+def test_x265_constant_qp_is_lossy_but_close():
+    frames = smooth_frames()
+    backend = get_backend("x265")
+    with backend.encoder(64, 64, qp=30, preset="ultrafast") as enc:
+        enc.submit(frames)
+        payload = enc.flush()
+    with backend.decoder(64, 64) as dec:
+        dec.submit(payload)
+        out = dec.flush()
+    diff = np.abs(out.astype(int) - frames)
+    assert 0 < diff.max() < 40 and diff.mean() < 3
+
+
+def test_codec_rejects_wrong_frames():
+    with get_backend("zstd").encoder(64, 64) as enc:
+        with pytest.raises(InvalidTensorError, match="uint8"):
+            enc.submit(np.zeros((1, 3, 64, 64), np.float32))
+        with pytest.raises(InvalidTensorError, match="shape"):
+            enc.submit(np.zeros((1, 3, 32, 64), np.uint8))
+
+
+def test_registry_explains_unavailable_backends(monkeypatch):
+    table = availability()
+    assert table["x265"] is None and table["zstd"] is None
+    for name, reason in table.items():
+        if reason is not None:
+            with pytest.raises(BackendUnavailable, match=name):
+                get_backend(name).encoder(64, 64)
+
+
+def test_unknown_codec_id_is_named():
+    with pytest.raises(BitstreamError, match="unknown codec id 'h266'"):
+        get_backend("h266")
+
+
+# -- pipeline ----------------------------------------------------------------------------------------
+def make_tensor(dtype=torch.bfloat16, tokens=300, dim=64):
+    return torch.from_numpy(low_rank(tokens, dim)).to(dtype)
+
+
+@pytest.mark.parametrize("backend", ["x265", "ffv1", "zstd"])
+def test_pipeline_roundtrip_preserves_shape_dtype_and_quality(backend):
+    x = make_tensor()
+    basis = fit_basis([x], k=16)
+    codec = TensorCodec(basis, backend=backend, frame_size=64, preset="ultrafast")
+    blob = codec.encode(x)
+    y = codec.decode(blob)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    q = quality(x.float().numpy(), y.float().numpy())
+    assert q["cos_mean"] > 0.999
+    header = read_header(blob)
+    assert header["codec"]["id"] in (backend, "raw") and header["basis"]["k"] == 16 and header["shape"] == [300, 64]
+
+
+def test_pipeline_lossless_stage_equals_quantizer_only():
+    """With a lossless codec the only error is the quantizer's: decode equals dequantize(quantize(x))."""
+    x = make_tensor(torch.float32)
+    codec = TensorCodec(None, backend="ffv1", frame_size=64)
+    planes, quantizer = codec.to_planes(x)
+    expected = quantizer.dequantize(planes)
+    np.testing.assert_array_equal(codec.decode(codec.encode(x)).numpy(), expected)
+
+
+def test_incompressible_data_falls_back_to_raw_and_says_so():
+    noise = torch.from_numpy(RNG.uniform(-1, 1, (192, 64)).astype(np.float32))
+    codec = TensorCodec(None, backend="zstd", frame_size=64)
+    blob = codec.encode(noise)
+    header = read_header(blob)
+    assert header["codec"]["id"] == "raw" and "stored raw" in header["fallback"]
+    np.testing.assert_allclose(codec.decode(blob).numpy(), noise.numpy(), atol=2 / 255 + 1e-6)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.tensor([[1.0, float("nan")], [0.0, 1.0]]), "NaN/Inf"),
+    (torch.tensor([[1.0, float("inf")], [0.0, 1.0]]), "NaN/Inf"),
+    (torch.zeros((4, 4), dtype=torch.int32), "dtype"),
+    (torch.zeros((2, 3, 4)), "2-D"),
+    (torch.zeros((0, 4)), "empty"),
+])
+def test_bad_tensors_are_refused_clearly(bad, match):
+    with pytest.raises(InvalidTensorError, match=match):
+        TensorCodec(None, backend="zstd", frame_size=64).encode(bad)
+
+
+def test_basis_mismatch_on_encode_and_decode():
+    x = make_tensor()
+    codec = TensorCodec(fit_basis([x], k=16), backend="zstd", frame_size=64)
+    with pytest.raises(BasisMismatchError, match="D=32"):
+        codec.encode(make_tensor(dim=32))
+    blob = codec.encode(x)
+    other = TensorCodec(fit_basis([make_tensor(tokens=200)], k=16), backend="zstd", frame_size=64)
+    with pytest.raises(BasisMismatchError, match="load the sender's basis"):
+        other.decode(blob)
+
+
+def test_truncated_and_corrupted_bitstreams_are_detected():
+    x = make_tensor()
+    codec = TensorCodec(None, backend="x265", frame_size=64, preset="ultrafast")
+    blob = codec.encode(x)
+    for cut in (0, 5, 20, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(BitstreamError):
+            codec.decode(blob[:cut])
+    for pos in (2, 12, len(blob) // 3, len(blob) - 10):
+        flipped = bytearray(blob)
+        flipped[pos] ^= 0x40
+        with pytest.raises(BitstreamError):
+            codec.decode(bytes(flipped))
+    with pytest.raises(BitstreamError, match="unexpected bytes"):
+        codec.decode(blob + b"\0")
+
+
+def test_unknown_codec_id_in_bitstream():
+    header, chunks = unpack(TensorCodec(None, backend="zstd", frame_size=64).encode(make_tensor()))
+    header["codec"]["id"] = "h266"
+    header.pop("chunks")
+    with pytest.raises(BitstreamError, match="unknown codec id"):
+        TensorCodec(None, backend="zstd").decode(pack(header, chunks))
+
+
+def test_pack_rejects_bad_tag():
+    with pytest.raises(ValueError):
+        pack({}, {"TOOLONG": b""})
+    blob = pack({"a": 1}, {"DATA": b"xyz"})
+    assert struct.unpack_from("<B", blob, 4)[0] == 1 and unpack(blob)[1] == {"DATA": b"xyz"}
+
+
+# -- metrics -----------------------------------------------------------------------------------------
+def test_metrics_definitions():
+    x = low_rank()
+    assert ratio((100, 64), 100 * 64) == 2.0
+    q = quality(x, x)
+    assert q["cos_mean"] == pytest.approx(1.0) and q["rel_mse"] == 0 and q["p1"] == pytest.approx(1.0)
+    q_neg = quality(x, -x)
+    assert q_neg["cos_mean"] == pytest.approx(-1.0)
+    noisy = x + 0.5 * RNG.normal(size=x.shape).astype(np.float32)
+    qn = quality(x, noisy)
+    assert 0 < qn["cos_mean"] < 1 and qn["rel_mse"] > 0 and qn["p1"] <= qn["cos_mean"] + 0.1
+    agg = aggregate([q, qn])
+    assert agg["cos_min"] == pytest.approx(qn["cos_mean"])
