@@ -1,0 +1,62 @@
+# Two commands from a fresh clone:  make poc-01   and   make test
+# On a machine whose Python already has the packages (the GPU machine):  make poc-09 PYTHON=python3
+VENV    := .venv
+PYTHON  ?= $(VENV)/bin/python
+ARGS    ?=
+export PYTHONUNBUFFERED := 1
+
+# The virtualenv is built only when we run on its Python; PYTHON=python3 skips it.
+ifeq ($(PYTHON),$(VENV)/bin/python)
+SETUP := $(VENV)/.installed
+else
+SETUP :=
+endif
+
+POCS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14 15 16 17 18 19
+RESULTS := $(wildcard results/[0-9][0-9]_*.csv)
+FIGURES := $(patsubst results/%.csv,figures/%.png,$(RESULTS))
+
+.PHONY: help test pocs figures clean setup models $(addprefix poc-,$(POCS))
+
+help:
+	@echo "make poc-01 .. poc-19   run one PoC (writes results/NN_*.csv and figures/NN_*.png); ARGS=--quick for a small run"
+	@echo "make pocs               every PoC that runs on this machine"
+	@echo "make figures            redraw every figure from its CSV (no rerun)"
+	@echo "make test               the test suite (GPU tests skip without a GPU)"
+	@echo "make models             retrain the embedded diffusion model"
+	@echo "make clean              remove caches and captured activations (keeps results/ and figures/)"
+
+setup: $(SETUP)
+
+$(VENV)/.installed: requirements.txt requirements-nodeps.txt
+	@echo ">> creating $(VENV) and installing requirements (first run only; a few minutes)"
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --progress-bar on -r requirements.txt
+	$(VENV)/bin/pip install --progress-bar on --no-deps -r requirements-nodeps.txt
+	touch $@
+
+# poc-NN runs pocs/NN_<name>.py; a PoC not built yet says so and fails.
+$(addprefix poc-,$(POCS)): poc-%: $(SETUP)
+	@script=$$(ls pocs/$*_*.py 2>/dev/null | head -n 1); \
+	if [ -z "$$script" ]; then echo "PoC $* is not built yet: see the PoC table in README.md"; exit 2; fi; \
+	echo ">> $(PYTHON) $$script $(ARGS)"; $(PYTHON) $$script $(ARGS)
+
+pocs: $(SETUP)
+	@for n in $(POCS); do script=$$(ls pocs/$${n}_*.py 2>/dev/null | head -n 1); \
+	  [ -n "$$script" ] || { echo ">> PoC $$n not built yet, skipped"; continue; }; \
+	  echo ">> $$script"; $(PYTHON) $$script $(ARGS) || exit $$?; done
+
+# Figures rebuild from the CSVs alone.
+figures: $(FIGURES)
+figures/%.png: results/%.csv $(SETUP)
+	$(PYTHON) pocs/$*.py --plot-only
+
+test: $(SETUP)
+	$(PYTHON) -m pytest
+
+models: $(SETUP)
+	$(PYTHON) models/train_tiny_flux.py
+
+clean:
+	rm -rf .pytest_cache data/captures
+	find . -name __pycache__ -type d -prune -not -path "./$(VENV)/*" -exec rm -rf {} +
