@@ -125,14 +125,15 @@ def run(quick: bool) -> ResultsWriter:
             if backend is sub:
                 res.add(metric="init_ms", value=fixed - spawn_ms, unit="ms", **common)
             print(f"{direction} {backend.name:<12} fixed {fixed:7.1f} ms + {per_frame:6.2f} ms/frame")
-    big = max(counts)
-    t_sub = next(r["value"] for r in res.rows if r["backend"] == sub.name and r.get("frames") == big
-                 and r.get("direction") == "encode")
-    t_in = next(r["value"] for r in res.rows if r["backend"] == inproc.name and r.get("frames") == big
-                and r.get("direction") == "encode")
-    res.add(backend="x265", metric="speedup_vs_subprocess", value=t_sub / t_in, unit="x", direction="encode",
-            frames=big, frame=FRAME, qp=QP, preset=PRESET)
-    print(f"in-process session vs subprocess at {big} frames/call (encode): {t_sub / t_in:.2f}x")
+    calls = {(r["backend"], r["direction"], r["frames"]): r["value"] for r in res.rows if r["metric"] == "call_ms"}
+    for direction in ("encode", "decode"):
+        for n in counts:
+            speedup = calls[(sub.name, direction, n)] / calls[(inproc.name, direction, n)]
+            res.add(backend="x265", metric="speedup_vs_subprocess", value=speedup, unit="x", direction=direction,
+                    frames=n, frame=FRAME, qp=QP, preset=PRESET)
+        print(f"in-process session vs subprocess, {direction}: "
+              + ", ".join(f"{n} frames {calls[(sub.name, direction, n)] / calls[(inproc.name, direction, n)]:.2f}x"
+                          for n in counts))
     return res
 
 
