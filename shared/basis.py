@@ -65,6 +65,13 @@ class CovarianceAccumulator:
         self.n_captures += 1
         return self
 
+    def __iadd__(self, other: "CovarianceAccumulator"):
+        self.count += other.count
+        self.sum += other.sum
+        self.outer += other.outer
+        self.n_captures += other.n_captures
+        return self
+
     def __isub__(self, other: "CovarianceAccumulator"):
         self.count -= other.count
         self.sum -= other.sum
@@ -191,10 +198,7 @@ def leave_one_out(captures: Sequence, k: int, **meta) -> Iterator[tuple[int, PCA
         parts.append(CovarianceAccumulator(x.shape[1]).add(x))
     total = parts[0].copy()
     for p in parts[1:]:
-        total.count += p.count
-        total.sum += p.sum
-        total.outer += p.outer
-        total.n_captures += p.n_captures
+        total += p
     for i, p in enumerate(parts):
         held_out = total.copy()
         held_out -= p

@@ -1,0 +1,77 @@
+"""Leave-one-out sweeps of PCA rank K x codec setting, and the operating points they give.
+
+Used by the Pareto PoCs (03 diffusion, 04 LLM KV) and the downstream PoC (05): each held-out
+capture is coded with a basis fitted on all the others, so no number benefits from having seen
+the tensor it compresses.
+
+    rows = loo_sweep(captures, ks=[16, 64, 192], codecs=[("x265", {"qp": None}), ("x265", {"qp": 18})])
+    best = operating_points(rows, thresholds=(0.999, 0.99, 0.97, 0.94))
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from .basis import as_float_matrix, leave_one_out
+from .metrics import aggregate, quality, ratio
+from .pipeline import TensorCodec
+
+COS_THRESHOLDS = (0.999, 0.99, 0.97, 0.94)
+
+
+def codec_label(backend: str, settings: dict) -> str:
+    if "qp" in settings:
+        return f"{backend} {'lossless' if settings['qp'] is None else 'qp' + str(settings['qp'])}"
+    return backend
+
+
+def loo_sweep(captures: Sequence, ks: Iterable[int], codecs: Sequence[tuple[str, dict]], frame: int = 256,
+              raw_control: bool = True, desc: str = "sweep", **fixed) -> list[dict]:
+    """One dict per (K or 'raw', codec): ratio and aggregated quality over held-out captures."""
+    ks = sorted(set(int(k) for k in ks))
+    dim = as_float_matrix(captures[0]).shape[1]
+    ks = [k for k in ks if k <= dim]
+    bases = [b for _, b in leave_one_out(captures, max(ks))]
+    settings_list = [(k, b, s) for k in ks for b, s in codecs]
+    if raw_control:
+        settings_list += [(None, b, s) for b, s in codecs]
+    rows = []
+    for k, backend, settings in tqdm(settings_list, desc=desc, leave=False):
+        per_capture, total_bytes, total_values = [], 0, 0
+        for i, x in enumerate(captures):
+            basis = bases[i].truncate(k) if k is not None else None
+            codec = TensorCodec(basis, backend=backend, frame_size=frame, **settings)
+            blob = codec.encode(x)
+            x_hat = codec.decode(blob)
+            per_capture.append(quality(as_float_matrix(x), x_hat.float().numpy()))
+            total_bytes += len(blob)
+            total_values += int(np.prod(x.shape))
+        q = aggregate(per_capture)
+        rows.append({"k": k if k is not None else dim, "basis": "pca_loo" if k is not None else "raw",
+                     "backend": backend, "codec": codec_label(backend, settings), "qp": settings.get("qp"),
+                     "ratio": ratio((total_values,), total_bytes), "bytes": total_bytes, **q, "dim": dim,
+                     "n_captures": len(captures), "frame": frame, **fixed})
+    return rows
+
+
+def operating_points(rows: Sequence[dict], thresholds=COS_THRESHOLDS, basis: str = "pca_loo",
+                     key: str = "cos_mean") -> list[dict]:
+    """For each threshold, the row with the best ratio whose quality is at least the threshold."""
+    best = []
+    for t in thresholds:
+        ok = [r for r in rows if r["basis"] == basis and r[key] >= t]
+        if ok:
+            best.append({**max(ok, key=lambda r: r["ratio"]), "threshold": t})
+    return best
+
+
+def add_rows(res, rows: Sequence[dict], metrics=("ratio", "cos_mean", "cos_min", "p1", "rel_mse"), **extra) -> None:
+    """Write sweep rows into a ResultsWriter in long format."""
+    units = {"ratio": "x", "bytes": "B"}
+    for r in rows:
+        settings = {k: v for k, v in r.items() if k not in metrics and k not in ("backend", "bytes", "cos_min_token",
+                                                                                  "max_abs_err")}
+        for m in metrics:
+            res.add(backend=r["backend"], metric=m, value=r[m], unit=units.get(m, "1"), **settings, **extra)
