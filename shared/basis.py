@@ -188,18 +188,31 @@ def fit_basis(captures: Iterable, k: int, **meta) -> PCABasis:
     return acc.basis(k, **meta)
 
 
-def leave_one_out(captures: Sequence, k: int, **meta) -> Iterator[tuple[int, PCABasis]]:
-    """(i, basis fitted on every capture but i) for each i: the honest, held-out basis."""
+def leave_one_out(captures: Sequence, k: int, groups: Sequence | None = None, **meta) -> Iterator[tuple[int, PCABasis]]:
+    """(i, basis fitted without capture i) for each i: the honest, held-out basis.
+
+    With `groups` (one label per capture, e.g. the seed or prompt it came from), the basis for
+    capture i leaves out every capture of i's group, so related captures cannot leak into it.
+    One pass over the data; one eigendecomposition per group.
+    """
     if len(captures) < 2:
         raise InvalidTensorError("leave-one-out needs at least 2 captures")
-    parts = []
-    for x in captures:
+    groups = list(range(len(captures))) if groups is None else list(groups)
+    if len(groups) != len(captures):
+        raise InvalidTensorError(f"{len(groups)} group labels for {len(captures)} captures")
+    per_group: dict = {}
+    for x, g in zip(captures, groups):
         x = as_float_matrix(x, "capture")
-        parts.append(CovarianceAccumulator(x.shape[1]).add(x))
-    total = parts[0].copy()
-    for p in parts[1:]:
-        total += p
-    for i, p in enumerate(parts):
+        per_group.setdefault(g, CovarianceAccumulator(x.shape[1])).add(x)
+    if len(per_group) < 2:
+        raise InvalidTensorError("leave-one-out needs captures from at least 2 groups")
+    total = None
+    for acc in per_group.values():
+        total = acc.copy() if total is None else total.__iadd__(acc)
+    bases = {}
+    for g, acc in per_group.items():
         held_out = total.copy()
-        held_out -= p
-        yield i, held_out.basis(k, held_out=i, **meta)
+        held_out -= acc
+        bases[g] = held_out.basis(k, held_out=str(g), **meta)
+    for i, g in enumerate(groups):
+        yield i, bases[g]

@@ -28,12 +28,13 @@ def codec_label(backend: str, settings: dict) -> str:
 
 
 def loo_sweep(captures: Sequence, ks: Iterable[int], codecs: Sequence[tuple[str, dict]], frame: int = 256,
-              raw_control: bool = True, desc: str = "sweep", **fixed) -> list[dict]:
+              raw_control: bool = True, desc: str = "sweep", groups: Sequence | None = None,
+              **fixed) -> list[dict]:
     """One dict per (K or 'raw', codec): ratio and aggregated quality over held-out captures."""
     ks = sorted(set(int(k) for k in ks))
     dim = as_float_matrix(captures[0]).shape[1]
     ks = [k for k in ks if k <= dim]
-    bases = [b for _, b in leave_one_out(captures, max(ks))]
+    bases = [b for _, b in leave_one_out(captures, max(ks), groups)]
     settings_list = [(k, b, s) for k in ks for b, s in codecs]
     if raw_control:
         settings_list += [(None, b, s) for b, s in codecs]

@@ -263,3 +263,31 @@ def test_metrics_definitions():
     assert 0 < qn["cos_mean"] < 1 and qn["rel_mse"] > 0 and qn["p1"] <= qn["cos_mean"] + 0.1
     agg = aggregate([q, qn])
     assert agg["cos_min"] == pytest.approx(qn["cos_mean"])
+
+
+def test_group_leave_one_out_excludes_the_whole_group():
+    parts = [low_rank(seed=s) for s in range(4)]
+    groups = ["a", "a", "b", "b"]
+    bases = dict(leave_one_out(parts, k=8, groups=groups))
+    ref = fit_basis(parts[2:], k=8)
+    np.testing.assert_allclose(bases[0].mean, ref.mean, atol=1e-5)
+    assert bases[0].content_hash == bases[1].content_hash != bases[2].content_hash
+    with pytest.raises(InvalidTensorError, match="2 groups"):
+        list(leave_one_out(parts, k=8, groups=["a"] * 4))
+
+
+def test_sweep_reports_ratio_quality_and_operating_points():
+    from shared.sweep import loo_sweep, operating_points
+
+    rng = np.random.default_rng(1)
+    mixing = rng.normal(size=(8, 64))  # one shared rank-8 subspace, different coefficients per capture
+    parts = [torch.from_numpy((rng.normal(size=(256, 8)) @ mixing + 0.01 * rng.normal(size=(256, 64)))
+                              .astype(np.float32)).to(torch.bfloat16) for _ in range(3)]
+    rows = loo_sweep(parts, ks=[4, 8, 64], codecs=[("zstd", {})], frame=64)
+    by_k = {(r["basis"], r["k"]): r for r in rows}
+    assert set(by_k) == {("pca_loo", 4), ("pca_loo", 8), ("pca_loo", 64), ("raw", 64)}
+    # the data has rank 8: K=4 loses signal, K=8 keeps it and compresses more than K=64
+    assert by_k[("pca_loo", 4)]["cos_mean"] < by_k[("pca_loo", 8)]["cos_mean"] > 0.999
+    assert by_k[("pca_loo", 8)]["ratio"] > by_k[("pca_loo", 64)]["ratio"]
+    best = operating_points(rows, thresholds=(0.999,))
+    assert best[0]["k"] == 8 and best[0]["threshold"] == 0.999
