@@ -54,6 +54,11 @@ class CaptureStore:
             raise FileNotFoundError(f"no finished captures in {self.root}; run the capture step first")
         return json.loads(self.manifest_path.read_text())["keys"]
 
+    def meta(self) -> dict:
+        """The metadata the store was finished with (model, layers, prompts, ...)."""
+        self.keys()  # raises the clear error when unfinished
+        return json.loads(self.manifest_path.read_text())["meta"]
+
     def load(self, key: str) -> dict[str, torch.Tensor]:
         return load_file(str(self.root / f"{key}.safetensors"))
 

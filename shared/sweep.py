@@ -76,3 +76,34 @@ def add_rows(res, rows: Sequence[dict], metrics=("ratio", "cos_mean", "cos_min",
                                                                                   "max_abs_err")}
         for m in metrics:
             res.add(backend=r["backend"], metric=m, value=r[m], unit=units.get(m, "1"), **settings, **extra)
+
+
+def sweep_frame(df):
+    """Long-format rows of a sweep -> one row per (source, basis, k, codec) with ratio and cos_mean columns."""
+    keys = [c for c in ("source", "basis", "k", "codec") if c in df.columns]
+    wide = df[df.metric.isin(["ratio", "cos_mean", "cos_min"])].pivot_table(index=keys, columns="metric",
+                                                                             values="value").reset_index()
+    return wide
+
+
+def plot_pareto(ax, wide, anchors: Sequence[tuple[float, float, str]] = (), title: str = ""):
+    """Ratio against 1 - cos_mean for every codec setting; PCA points joined along K; anchors as stars."""
+    codecs = list(dict.fromkeys(wide.codec))
+    colors = dict(zip(codecs, ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000",
+                               "#F0E442"] * 3))
+    for codec in codecs:
+        pca = wide[(wide.codec == codec) & (wide.basis == "pca_loo")].sort_values("k")
+        ax.plot(1 - pca.cos_mean, pca.ratio, "o-", ms=3, lw=1, color=colors[codec], label=f"{codec} (PCA, K sweep)")
+        raw = wide[(wide.codec == codec) & (wide.basis == "raw")]
+        ax.plot(1 - raw.cos_mean, raw.ratio, "x", ms=7, color=colors[codec])
+    ax.plot([], [], "x", color="0.3", label="raw channels (no PCA)")
+    for cos, r, label in anchors:
+        ax.plot(1 - cos, r, "*", ms=12, color="#CC0000", markeredgecolor="k", zorder=5)
+        ax.annotate(label, (1 - cos, r), textcoords="offset points", xytext=(6, 4), fontsize=7, color="#990000")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("1 - cos_mean (log; left is better)")
+    ax.set_ylabel("compression ratio vs bf16 (log)")
+    for t in COS_THRESHOLDS:
+        ax.axvline(1 - t, color="0.75", lw=0.7, ls=":")
+    ax.set_title(title)

@@ -1,0 +1,92 @@
+"""PoC 04 - What ratio does the LLM KV cache reach at each quality, for K and V separately?
+
+SmolLM2-135M's layer-15 K and V caches (post-RoPE K, as the cache holds it) over 6 chunks of 1024
+tokens of text that ships with Python. Each chunk is coded with a PCA basis fitted on the other five
+(leave-one-out), for every rank K and codec setting (libx265 lossless and constant QP), plus the
+raw-channel control (no PCA). Rows: ratio (bf16 bytes / whole bitstream with header), cos_mean,
+cos_min (worst chunk), p1 (worst 1% of channels), rel_mse; and the best ratio at cos >= 0.999,
+0.99, 0.97, 0.94.
+
+Command:   make poc-04            (or: python pocs/04_pareto_llm_kv.py [--quick] [--model ID])
+Writes:    results/04_pareto_llm_kv.csv, figures/04_pareto_llm_kv.png
+Sample output (2-core CPU):
+    kind  cos>=   ratio  K    codec
+    k     0.999   ...
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.sweep import add_rows, loo_sweep, operating_points, plot_pareto, sweep_frame  # noqa: E402
+
+MODEL = "smollm2"         # embedded default; or a model id / local folder (--model)
+LAYER = 15                # decoder layer whose cache is coded
+CHUNKS = 6                # text chunks = leave-one-out folds
+TOKENS = 1024             # tokens per chunk
+KS = [8, 16, 32, 48, 64, 96, 128, 192]   # PCA ranks (capped at D)
+QPS = [None, 4, 10, 18, 26, 34]          # libx265: None = lossless, else constant QP
+PRESET = "medium"         # x265 preset
+FRAME = 256               # frame side, pixels
+SEED_ANCHORS = [(0.999, 2.7, "seed: Mistral 7B L16, 2.7x @ cos 0.999")]
+
+
+def captures(model_name: str, quick: bool):
+    from shared import llm
+
+    model, tokenizer = llm.load_smollm2() if model_name == "smollm2" else llm.load_causal_lm(model_name)
+    n_chunks, tokens = (3, 256) if quick else (CHUNKS, TOKENS)
+    chunks = llm.text_chunks(tokenizer, n_chunks, tokens)
+    store = llm.capture_kv(model, chunks, f"{Path(model_name).name}_kv_{n_chunks}x{tokens}")
+    return {kind: store.stack(f"layer{LAYER}.{kind}") for kind in ("k", "v")}, llm.model_label(model)
+
+
+def run(quick: bool, model_name: str) -> ResultsWriter:
+    data, label = captures(model_name, quick)
+    ks, qps = ([8, 32, 192], [None, 18]) if quick else (KS, QPS)
+    frame = 64 if quick else FRAME
+    codecs = [("x265", {"qp": qp, "preset": "ultrafast" if quick else PRESET}) for qp in qps]
+    res = ResultsWriter("04", "pareto_llm_kv")
+    print(f"{'kind':<6}{'cos>=':<8}{'ratio':>7}{'K':>5}  codec          cos_min     p1")
+    for kind, caps in data.items():
+        rows = loo_sweep(caps, ks, codecs, frame=frame, desc=f"layer {LAYER} {kind}", source=kind, model=label,
+                         layer=LAYER, tokens=caps[0].shape[0])
+        add_rows(res, rows)
+        for op in operating_points(rows):
+            res.add(backend=op["backend"], metric="best_ratio", value=op["ratio"], unit="x", source=kind,
+                    threshold=op["threshold"], k=op["k"], codec=op["codec"], qp=op["qp"], cos_mean=op["cos_mean"],
+                    cos_min=op["cos_min"], p1=op["p1"], model=label, layer=LAYER, basis="pca_loo", frame=frame)
+            print(f"{kind:<6}{op['threshold']:<8}{op['ratio']:>7.2f}{op['k']:>5}  {op['codec']:<14}"
+                  f"{op['cos_min']:>8.4f}{op['p1']:>7.3f}")
+        raw = max((r for r in rows if r["basis"] == "raw" and r["qp"] is None), key=lambda r: r["ratio"])
+        print(f"{kind:<6}raw-channel control, lossless codec stage: {raw['ratio']:.2f}x at cos {raw['cos_mean']:.5f}")
+    return res
+
+
+def plot(csv: str = "04_pareto_llm_kv", name: str = "04_pareto_llm_kv"):
+    plt = apply_style()
+    df = load(csv)
+    sweep = df[df.metric != "best_ratio"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, kind in zip(axes, ("k", "v")):
+        wide = sweep_frame(sweep[sweep.source == kind])
+        plot_pareto(ax, wide, SEED_ANCHORS, f"layer {int(sweep.layer.iloc[0])} {kind.upper()} cache, leave-one-out "
+                                            f"over {int(sweep.n_captures.iloc[0])} chunks")
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"PoC 04: {sweep.model.iloc[0]}: ratio vs quality of the KV cache "
+                 "(stars: the seed's number on Mistral 7B, another model)", fontsize=10)
+    save_figure(fig, name, f"{csv}.csv")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI-sized run (3 short chunks, 3 ranks, 2 settings)")
+    ap.add_argument("--model", default=MODEL, help="'smollm2' (embedded) or a causal-LM id / local folder")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
+    args = ap.parse_args()
+    if not args.plot_only:
+        run(args.quick, args.model).save()
+    plot()

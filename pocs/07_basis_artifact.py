@@ -1,0 +1,145 @@
+"""PoC 07 - What does the PCA basis cost, and how many calibration captures does it need?
+
+The basis is a per-model artifact the receiver must hold (like a LoRA). Three questions:
+1. Its size: bytes per layer as a function of K (mean + D x K components, fp16 and fp32), and for
+   all layers of the model (SmolLM2-135M: 30 layers x K and V; tiny FLUX: every double block).
+2. The leave-one-out vs in-sample gap: a basis fitted on the tensor it codes looks better than it is.
+3. Calibration: held-out quality (PCA projection alone, no quantizer or codec, so only the basis
+   is measured) as a function of the number of calibration captures N.
+
+Command:   make poc-07            (or: python pocs/07_basis_artifact.py [--quick])
+Writes:    results/07_basis_artifact.csv, figures/07_basis_artifact.png
+Sample output (2-core CPU):
+    source  K   N  in-sample  held-out
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared.basis import fit_basis  # noqa: E402
+from shared.metrics import aggregate, quality  # noqa: E402
+from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+
+LAYER = 15               # LLM layer for the calibration study
+CHUNKS = 6               # LLM text chunks of TOKENS tokens
+TOKENS = 1024
+SEEDS = range(8)         # diffusion seeds (10 classes x STEPS steps each)
+STEPS = 20
+KS = [8, 16, 32, 64, 96]  # ranks for the calibration study
+BYTES_PER_VALUE = {"fp16": 2, "fp32": 4}
+
+
+def basis_bytes(dim: int, k: int, bytes_per_value: int) -> int:
+    return (dim + dim * k) * bytes_per_value  # mean + components
+
+
+def llm_groups(quick: bool):
+    from shared import llm
+
+    model, tokenizer = llm.load_smollm2()
+    n_chunks, tokens = (3, 256) if quick else (CHUNKS, TOKENS)
+    store = llm.capture_kv(model, llm.text_chunks(tokenizer, n_chunks, tokens), f"smollm2_kv_{n_chunks}x{tokens}")
+    layers = model.config.num_hidden_layers
+    dim = store.load(store.keys()[0])[f"layer{LAYER}.k"].shape[1]
+    groups = {kind: [[store.load(k)[f"layer{LAYER}.{kind}"]] for k in store.keys()] for kind in ("k", "v")}
+    return groups, {"model": "SmolLM2-135M-Instruct", "dim": dim, "tensors_per_model": 2 * layers}
+
+
+def diffusion_groups(quick: bool):
+    from shared import diffusion
+
+    seeds, steps = (range(3), 4) if quick else (SEEDS, STEPS)
+    store = diffusion.capture_tiny_flux(seeds=seeds, classes=range(10), steps=steps)
+    by_seed = [[store.load(k)["act"] for k in store.keys() if k.startswith(f"seed{s}_")] for s in seeds]
+    model = diffusion.load_tiny_flux()
+    n_double = len(model.transformer.transformer_blocks)
+    return {"act": by_seed}, {"model": "tiny_flux", "dim": by_seed[0][0].shape[1], "tensors_per_model": n_double}
+
+
+def held_out_quality(groups: list[list[torch.Tensor]], k: int, n_calib: int) -> tuple[float, float]:
+    """Mean over test groups of (in-sample cos, held-out cos) with a basis from n_calib other groups."""
+    ins, outs = [], []
+    for test in range(len(groups)):
+        others = [g for i, g in enumerate(groups) if i != test][:n_calib]
+        calib = fit_basis([x for g in others for x in g], k)
+        own = fit_basis(groups[test], k)
+        for x in groups[test]:
+            xf = x.float().numpy()
+            outs.append(quality(xf, calib.reconstruct(calib.project(xf))))
+            ins.append(quality(xf, own.reconstruct(own.project(xf))))
+    return aggregate(ins)["cos_mean"], aggregate(outs)["cos_mean"]
+
+
+def run(quick: bool) -> ResultsWriter:
+    res = ResultsWriter("07", "basis_artifact")
+    sources = [("SmolLM2 L%d" % LAYER, *llm_groups(quick)), ("tiny_flux", *diffusion_groups(quick))]
+    for name, groups, info in sources:
+        dim = info["dim"]
+        for k in sorted(set([8, 16, 32, 64, 96, 128, dim])):
+            if k > dim:
+                continue
+            for fmt, bpv in BYTES_PER_VALUE.items():
+                per_layer = basis_bytes(dim, k, bpv)
+                common = dict(source=name, model=info["model"], k=k, dim=dim, storage=fmt)
+                res.add(backend="pca", metric="basis_bytes_per_tensor", value=per_layer, unit="B", **common)
+                res.add(backend="pca", metric="basis_bytes_per_model", value=per_layer * info["tensors_per_model"],
+                        unit="B", tensors=info["tensors_per_model"], **common)
+        print(f"{name}: basis of one layer at K={min(64, dim)}: {basis_bytes(dim, min(64, dim), 2) / 1024:.1f} KiB fp16; "
+              f"whole model ({info['tensors_per_model']} tensors): "
+              f"{basis_bytes(dim, min(64, dim), 2) * info['tensors_per_model'] / 2**20:.2f} MiB")
+        print(f"{'source':<14}{'kind':<5}{'K':>4}{'N':>4}{'in-sample':>11}{'held-out':>10}")
+        ks = [k for k in ([8, 32] if quick else KS) if k < dim]
+        for kind, g in groups.items():
+            for k in ks:
+                for n in range(1, len(g)):
+                    cin, cout = held_out_quality(g, k, n)
+                    common = dict(source=name, kind=kind, model=info["model"], k=k, n_calibration=n, dim=dim)
+                    res.add(backend="pca", metric="cos_in_sample", value=cin, unit="1", **common)
+                    res.add(backend="pca", metric="cos_held_out", value=cout, unit="1", **common)
+                    res.add(backend="pca", metric="loo_gap", value=cin - cout, unit="1", **common)
+                    print(f"{name:<14}{kind:<5}{k:>4}{n:>4}{cin:>11.5f}{cout:>10.5f}")
+    return res
+
+
+def plot(csv: str = "07_basis_artifact", name: str = "07_basis_artifact"):
+    plt = apply_style()
+    df = load(csv)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    size = df[(df.metric == "basis_bytes_per_model") & (df.storage == "fp16")]
+    for src, s in size.groupby("source"):
+        axes[0].plot(s.k, s.value / 2**20, "o-", label=f"{src} ({int(s.tensors.iloc[0])} tensors, D={int(s.dim.iloc[0])})")
+    axes[0].set_xlabel("K (components kept)")
+    axes[0].set_ylabel("basis size for the whole model, fp16 (MiB)")
+    axes[0].set_title("the artifact a receiver must hold")
+    axes[0].legend()
+    cal = df[df.metric.isin(["cos_in_sample", "cos_held_out"])]
+    for ax, src in zip(axes[1:], cal.source.unique()):
+        sub = cal[cal.source == src]
+        for (kind, k), s in sub.groupby(["kind", "k"]):
+            out = s[s.metric == "cos_held_out"]
+            inn = s[s.metric == "cos_in_sample"]
+            line, = ax.plot(out.n_calibration, 1 - out.value, "o-", label=f"{kind} K={int(k)} held-out")
+            ax.plot(inn.n_calibration, 1 - inn.value, "--", color=line.get_color(), alpha=0.6)
+        ax.set_yscale("log")
+        ax.set_xlabel("calibration captures N (LLM: chunks; diffusion: seeds)")
+        ax.set_ylabel("1 - cos_mean of the PCA projection (log)")
+        ax.set_title(f"{src}: held-out (solid) vs in-sample (dashed)")
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle("PoC 07: basis size, and how many captures a held-out basis needs", fontsize=11)
+    save_figure(fig, name, f"{csv}.csv")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI-sized run")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
+    args = ap.parse_args()
+    if not args.plot_only:
+        run(args.quick).save()
+    plot()
