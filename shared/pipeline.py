@@ -102,9 +102,12 @@ class TensorCodec:
     """basis (or None for the raw channels) -> per-channel uint8 quantizer -> frames -> codec backend."""
 
     def __init__(self, basis: PCABasis | None = None, backend: str = "x265", frame_size: int = framing.DEFAULT_FRAME,
-                 bits: int = 8, **codec_settings):
+                 bits: int = 8, decoder: str | None = None, **codec_settings):
+        """decoder: decode with this backend instead of the one that encoded (e.g. "nvdec-hevc" for
+        streams made by "x265"); it must read the same stream format."""
         self.basis = basis
         self.backend = get_backend(backend)
+        self.decoder = get_backend(decoder) if decoder else None
         if bits != 8:
             raise InvalidTensorError(f"the frame path carries 8-bit planes; got bits={bits}")
         self.bits = bits
@@ -162,6 +165,11 @@ class TensorCodec:
                     f"{self.basis.content_hash} (K={self.basis.k}); load the sender's basis file"
                 )
         backend = get_backend(header["codec"]["id"])
+        if self.decoder is not None and backend.name != "raw":
+            if self.decoder.stream_format is None or self.decoder.stream_format != backend.stream_format:
+                raise BitstreamError(f"decoder '{self.decoder.name}' cannot read '{backend.name}' payloads "
+                                     f"({self.decoder.stream_format} vs {backend.stream_format})")
+            backend = self.decoder
         layout = framing.FrameLayout(**header["frames"])
         quantizer = PerChannelQuantizer.from_bytes(chunks["QPAR"])
         with backend.decoder(layout.width, layout.height, **header["codec"]["settings"]) as dec:

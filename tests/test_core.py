@@ -291,3 +291,13 @@ def test_sweep_reports_ratio_quality_and_operating_points():
     assert by_k[("pca_loo", 8)]["ratio"] > by_k[("pca_loo", 64)]["ratio"]
     best = operating_points(rows, thresholds=(0.999,))
     assert best[0]["k"] == 8 and best[0]["threshold"] == 0.999
+
+
+def test_decoder_override_reads_same_format_and_refuses_others():
+    x = make_tensor()
+    blob = TensorCodec(None, backend="x265", frame_size=64, preset="ultrafast", qp=30).encode(x)
+    assert read_header(blob)["codec"]["id"] == "x265"
+    same = TensorCodec(None, backend="x265", decoder="ffmpeg-x265", frame_size=64).decode(blob)
+    np.testing.assert_array_equal(same.float().numpy(), TensorCodec(None, backend="x265").decode(blob).float().numpy())
+    with pytest.raises(BitstreamError, match="cannot read"):
+        TensorCodec(None, backend="x265", decoder="ffv1").decode(blob)

@@ -114,6 +114,8 @@ class Backend:
     probe: Callable[[], str | None]
     lossless: bool | None = None
     device: str = "cpu"  # "cpu" or "cuda": where its sessions do their work
+    # Backends with the same stream format read each other's payloads (x265 -> NVDEC).
+    stream_format: str | None = None
 
     def unavailable_reason(self) -> str | None:
         return self.probe()

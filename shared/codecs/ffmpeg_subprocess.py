@@ -89,4 +89,5 @@ FFMPEG_X265 = register(Backend(
     name="ffmpeg-x265", kind="frames",
     description="libx265 through one ffmpeg subprocess per call (the baseline); same stream format as 'x265'",
     encoder_cls=SubprocessEncoder, decoder_cls=SubprocessDecoder, probe=_probe, lossless=None,
+    stream_format="hevc-annexb",
 ))

@@ -476,5 +476,5 @@ NVDEC_HEVC = register(Backend(
     name=NAME, kind="frames", device="cuda", lossless=None, probe=probe,
     description="NVIDIA NVDEC HEVC 4:4:4 decode through PyNvVideoCodec (frames straight into CUDA tensors); "
                 "its encoder is NVENC, absent on the NVIDIA H200",
-    encoder_cls=NvencEncoder, decoder_cls=NvdecDecoder,
+    encoder_cls=NvencEncoder, decoder_cls=NvdecDecoder, stream_format="hevc-annexb",
 ))

@@ -227,6 +227,7 @@ X265 = register(Backend(
     name="x265", kind="frames",
     description="libx265 HEVC 4:4:4 8-bit in process (PyAV); qp=None lossless, else constant QP",
     encoder_cls=X265Encoder, decoder_cls=HevcDecoder, probe=lambda: _probe_av("libx265"), lossless=None,
+    stream_format="hevc-annexb",
 ))
 FFV1 = register(Backend(
     name="ffv1", kind="frames", description="FFV1 lossless intra codec in process (PyAV)",
