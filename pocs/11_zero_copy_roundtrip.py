@@ -66,7 +66,7 @@ def synthetic_activation(tokens: int, channels: int, seed: int):
     return z @ rotation.T + rng.normal(0, 0.5, size=channels).astype(np.float32)
 
 
-# -- the GPU side of the pipeline: torch mirrors of shared.basis / shared.quant / shared.frames --------------
+# -- the GPU side of the pipeline: torch mirrors of shared.basis / shared.quant (shared.frames takes CUDA tensors) --------------
 def gpu_planes(x, mean, components):
     """[T, D] CUDA -> ([T, K] uint8 CUDA planes, lo [K], step [K]) like PerChannelQuantizer.fit + quantize."""
     import torch
@@ -77,27 +77,6 @@ def gpu_planes(x, mean, components):
     step = torch.where(span > 0, span / 255, torch.ones_like(span))
     planes = torch.clamp(torch.round((coeffs - lo) / step), 0, 255).to(torch.uint8)
     return planes, lo, step
-
-
-def gpu_to_frames(planes, layout):
-    import torch
-
-    H, W = layout.height, layout.width
-    rows = torch.arange(layout.tile_rows * H, device=planes.device).clamp(max=layout.tokens - 1)
-    cols = torch.arange(layout.tile_cols * W, device=planes.device).clamp(max=layout.channels - 1)
-    padded = planes[rows][:, cols]  # edge padding, as shared.frames does
-    tiles = padded.reshape(layout.tile_rows, H, layout.tile_cols, W).permute(0, 2, 1, 3).reshape(-1, H, W)
-    extra = layout.n_frames * 3 - layout.n_tiles
-    if extra:
-        tiles = torch.cat([tiles, tiles[-1:].expand(extra, H, W)])
-    return tiles.reshape(layout.n_frames, 3, H, W).contiguous()
-
-
-def gpu_from_frames(frames, layout):
-    H, W = layout.height, layout.width
-    tiles = frames.reshape(-1, H, W)[: layout.n_tiles]
-    padded = tiles.reshape(layout.tile_rows, layout.tile_cols, H, W).permute(0, 2, 1, 3)
-    return padded.reshape(layout.tile_rows * H, layout.tile_cols * W)[: layout.tokens, : layout.channels]
 
 
 def gpu_reconstruct(planes, lo, step, mean, components, dtype):
@@ -171,7 +150,7 @@ def run(tokens: int, channels: int, k: int, frame: int, repeats: int) -> Results
 
     # Correctness first: GPU stages against the library's CPU stages, then the codec round trip.
     planes, lo, step = gpu_planes(x, mean, components)
-    frames = gpu_to_frames(planes, layout)
+    frames = framing.to_frames(planes, layout)
     cpu_quant = PerChannelQuantizer.fit(basis.project(x.float().cpu().numpy()), 8)
     same_planes = np.array_equal(planes.cpu().numpy(), cpu_quant.quantize(basis.project(x.float().cpu().numpy())))
     same_frames = np.array_equal(frames.cpu().numpy(), framing.to_frames(planes.cpu().numpy(), layout))
@@ -179,13 +158,13 @@ def run(tokens: int, channels: int, k: int, frame: int, repeats: int) -> Results
           f"GPU tiling == shared.frames: {'matches' if same_frames else 'MISMATCH'}")
     if not same_frames:
         raise AssertionError("GPU tiling differs from shared.frames")
-    reference = gpu_reconstruct(gpu_from_frames(frames, layout), lo, step, mean, components, x.dtype)
+    reference = gpu_reconstruct(framing.from_frames(frames, layout), lo, step, mean, components, x.dtype)
 
     decoder = get_backend("nvdec-hevc").decoder(frame, frame)
 
     def encode_side():
         planes_, lo_, step_ = gpu_planes(x, mean, components)
-        frames_ = gpu_to_frames(planes_, layout)
+        frames_ = framing.to_frames(planes_, layout)
         host_frames = frames_.cpu().numpy()  # libx265 reads host memory: the one device->host copy
         with get_backend("x265").encoder(frame, frame, qp=None, preset=X265_PRESET) as enc:
             enc.submit(host_frames)
@@ -194,7 +173,7 @@ def run(tokens: int, channels: int, k: int, frame: int, repeats: int) -> Results
     def decode_side(payload, lo_, step_):
         decoder.submit(payload)
         frames_ = decoder.flush_cuda()
-        return frames_, gpu_reconstruct(gpu_from_frames(frames_, layout), lo_, step_, mean, components, x.dtype)
+        return frames_, gpu_reconstruct(framing.from_frames(frames_, layout), lo_, step_, mean, components, x.dtype)
 
     (payload, lo2, step2), enc_copies = memcpy_records(encode_side)
     (decoded, x_hat), dec_copies = memcpy_records(lambda: decode_side(payload, lo2, step2))
@@ -234,7 +213,7 @@ def run(tokens: int, channels: int, k: int, frame: int, repeats: int) -> Results
     for _ in range(repeats):
         (planes_, lo_, step_), t = timed(lambda: gpu_planes(x, mean, components))
         stages.setdefault("gpu_project_quantize", []).append(t)
-        frames_, t = timed(lambda: gpu_to_frames(planes_, layout))
+        frames_, t = timed(lambda: framing.to_frames(planes_, layout))
         stages.setdefault("gpu_tile", []).append(t)
         host_frames, t = timed(lambda: frames_.cpu().numpy())
         stages.setdefault("device_to_host_frames", []).append(t)
@@ -251,7 +230,7 @@ def run(tokens: int, channels: int, k: int, frame: int, repeats: int) -> Results
             return decoder.flush_cuda()
         decoded_, t = timed(nvdec_decode)
         stages.setdefault("nvdec_decode_to_cuda", []).append(t)
-        _, t = timed(lambda: gpu_reconstruct(gpu_from_frames(decoded_, layout), lo_, step_, mean, components, x.dtype))
+        _, t = timed(lambda: gpu_reconstruct(framing.from_frames(decoded_, layout), lo_, step_, mean, components, x.dtype))
         stages.setdefault("gpu_untile_dequantize_reconstruct", []).append(t)
     print(f"{'stage':<36}{'ms':>9}{'ms/frame':>10}")
     for stage, ts in stages.items():

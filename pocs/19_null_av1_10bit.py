@@ -156,25 +156,6 @@ def av1_luma(frames: np.ndarray, qp):
     return b"".join(packets), lumas.reshape(frames.shape), packets
 
 
-def tile16(planes: np.ndarray, layout) -> np.ndarray:
-    """shared.frames.to_frames for uint16 planes (the library's frame path is 8-bit): same layout."""
-    H, W = layout.height, layout.width
-    padded = np.pad(planes, ((0, layout.tile_rows * H - layout.tokens), (0, layout.tile_cols * W - layout.channels)),
-                    mode="edge")
-    tiles = padded.reshape(layout.tile_rows, H, layout.tile_cols, W).transpose(0, 2, 1, 3).reshape(-1, H, W)
-    extra = layout.n_frames * 3 - layout.n_tiles
-    if extra:
-        tiles = np.concatenate([tiles, np.repeat(tiles[-1:], extra, axis=0)])
-    return np.ascontiguousarray(tiles.reshape(layout.n_frames, 3, H, W))
-
-
-def untile(frames: np.ndarray, layout) -> np.ndarray:
-    H, W = layout.height, layout.width
-    tiles = frames.reshape(-1, H, W)[: layout.n_tiles]
-    padded = tiles.reshape(layout.tile_rows, layout.tile_cols, H, W).transpose(0, 2, 1, 3)
-    return padded.reshape(layout.tile_rows * H, layout.tile_cols * W)[: layout.tokens, : layout.channels]
-
-
 def plane_psnr(a: np.ndarray, b: np.ndarray, peak: float) -> float:
     mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
     return float("inf") if mse == 0 else 10 * np.log10(peak ** 2 / mse)
@@ -197,7 +178,7 @@ def run(source: str, tokens: int, channels: int, k: int, frame: int, hevc_qps, a
     planes8, planes10 = q8.quantize(coeffs), q10.quantize(coeffs)
     layout = framing.layout_for(*planes8.shape, height=frame)
     frames8 = framing.to_frames(planes8, layout)
-    frames10 = tile16(planes10, layout)
+    frames10 = framing.to_frames(planes10, layout)
     frames8x4 = frames8.astype(np.uint16) << 2
     bf16_bytes = x.shape[0] * x.shape[1] * 2
     qparam_bytes = len(q8.to_bytes())
@@ -229,21 +210,21 @@ def run(source: str, tokens: int, channels: int, k: int, frame: int, hevc_qps, a
         setting = "lossless" if qp is None else f"qp{qp}"
         t0 = time.perf_counter()
         payload, dec = hevc_8bit(frames8, qp)
-        score("hevc444_8bit", setting, qp, payload, untile(dec, layout), q8, 255, planes8, time.perf_counter() - t0)
+        score("hevc444_8bit", setting, qp, payload, framing.from_frames(dec, layout), q8, 255, planes8, time.perf_counter() - t0)
         t0 = time.perf_counter()
         payload, dec = hevc_10bit(frames8x4, qp)
         back = np.clip((dec.astype(np.int32) + 2) >> 2, 0, 255).astype(np.uint8)  # nearest 8-bit level
-        score("hevc444_10bit_x4", setting, qp, payload, untile(back, layout), q8, 255, planes8, time.perf_counter() - t0)
+        score("hevc444_10bit_x4", setting, qp, payload, framing.from_frames(back, layout), q8, 255, planes8, time.perf_counter() - t0)
         t0 = time.perf_counter()
         payload, dec = hevc_10bit(frames10, qp)
-        score("hevc444_10bit_q", setting, qp, payload, untile(dec, layout), q10, 1023, planes10, time.perf_counter() - t0)
+        score("hevc444_10bit_q", setting, qp, payload, framing.from_frames(dec, layout), q10, 1023, planes10, time.perf_counter() - t0)
         if qp is None:
             ten_bit_lossless = payload
     for qp in [None, *av1_qps]:
         setting = "lossless" if qp is None else f"qp{qp}"
         t0 = time.perf_counter()
         payload, dec, _ = av1_luma(frames8, qp)
-        score("av1_420_luma", setting, qp, payload, untile(dec, layout), q8, 255, planes8, time.perf_counter() - t0)
+        score("av1_420_luma", setting, qp, payload, framing.from_frames(dec, layout), q8, 255, planes8, time.perf_counter() - t0)
 
     gpu_rows(res, ten_bit_lossless, frames10, common)
     return res

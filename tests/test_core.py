@@ -85,7 +85,7 @@ def test_quantizer_constant_channel_is_exact():
 
 
 # -- frames ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(1, 1), (256, 256), (300, 192), (1000, 70), (5, 600)])
+@pytest.mark.parametrize("shape", [(1, 1), (256, 256), (300, 192), (1000, 70), (5, 600), (4096, 16), (130, 64), (999, 33)])
 def test_frames_roundtrip_any_shape(shape):
     planes = RNG.integers(0, 256, shape, dtype=np.uint8)
     layout = framing.layout_for(*shape, height=64)
@@ -301,3 +301,24 @@ def test_decoder_override_reads_same_format_and_refuses_others():
     np.testing.assert_array_equal(same.float().numpy(), TensorCodec(None, backend="x265").decode(blob).float().numpy())
     with pytest.raises(BitstreamError, match="cannot read"):
         TensorCodec(None, backend="x265", decoder="ffv1").decode(blob)
+
+
+def test_narrow_planes_fill_frames_side_by_side():
+    planes = RNG.integers(0, 256, (1024, 32), dtype=np.uint8)
+    layout = framing.layout_for(*planes.shape, height=64)
+    assert layout.side_by_side == 2 and layout.n_tiles == 8  # 1024 tokens / (64 rows x 2 blocks)
+    f = framing.to_frames(planes, layout)
+    np.testing.assert_array_equal(f[0, 0, :, 32:], planes[64:128])  # second token block beside the first
+
+
+@pytest.mark.parametrize("shape", [(300, 192), (1000, 70), (5, 600)])
+def test_frames_work_on_torch_and_uint16(shape):
+    planes = RNG.integers(0, 1024, shape).astype(np.uint16)
+    layout = framing.layout_for(*shape, height=64)
+    f = framing.to_frames(planes, layout)
+    np.testing.assert_array_equal(framing.from_frames(f, layout), planes)
+    t = torch.from_numpy(planes.astype(np.int32))
+    ft = framing.to_frames(t, layout)
+    assert isinstance(ft, torch.Tensor)
+    np.testing.assert_array_equal(ft.numpy(), f.astype(np.int32))
+    np.testing.assert_array_equal(framing.from_frames(ft, layout).numpy(), planes.astype(np.int32))
