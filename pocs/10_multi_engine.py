@@ -9,10 +9,12 @@ stand for, ms per frame (aggregate and per session) and GB/s per busy engine. Ev
 decoded once and compared with its source planes ("matches"); nothing is timed before that.
 NVENC scaling is not measured: the NVIDIA H200 has no NVENC.
 
-Planes are synthetic (labelled source=synthetic): PCA-like coefficients, correlated between
-neighbouring tokens (AR(1), rho 0.9), with rare large outliers (0.1% of values, 8-24 sigma) that set
-each channel's range as massive activations do, quantized per channel to uint8 and tiled into frames
-by shared.frames. Decode speed depends on the bitrate, so each row carries the payload bytes/frame. Timing is wall clock around a whole multi-session
+Planes are real when `python -m shared.sources export` has been run (SmolLM2-135M K and V of 7
+layers, each in its own PCA basis, K=128, per-channel uint8; label source="real llm_kv"), cycled when
+a stream needs more than were exported (the label says by how much; streams are intra-only so no
+frame is predicted from an identical earlier one); otherwise synthetic PCA-like planes
+(shared.sources.synthetic_planes, labelled source=synthetic). Decode speed depends on the bitrate,
+so each row carries the payload bytes/frame. Timing is wall clock around a whole multi-session
 pass with the GPU synchronized on both sides (the engines are driven by host threads), median of
 repeats after a warm-up pass.
 
@@ -38,11 +40,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared import frames as framing  # noqa: E402
 from shared.codecs import get_backend  # noqa: E402
 from shared.codecs import nvdec  # noqa: E402
-from shared.quant import PerChannelQuantizer  # noqa: E402
 from shared.results import ResultsWriter  # noqa: E402
+from shared.sources import benchmark_frames  # noqa: E402
 
 FRAME_SIZES = [256, 1024, 2048]                 # frame side, pixels
 FRAMES_PER_STREAM = {256: 64, 1024: 16, 2048: 8}  # frames in one x265 stream (one payload)
@@ -51,35 +52,13 @@ SESSIONS = None                                 # None: 1, 2, 4, engines, engine
 REPEATS = 3                                     # timed passes per point (median reported), after 1 warm-up
 X265_PRESET = "ultrafast"                       # x265 preset of the lossless streams (decode cost depends on bitrate)
 BF16_BYTES_PER_PLANE_BYTE = 2.0                 # one uint8 coefficient stands for one bf16 value (K = D)
-RHO = 0.9                                       # AR(1) correlation between neighbouring tokens
-OUTLIER_RATE = 1e-3                             # share of coefficients hit by an outlier (massive activations)
-OUTLIER_SIGMAS = (8, 24)                        # outlier size range, in standard deviations
+SOURCE = "llm_kv"                               # real planes if exported (shared.sources), else synthetic
 SEED = 0
 
 
-def synthetic_pca_planes(tokens: int, k: int, seed: int) -> np.ndarray:
-    """[tokens, k] uint8: token-correlated PCA coefficients with rare large outliers (which set each
-    channel's quantization range, as massive activations do), quantized per channel."""
-    from scipy.signal import lfilter
-
-    rng = np.random.default_rng(seed)
-    innovations = rng.standard_normal(size=(tokens, k), dtype=np.float32)
-    coeffs = lfilter([np.sqrt(1 - RHO ** 2)], [1, -RHO], innovations, axis=0).astype(np.float32)
-    hit = rng.random((tokens, k), dtype=np.float32) < OUTLIER_RATE
-    n_hit = int(hit.sum())
-    coeffs[hit] += rng.choice([-1.0, 1.0], n_hit) * rng.uniform(*OUTLIER_SIGMAS, n_hit)
-    return PerChannelQuantizer.fit(coeffs, bits=8).quantize(coeffs)
-
-
-def source_frames(size: int, n_frames: int, seed: int) -> np.ndarray:
-    """(n_frames, 3, size, size) uint8 frames holding [3 * n_frames * size tokens, size components]."""
-    planes = synthetic_pca_planes(3 * n_frames * size, size, seed)
-    layout = framing.layout_for(*planes.shape, height=size)
-    return framing.to_frames(planes, layout)
-
-
 def x265_lossless(frames: np.ndarray) -> bytes:
-    with get_backend("x265").encoder(frames.shape[3], frames.shape[2], qp=None, preset=X265_PRESET) as enc:
+    with get_backend("x265").encoder(frames.shape[3], frames.shape[2], qp=None, preset=X265_PRESET,
+                                     intra=True) as enc:
         enc.submit(frames)
         return enc.flush()
 
@@ -119,7 +98,7 @@ def run(sizes, sessions_list, frames_per_stream, streams_per_session, repeats) -
           f"{'ms/frame/sess':>15}{'GB/s/engine':>13}")
     for size in sizes:
         n_frames = frames_per_stream[size]
-        frames = source_frames(size, n_frames, SEED + size)
+        frames, source = benchmark_frames(size, n_frames, SOURCE, SEED + size)
         t0 = time.perf_counter()
         payload = x265_lossless(frames)
         encode_s = time.perf_counter() - t0
@@ -134,7 +113,7 @@ def run(sizes, sessions_list, frames_per_stream, streams_per_session, repeats) -
               f"frames: {'matches' if exact else 'MISMATCH'}")
         if not exact:
             raise AssertionError(f"NVDEC output differs from the source planes at {size}x{size}")
-        common = dict(source="synthetic", frame=size, frames_per_stream=n_frames, preset=X265_PRESET,
+        common = dict(source=source, frame=size, frames_per_stream=n_frames, preset=X265_PRESET,
                       payload_bytes_per_frame=len(payload) / n_frames, plane_ratio=plane_ratio)
         res.add(backend="nvdec-hevc", metric="exact", value=1, unit="bool", sessions=1, **common)
         for n in sessions_list:

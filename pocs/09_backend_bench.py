@@ -1,0 +1,418 @@
+"""PoC 09 - How fast is every codec backend, in ms per frame and GB/s, from 256 to 2048-pixel frames?
+
+Every backend available on the machine codes the same quantized planes: [T, K] uint8 planes that
+stand for a bf16 [T, D] tensor, tiled into YUV 4:4:4 frames by shared.frames. Rows:
+
+  raw, zstd, x265 (lossless and QP 18), ffv1      CPU, in-process sessions (PyAV, zstandard)
+  ffmpeg-x265                                     CPU, one ffmpeg subprocess per call (the baseline)
+  nvdec-hevc                                      NVDEC decode of the x265 lossless streams into CUDA
+                                                  tensors; its encode (NVENC) is marked unavailable
+                                                  where the GPU has no NVENC (the NVIDIA H200)
+  nvcomp-*                                        nvCOMP on the GPU: the fast path (CUDA tensor in,
+                                                  CUDA tensor out) on every frame of a size in one
+                                                  call and one frame per call, and the session path
+                                                  (host bytes in and out) on the CPU rows' frames;
+                                                  plus the planes component-major ([K, T]) in one call
+
+Speeds count two ways: GB/s of planes (the frame bytes a codec takes in) and GB/s of the original
+bf16 bytes those frames stand for (2 * T * D bytes spread over the frames). Every lossless row is
+checked bit-exact before it is timed ("matches"). GPU rows: warm-up, CUDA events, median of
+repeats (NVDEC: wall clock around decode + synchronize, since its engines sit outside the stream);
+CPU rows: wall clock, median of repeats. Planes come from real captures when data/captures holds
+a finished store (shared.captures), else synthetic PCA-like planes labelled source=synthetic.
+
+Command:   make poc-09            (or: python pocs/09_backend_bench.py [--quick] [--sizes 256,2048]
+                                   [--backends nvcomp,x265] [--tokens 32768])
+Writes:    results/09_backend_bench.csv, figures/09_backend_bench.png
+Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of planes):
+    backend          setting    size path           enc ms/f  dec ms/f  enc GB/s  dec GB/s  ratio  exact
+    nvcomp-ans       default    2048 gpu_batch         0.069     0.040    182.37    311.07   1.07  matches
+    nvcomp-ans       default    2048 gpu_per_frame     0.407     0.255     30.88     49.39   1.07  matches
+    nvcomp-ans       default    2048 gpu_session       7.947     7.037      1.58      1.79   1.07  matches
+    nvcomp-zstd      default    2048 gpu_batch         1.444     0.897      8.71     14.03   1.10  matches
+    nvcomp-ans       default       - gpu_planes        0.403     0.255    166.51    262.88   1.41  matches
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared import frames as framing  # noqa: E402
+from shared.codecs import all_backends, get_backend  # noqa: E402
+from shared.errors import TensorCodecError  # noqa: E402
+from shared.quant import PerChannelQuantizer  # noqa: E402
+from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+
+FRAME_SIZES = [256, 512, 1024, 2048]  # frame side, pixels
+TOKENS = 32768                 # T: tokens of the plane matrix (synthetic source)
+COMPONENTS = 2048              # K: PCA components kept (plane matrix width)
+CHANNELS = 4096                # D: channels of the bf16 tensor the planes stand for (synthetic source)
+CPU_CALL_BYTES = 6 << 20       # bytes of frames per CPU-backend call (at least one frame)
+CPU_REPEATS = 3                # timed CPU calls (median), after one untimed call
+GPU_REPEATS = 20               # timed GPU calls (median), after GPU_WARMUP untimed ones
+GPU_WARMUP = 3
+NVDEC_REPEATS = 5              # timed NVDEC decodes of the same stream (median)
+X265_PRESET = "ultrafast"      # x265 preset for every x265 row (the fastest: speed is the question)
+LOSSY_QP = 18                  # the seed's speed setting
+ZSTD_LEVEL = 3                 # zstd's default level; PoC 06 compares ratios at higher levels
+SEED = 0
+CAPTURES = Path(__file__).resolve().parent.parent / "data" / "captures"
+
+CPU_CONFIGS = [  # (backend, setting label, session settings)
+    ("raw", "default", {}),
+    ("zstd", f"level{ZSTD_LEVEL}", {"level": ZSTD_LEVEL}),
+    ("x265", "lossless", {"qp": None, "preset": X265_PRESET}),
+    ("x265", f"qp{LOSSY_QP}", {"qp": LOSSY_QP, "preset": X265_PRESET}),
+    ("ffv1", "default", {}),
+    ("ffmpeg-x265", "lossless", {"qp": None, "preset": X265_PRESET}),
+]
+NVCOMP = ["nvcomp-ans", "nvcomp-zstd", "nvcomp-gdeflate", "nvcomp-bitcomp", "nvcomp-cascaded", "nvcomp-lz4"]
+
+
+# -- planes --------------------------------------------------------------------------------------
+def synthetic_planes(tokens: int, components: int, seed: int) -> np.ndarray:
+    """Quantized PCA-like coefficients: leading components smooth along tokens, trailing ones noisy,
+    heavy-tailed innovations; each component quantized to uint8 over its own range (shared.quant)."""
+    rng = np.random.default_rng(seed)
+    rho = (0.95 * (1 - np.arange(components) / components)).astype(np.float32)
+    gain = np.sqrt(1 - rho ** 2).astype(np.float32)
+    innovations = rng.standard_t(3, size=(tokens, components)).astype(np.float32)
+    coeffs = np.empty_like(innovations)
+    coeffs[0] = innovations[0]
+    for t in range(1, tokens):
+        coeffs[t] = rho * coeffs[t - 1] + gain * innovations[t]
+    return PerChannelQuantizer.fit(coeffs).quantize(coeffs)
+
+
+def capture_planes(root: Path, tokens: int, components: int):
+    """(planes, D, label) from the first finished capture store, or None when there is none."""
+    from shared.basis import fit_basis
+    from shared.captures import CaptureStore
+
+    for manifest in sorted(root.glob("*/manifest.json")):
+        store = CaptureStore(manifest.parent)
+        keys = store.keys()
+        first = store.load(keys[0])
+        name = max((n for n, t in first.items() if t.dim() == 2 and t.is_floating_point()),
+                   key=lambda n: first[n].numel(), default=None)
+        if name is None:
+            continue
+        xs, n = [], 0
+        for key in keys:
+            x = store.load(key)[name].float().numpy()
+            xs.append(x)
+            n += len(x)
+            if n >= tokens:
+                break
+        x = np.concatenate(xs)[:tokens]
+        k = min(components, x.shape[1])
+        coeffs = fit_basis([x], k).project(x)
+        planes = PerChannelQuantizer.fit(coeffs).quantize(coeffs)
+        return planes, x.shape[1], f"captures:{manifest.parent.name}/{name}"
+    return None
+
+
+# -- timing --------------------------------------------------------------------------------------
+def wall_ms(fn, repeats: int) -> float:
+    fn()  # untimed: opens sessions, warms caches
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples)) * 1e3
+
+
+def gpu_ms(torch, fn, repeats: int, warmup: int, stream) -> float:
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        samples = []
+        for i in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            fn(i)
+            end.record(stream)
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    return float(np.median(samples))
+
+
+class Bench:
+    """Collects rows; one `add` per measured configuration writes every metric of it."""
+
+    def __init__(self, res: ResultsWriter, source: str, bf16_per_frame: dict[int, float]):
+        self.res, self.source, self.bf16_per_frame = res, source, bf16_per_frame
+        self.table: list[tuple] = []
+
+    def add(self, backend, setting, size, path, n_frames, frame_bytes, enc_ms, dec_ms, payload_bytes, exact,
+            bf16_bytes=None, **extra):
+        bf16 = bf16_bytes if bf16_bytes is not None else self.bf16_per_frame[size] * n_frames
+        common = dict(backend=backend, setting=setting, frame_size=size, path=path, frames_per_call=n_frames,
+                      source=self.source, **extra)
+        if path == "cpu_session":
+            common["device"] = "cpu"  # CPU rows name the CPU even when the machine has a GPU
+        rows = []
+        for direction, ms in (("encode", enc_ms), ("decode", dec_ms)):
+            if ms is None:
+                continue
+            rows += [(f"{direction}_ms_per_frame", ms / n_frames, "ms"),
+                     (f"{direction}_gbps_planes", frame_bytes / ms / 1e6, "GB/s"),
+                     (f"{direction}_gbps_bf16", bf16 / ms / 1e6, "GB/s")]
+        if payload_bytes:
+            rows += [("ratio_planes", frame_bytes / payload_bytes, "x"), ("ratio_bf16", bf16 / payload_bytes, "x")]
+        if exact is not None:
+            rows.append(("bit_exact", float(exact), "bool"))
+        for metric, value, unit in rows:
+            self.res.add(metric=metric, value=value, unit=unit, **common)
+        self.table.append((backend, setting, size if size else "-", path, enc_ms, dec_ms, n_frames, frame_bytes,
+                           payload_bytes, exact))
+        e = "-" if enc_ms is None else f"{enc_ms / n_frames:9.3f}"
+        d = "-" if dec_ms is None else f"{dec_ms / n_frames:9.3f}"
+        eg = "-" if enc_ms is None else f"{frame_bytes / enc_ms / 1e6:9.2f}"
+        dg = "-" if dec_ms is None else f"{frame_bytes / dec_ms / 1e6:9.2f}"
+        r = "-" if not payload_bytes else f"{frame_bytes / payload_bytes:6.2f}"
+        x = "" if exact is None else ("matches" if exact else "MISMATCH")
+        print(f"{backend:16s} {setting:9s} {str(size or '-'):>5s} {path:13s} {e:>9s} {d:>9s} {eg:>9s} {dg:>9s} {r:>6s}  {x}",
+              flush=True)
+
+
+# -- the backends ---------------------------------------------------------------------------------
+def bench_cpu(bench: Bench, name, setting, settings, size, frames, repeats, streams, path="cpu_session"):
+    backend = get_backend(name)
+    with backend.encoder(size, size, **settings) as enc, backend.decoder(size, size, **settings) as dec:
+        enc.submit(frames)
+        payload = enc.flush()
+        dec.submit(payload)
+        back = dec.flush()
+        lossless = backend.is_lossless(settings)
+        exact = bool(np.array_equal(back, frames))
+        extra = {}
+        if lossless and not exact:
+            raise AssertionError(f"{name} {setting} {size}px: lossless round trip is not bit-exact")
+        if not lossless:
+            err = np.abs(back.astype(np.int16) - frames.astype(np.int16))
+            mse = float((err.astype(np.float64) ** 2).mean())
+            extra = {"max_abs_err": int(err.max()), "psnr_db": 10 * np.log10(255 ** 2 / mse) if mse else float("inf")}
+            bench.res.add(backend=name, metric="psnr_db", value=extra["psnr_db"], unit="dB", setting=setting,
+                          frame_size=size, path=path, source=bench.source, device="cpu")
+
+        def encode(_=None):
+            enc.submit(frames)
+            enc.flush()
+
+        def decode(_=None):
+            dec.submit(payload)
+            dec.flush()
+
+        enc_ms, dec_ms = wall_ms(encode, repeats), wall_ms(decode, repeats)
+    bench.add(name, setting, size, path, len(frames), frames.nbytes, enc_ms, dec_ms, len(payload),
+              exact if lossless else None, timing="wall", repeats=repeats, **settings)
+    if name == "x265" and settings.get("qp") is None:
+        streams[size] = payload  # NVDEC decodes exactly these streams
+
+
+def bench_nvdec(bench: Bench, torch, size, frames, payload, repeats):
+    backend = get_backend("nvdec-hevc")
+    try:
+        backend.encoder(size, size).close()
+        enc_note = "NVENC present but not benchmarked here"
+    except TensorCodecError as e:
+        enc_note = str(e)
+    bench.res.add(backend="nvdec-hevc", metric="encode_available", value=0.0, unit="bool", frame_size=size,
+                  reason=enc_note, source=bench.source)
+    with backend.decoder(size, size) as dec:
+        dec.submit(payload)
+        back = dec.flush_cuda()
+        torch.cuda.synchronize()
+        exact = bool(torch.equal(back.cpu(), torch.from_numpy(frames)))
+        if not exact:
+            raise AssertionError(f"nvdec-hevc {size}px: decode of the x265 lossless stream is not bit-exact")
+
+        def decode(_=None):
+            dec.submit(payload)
+            dec.flush_cuda()
+            torch.cuda.synchronize()
+
+        dec_ms = wall_ms(decode, repeats)
+    bench.add("nvdec-hevc", "lossless", size, "nvdec_cuda", len(frames), frames.nbytes, None, dec_ms, len(payload),
+              exact, timing="wall+sync", repeats=repeats, encoder="x265 lossless (CPU)", encode_unavailable=enc_note)
+
+
+def bench_nvcomp_fast(bench: Bench, torch, name, size, frames_gpu, stream, repeats, warmup, layout="frames",
+                      bf16_bytes=None):
+    from shared.codecs.nvcomp import gpu_coder
+
+    coder = gpu_coder(name)
+    flat = frames_gpu.reshape(-1)
+    with torch.cuda.stream(stream):
+        payload = coder.encode_cuda(flat)
+        out = torch.empty_like(flat)
+        coder.decode_cuda(payload, out=out)
+    stream.synchronize()
+    exact = bool(torch.equal(out, flat))
+    if not exact:
+        raise AssertionError(f"{name} {size}px: GPU round trip is not bit-exact")
+    enc_ms = gpu_ms(torch, lambda i=0: coder.encode_cuda(flat), repeats, warmup, stream)
+    dec_ms = gpu_ms(torch, lambda i=0: coder.decode_cuda(payload, out=out), repeats, warmup, stream)
+    n = frames_gpu.shape[0] if layout == "frames" else 1
+    bench.add(name, "default", size, "gpu_batch" if layout == "frames" else "gpu_planes", n, flat.numel(), enc_ms,
+              dec_ms, payload.numel(), exact, bf16_bytes=bf16_bytes, timing="cuda_events", repeats=repeats,
+              layout=layout, chunk_bytes=coder.chunk_size)
+    if layout != "frames":
+        return
+    # one frame per call: what a per-frame pipeline pays (launches and a size query per call)
+    per = [coder.encode_cuda(f) for f in frames_gpu]
+    outs = torch.empty_like(frames_gpu[0]).reshape(-1)
+    for f, p in zip(frames_gpu, per):
+        coder.decode_cuda(p, out=outs)
+        if not torch.equal(outs, f.reshape(-1)):
+            raise AssertionError(f"{name} {size}px: per-frame GPU round trip is not bit-exact")
+    nf = frames_gpu.shape[0]
+    enc1 = gpu_ms(torch, lambda i=0: coder.encode_cuda(frames_gpu[i % nf]), repeats, warmup, stream)
+    dec1 = gpu_ms(torch, lambda i=0: coder.decode_cuda(per[i % nf], out=outs), repeats, warmup, stream)
+    bench.add(name, "default", size, "gpu_per_frame", 1, frames_gpu[0].numel(), enc1, dec1,
+              int(np.mean([p.numel() for p in per])), True, timing="cuda_events", repeats=repeats, layout=layout,
+              chunk_bytes=coder.chunk_size)
+
+
+# -- the run -------------------------------------------------------------------------------------
+def run(args) -> ResultsWriter:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    wanted = [w for w in args.backends.split(",") if w]
+
+    def selected(name):
+        return not wanted or any(name.startswith(w) for w in wanted)
+
+    found = None if args.synthetic else capture_planes(CAPTURES, args.tokens, args.components)
+    if found:
+        planes, channels, source = found
+    else:
+        planes, channels, source = synthetic_planes(args.tokens, args.components, SEED), args.channels, "synthetic"
+    tokens, components = planes.shape
+    print(f"planes [{tokens}, {components}] uint8 from {source}, standing for a bf16 [{tokens}, {channels}] tensor "
+          f"({2 * tokens * channels / 2**20:.0f} MiB)")
+
+    torch = None
+    try:
+        import torch as _torch
+
+        torch = _torch if (_torch.cuda.is_available() and not args.quick) else None
+    except ImportError:
+        pass
+    res = ResultsWriter("09", "backend_bench", gpu=torch is not None)
+    layouts = {s: framing.layout_for(tokens, components, s) for s in sizes}
+    bf16_per_frame = {s: 2 * tokens * channels / layouts[s].n_frames for s in sizes}
+    bench = Bench(res, source, bf16_per_frame)
+
+    status = {b.name: b.unavailable_reason() for b in all_backends() if selected(b.name)}
+    for name, reason in status.items():
+        res.add(backend=name, metric="available", value=float(reason is None), unit="bool", reason=reason or "",
+                source=source)
+        if reason:
+            print(f"{name}: not available here ({reason})")
+    print(f"{'backend':16s} {'setting':9s} {'size':>5s} {'path':13s} {'enc ms/f':>9s} {'dec ms/f':>9s} "
+          f"{'enc GB/s':>9s} {'dec GB/s':>9s} {'ratio':>6s}  exact")
+
+    cpu_configs = [c for c in CPU_CONFIGS if selected(c[0]) and status.get(c[0]) is None]
+    if args.quick:
+        cpu_configs = [c for c in cpu_configs if c[0] in ("raw", "zstd", "ffv1") or c[1] == "lossless" and c[0] == "x265"]
+    nvcomp = [n for n in NVCOMP if selected(n) and status.get(n) is None and torch is not None]
+    nvdec_ok = torch is not None and selected("nvdec-hevc") and status.get("nvdec-hevc") is None
+    stream = torch.cuda.Stream() if torch is not None else None
+    known = {c[0] for c in CPU_CONFIGS} | set(NVCOMP) | {"nvdec-hevc"}
+    others = [b for b in all_backends() if b.name not in known and b.name in status and status[b.name] is None
+              and (b.device == "cpu" or torch is not None) and not args.quick]  # backends added since: session rows
+
+    for size in sizes:
+        frames = framing.to_frames(planes, layouts[size])
+        n_cpu = max(1, min(len(frames), CPU_CALL_BYTES // frames[0].nbytes))
+        cpu_frames = np.ascontiguousarray(frames[:n_cpu])
+        streams: dict[int, bytes] = {}
+        for name, setting, settings in cpu_configs:
+            bench_cpu(bench, name, setting, settings, size, cpu_frames, args.cpu_repeats, streams)
+        for b in others:
+            bench_cpu(bench, b.name, "default", {}, size, cpu_frames, args.cpu_repeats, streams,
+                      path="gpu_session" if b.device == "cuda" else "cpu_session")
+        if nvdec_ok:
+            if size not in streams:
+                with get_backend("x265").encoder(size, size, qp=None, preset=X265_PRESET) as enc:
+                    enc.submit(cpu_frames)
+                    streams[size] = enc.flush()
+            bench_nvdec(bench, torch, size, cpu_frames, streams[size], NVDEC_REPEATS)
+        if nvcomp:
+            frames_gpu = torch.from_numpy(frames).cuda()
+            for name in nvcomp:
+                bench_nvcomp_fast(bench, torch, name, size, frames_gpu, stream, args.gpu_repeats, GPU_WARMUP)
+                bench_cpu(bench, name, "default", {}, size, cpu_frames, args.cpu_repeats, streams, path="gpu_session")
+            del frames_gpu
+    if nvcomp:  # component-major planes, no frames: each chunk holds whole components
+        from shared.codecs.nvcomp import component_major
+
+        planes_km = component_major(torch.from_numpy(planes).cuda())
+        for name in nvcomp:
+            bench_nvcomp_fast(bench, torch, name, 0, planes_km, stream, args.gpu_repeats, GPU_WARMUP,
+                              layout="component_major", bf16_bytes=2 * tokens * channels)
+    res.add(backend="-", metric="planes_shape", value=float(tokens * components), unit="bytes", source=source,
+            tokens=tokens, components=components, channels=channels,
+            layouts=json.dumps({s: layouts[s].to_dict() for s in sizes}))
+    return res
+
+
+def plot(csv: str = "09_backend_bench", name: str = "09_backend_bench"):
+    plt = apply_style()
+    df = load(csv)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    for ax, direction in zip(axes, ("encode", "decode")):
+        sel = df[(df.metric == f"{direction}_gbps_planes") & df.path.isin(["cpu_session", "gpu_batch", "nvdec_cuda"])]
+        for (backend, setting, path), g in sel.groupby(["backend", "setting", "path"]):
+            g = g.sort_values("frame_size")
+            ax.plot(g.frame_size, g.value, "o-" if path == "cpu_session" else "s--", label=f"{backend} {setting}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("frame side (pixels)")
+        ax.set_title(f"{direction}: GB/s of planes ({df.device.iloc[0]}, source={df.source.dropna().iloc[0]})")
+    axes[0].set_ylabel("GB/s of plane bytes")
+    axes[1].legend(fontsize=7, ncol=2)
+    save_figure(fig, name, f"{csv}.csv")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI-sized run: CPU backends, 256-pixel frames, small planes")
+    ap.add_argument("--sizes", default=",".join(map(str, FRAME_SIZES)), help="frame sides, comma-separated")
+    ap.add_argument("--backends", default="", help="only backends whose names start with these (comma-separated)")
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="T of the plane matrix")
+    ap.add_argument("--components", type=int, default=COMPONENTS, help="K of the plane matrix")
+    ap.add_argument("--channels", type=int, default=CHANNELS, help="D of the bf16 tensor (synthetic source)")
+    ap.add_argument("--cpu-repeats", type=int, default=CPU_REPEATS)
+    ap.add_argument("--gpu-repeats", type=int, default=GPU_REPEATS)
+    ap.add_argument("--synthetic", action="store_true", help="ignore captures; use synthetic planes")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
+    ap.add_argument("--out", default=None, help="CSV path (default results/09_backend_bench.csv)")
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only this run's backends in an existing CSV (runs split by the wheels they need)")
+    args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.tokens, args.components, args.channels, args.cpu_repeats = "256", 1024, 512, 1024, 1
+    if not args.plot_only:
+        res = run(args)
+        path = Path(args.out) if args.out else res.path
+        if args.merge and path.exists():  # keep the other backends' rows from an earlier run
+            import pandas as pd
+
+            new = res.frame()
+            old = pd.read_csv(path, dtype={"poc": str})
+            pd.concat([old[~old.backend.isin(set(new.backend))], new]).to_csv(path, index=False)
+            print(f"merged {len(new)} rows into {path}")
+        else:
+            res.save(path)
+    if args.out is None:
+        plot()

@@ -1,0 +1,137 @@
+"""Inputs for the speed PoCs: synthetic stand-ins (labelled as such) and real quantized PCA planes.
+
+Synthetic:
+    synthetic_activation(tokens, channels, seed)  [T, D] float32 with a heavy-tailed eigen-spectrum,
+        Student-t(3) innovations and AR(1)-correlated neighbouring tokens, in a random rotation.
+    synthetic_planes(tokens, k, seed)              [T, K] uint8: such coefficients in their PCA basis,
+        with rare large outliers (as massive activations set channel ranges), quantized per channel.
+
+Real (what the GPU benchmarks should run on):
+    python -m shared.sources export               writes data/planes/real_planes.safetensors from the
+        captures of both embedded models (CPU, a few minutes): every PoC-sized LLM layer's K and V and
+        the diffusion block's activations, each rotated into its own PCA basis (K = 128 components)
+        and quantized per channel to uint8. Small enough to carry to a GPU machine.
+    real_planes(name)                             the [T, 128] uint8 planes "llm_kv" or "diffusion".
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from .basis import fit_basis
+from .quant import PerChannelQuantizer
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL_PLANES = ROOT / "data" / "planes" / "real_planes.safetensors"
+REAL_K = 128                          # components kept per tensor (divides every frame side 256..2048)
+LLM_LAYERS = (0, 5, 10, 15, 20, 25, 29)  # SmolLM2 layers exported (K and V of each)
+
+
+def synthetic_activation(tokens: int, channels: int, seed: int, spectrum_power: float = 1.0,
+                         rho: float = 0.9) -> np.ndarray:
+    from scipy.signal import lfilter
+    from scipy.stats import ortho_group
+
+    rng = np.random.default_rng(seed)
+    scales = ((np.arange(channels) + 1.0) ** (-spectrum_power / 2)).astype(np.float32)
+    z = rng.standard_t(3, size=(tokens, channels)).astype(np.float32) * scales
+    z = lfilter([np.sqrt(1 - rho ** 2)], [1, -rho], z, axis=0).astype(np.float32)
+    rotation = ortho_group.rvs(channels, random_state=seed).astype(np.float32)
+    return z @ rotation.T + rng.normal(0, 0.5, size=channels).astype(np.float32)
+
+
+def synthetic_planes(tokens: int, k: int, seed: int, rho: float = 0.9, outlier_rate: float = 1e-3,
+                     outlier_sigmas: tuple[float, float] = (8, 24)) -> np.ndarray:
+    from scipy.signal import lfilter
+
+    rng = np.random.default_rng(seed)
+    innovations = rng.standard_normal(size=(tokens, k), dtype=np.float32)
+    coeffs = lfilter([np.sqrt(1 - rho ** 2)], [1, -rho], innovations, axis=0).astype(np.float32)
+    coeffs *= (1.0 / np.sqrt(1 + np.arange(k, dtype=np.float32)))[None, :]  # decaying PCA variances
+    hit = rng.random((tokens, k), dtype=np.float32) < outlier_rate
+    n_hit = int(hit.sum())
+    coeffs[hit] += rng.choice([-1.0, 1.0], n_hit) * rng.uniform(*outlier_sigmas, n_hit) * coeffs.std(0).max()
+    return PerChannelQuantizer.fit(coeffs, bits=8).quantize(coeffs)
+
+
+def _pca_planes(tensors: list, k: int) -> np.ndarray:
+    basis = fit_basis(tensors, k)
+    out = []
+    for x in tensors:
+        coeffs = basis.project(x)
+        out.append(PerChannelQuantizer.fit(coeffs).quantize(coeffs))
+    return np.concatenate(out)
+
+
+def export_real_planes(path: Path = REAL_PLANES) -> Path:
+    """Quantized PCA planes of both embedded models' captures -> one safetensors file."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from . import diffusion, llm
+
+    model, tokenizer = llm.load_smollm2()
+    store = llm.capture_kv(model, llm.text_chunks(tokenizer, 6, 1024), "smollm2_kv_6x1024")
+    llm_planes = [_pca_planes(store.stack(f"layer{layer}.{kind}"), REAL_K) for layer in LLM_LAYERS for kind in "kv"]
+    dstore = diffusion.capture_tiny_flux(seeds=range(8), classes=range(10), steps=20)
+    diff = [dstore.load(k)["act"] for k in dstore.keys()]
+    tensors = {"llm_kv": np.concatenate(llm_planes), "diffusion": _pca_planes(diff, min(REAL_K, diff[0].shape[1]))}
+    meta = {"llm_kv": f"SmolLM2-135M-Instruct layers {list(LLM_LAYERS)} K and V, 6 chunks x 1024 tokens, "
+                      f"PCA K={REAL_K} per tensor, per-channel uint8",
+            "diffusion": f"tiny_flux block {dstore.meta()['block']}, 8 seeds x 10 classes x 20 steps, PCA, uint8"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"sources": json.dumps(meta)})
+    for name, t in tensors.items():
+        print(f"{name}: {t.shape} uint8 ({t.nbytes / 2**20:.1f} MiB) <- {meta[name]}")
+    print(f"wrote {path}")
+    return path
+
+
+def real_planes(name: str) -> tuple[np.ndarray, str] | None:
+    """(planes [T, 128] uint8, description) from the exported file, or None when it is absent."""
+    if not REAL_PLANES.exists():
+        return None
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(REAL_PLANES), "numpy") as f:
+        return f.get_tensor(name), json.loads(f.metadata()["sources"])[name]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="export real quantized PCA planes for the GPU benchmarks")
+    ap.add_argument("command", choices=["export"])
+    ap.parse_args()
+    export_real_planes()
+
+
+def benchmark_frames(size: int, n_frames: int, source: str = "llm_kv", seed: int = 0) -> tuple[np.ndarray, str]:
+    """(n_frames, 3, size, size) uint8 frames and a label saying what they hold.
+
+    source "llm_kv" / "diffusion": the exported real planes laid out by shared.frames (K = 128 columns,
+    size // 128 token blocks side by side); when a stream needs more planes than were exported, the
+    planes are cycled and the label says by how much (code such streams intra-only, so that a codec
+    cannot predict a frame from an identical earlier one). Falls back to synthetic planes, labelled,
+    when no export exists or source == "synthetic".
+    """
+    from . import frames as framing
+
+    real = real_planes(source) if source != "synthetic" else None
+    if real is None:
+        planes = synthetic_planes(3 * n_frames * size, size, seed)
+        label = "synthetic"
+    else:
+        data, description = real
+        tokens = 3 * n_frames * size * size // data.shape[1]
+        start = (seed * 7919) % len(data)
+        idx = (start + np.arange(tokens)) % len(data)
+        planes = data[idx]
+        cycles = tokens / len(data)
+        label = f"real {source}" + (f" (cycled x{cycles:.1f})" if cycles > 1 else "")
+    layout = framing.layout_for(*planes.shape, height=size)
+    frames = framing.to_frames(planes, layout)[:n_frames]
+    return np.ascontiguousarray(frames), label
