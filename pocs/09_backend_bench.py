@@ -19,7 +19,8 @@ bf16 bytes those frames stand for (2 * T * D bytes spread over the frames). Ever
 checked bit-exact before it is timed ("matches"). GPU rows: warm-up, CUDA events, median of
 repeats (NVDEC: wall clock around decode + synchronize, since its engines sit outside the stream);
 CPU rows: wall clock, median of repeats. Planes come from real captures when data/captures holds
-a finished store (shared.captures), else synthetic PCA-like planes labelled source=synthetic.
+the export of `python -m shared.sources export` (cycled to fill the run; every x265 stream is
+intra-only, so no frame is predicted from a repeated one), else synthetic planes, labelled.
 
 Command:   make poc-09            (or: python pocs/09_backend_bench.py [--quick] [--sizes 256,2048]
                                    [--backends nvcomp,x265] [--tokens 32768])
@@ -46,13 +47,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared import frames as framing  # noqa: E402
 from shared.codecs import all_backends, get_backend  # noqa: E402
 from shared.errors import TensorCodecError  # noqa: E402
-from shared.quant import PerChannelQuantizer  # noqa: E402
+from shared.sources import real_planes, synthetic_planes  # noqa: E402
 from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
 
 FRAME_SIZES = [256, 512, 1024, 2048]  # frame side, pixels
-TOKENS = 32768                 # T: tokens of the plane matrix (synthetic source)
-COMPONENTS = 2048              # K: PCA components kept (plane matrix width)
-CHANNELS = 4096                # D: channels of the bf16 tensor the planes stand for (synthetic source)
+TOKENS = 1 << 20               # T: tokens of the plane matrix (128 MiB of planes at K = 128)
+SOURCE = "llm_kv"              # exported real planes (python -m shared.sources export); else synthetic
+REAL_CHANNELS = {"llm_kv": 192, "diffusion": 128}  # D of the bf16 tensors the real planes stand for
+COMPONENTS = 128               # K of synthetic planes (the real ones have K = 128)
+CHANNELS = 192                 # D the synthetic planes stand for
 CPU_CALL_BYTES = 6 << 20       # bytes of frames per CPU-backend call (at least one frame)
 CPU_REPEATS = 3                # timed CPU calls (median), after one untimed call
 GPU_REPEATS = 20               # timed GPU calls (median), after GPU_WARMUP untimed ones
@@ -62,13 +65,12 @@ X265_PRESET = "ultrafast"      # x265 preset for every x265 row (the fastest: sp
 LOSSY_QP = 18                  # the seed's speed setting
 ZSTD_LEVEL = 3                 # zstd's default level; PoC 06 compares ratios at higher levels
 SEED = 0
-CAPTURES = Path(__file__).resolve().parent.parent / "data" / "captures"
 
 CPU_CONFIGS = [  # (backend, setting label, session settings)
     ("raw", "default", {}),
     ("zstd", f"level{ZSTD_LEVEL}", {"level": ZSTD_LEVEL}),
-    ("x265", "lossless", {"qp": None, "preset": X265_PRESET}),
-    ("x265", f"qp{LOSSY_QP}", {"qp": LOSSY_QP, "preset": X265_PRESET}),
+    ("x265", "lossless", {"qp": None, "preset": X265_PRESET, "intra": True}),
+    ("x265", f"qp{LOSSY_QP}", {"qp": LOSSY_QP, "preset": X265_PRESET, "intra": True}),
     ("ffv1", "default", {}),
     ("ffmpeg-x265", "lossless", {"qp": None, "preset": X265_PRESET}),
 ]
@@ -76,46 +78,16 @@ NVCOMP = ["nvcomp-ans", "nvcomp-zstd", "nvcomp-gdeflate", "nvcomp-bitcomp", "nvc
 
 
 # -- planes --------------------------------------------------------------------------------------
-def synthetic_planes(tokens: int, components: int, seed: int) -> np.ndarray:
-    """Quantized PCA-like coefficients: leading components smooth along tokens, trailing ones noisy,
-    heavy-tailed innovations; each component quantized to uint8 over its own range (shared.quant)."""
-    rng = np.random.default_rng(seed)
-    rho = (0.95 * (1 - np.arange(components) / components)).astype(np.float32)
-    gain = np.sqrt(1 - rho ** 2).astype(np.float32)
-    innovations = rng.standard_t(3, size=(tokens, components)).astype(np.float32)
-    coeffs = np.empty_like(innovations)
-    coeffs[0] = innovations[0]
-    for t in range(1, tokens):
-        coeffs[t] = rho * coeffs[t - 1] + gain * innovations[t]
-    return PerChannelQuantizer.fit(coeffs).quantize(coeffs)
-
-
-def capture_planes(root: Path, tokens: int, components: int):
-    """(planes, D, label) from the first finished capture store, or None when there is none."""
-    from shared.basis import fit_basis
-    from shared.captures import CaptureStore
-
-    for manifest in sorted(root.glob("*/manifest.json")):
-        store = CaptureStore(manifest.parent)
-        keys = store.keys()
-        first = store.load(keys[0])
-        name = max((n for n, t in first.items() if t.dim() == 2 and t.is_floating_point()),
-                   key=lambda n: first[n].numel(), default=None)
-        if name is None:
-            continue
-        xs, n = [], 0
-        for key in keys:
-            x = store.load(key)[name].float().numpy()
-            xs.append(x)
-            n += len(x)
-            if n >= tokens:
-                break
-        x = np.concatenate(xs)[:tokens]
-        k = min(components, x.shape[1])
-        coeffs = fit_basis([x], k).project(x)
-        planes = PerChannelQuantizer.fit(coeffs).quantize(coeffs)
-        return planes, x.shape[1], f"captures:{manifest.parent.name}/{name}"
-    return None
+def source_planes(tokens: int, source: str, components: int, channels: int):
+    """(planes [tokens, K] uint8, D they stand for, label): the exported real planes (shared.sources),
+    cycled to `tokens` rows when needed (chunked coders see no difference), else synthetic ones."""
+    real = real_planes(source) if source != "synthetic" else None
+    if real is None:
+        return synthetic_planes(tokens, components, SEED), channels, "synthetic"
+    data, description = real
+    cycles = tokens / len(data)
+    label = f"real {source}" + (f" (cycled x{cycles:.1f})" if cycles > 1 else "")
+    return np.ascontiguousarray(data[np.arange(tokens) % len(data)]), REAL_CHANNELS[source], label
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -291,11 +263,8 @@ def run(args) -> ResultsWriter:
     def selected(name):
         return not wanted or any(name.startswith(w) for w in wanted)
 
-    found = None if args.synthetic else capture_planes(CAPTURES, args.tokens, args.components)
-    if found:
-        planes, channels, source = found
-    else:
-        planes, channels, source = synthetic_planes(args.tokens, args.components, SEED), args.channels, "synthetic"
+    planes, channels, source = source_planes(args.tokens, "synthetic" if args.synthetic else args.source,
+                                             args.components, args.channels)
     tokens, components = planes.shape
     print(f"planes [{tokens}, {components}] uint8 from {source}, standing for a bf16 [{tokens}, {channels}] tensor "
           f"({2 * tokens * channels / 2**20:.0f} MiB)")
@@ -343,7 +312,7 @@ def run(args) -> ResultsWriter:
                       path="gpu_session" if b.device == "cuda" else "cpu_session")
         if nvdec_ok:
             if size not in streams:
-                with get_backend("x265").encoder(size, size, qp=None, preset=X265_PRESET) as enc:
+                with get_backend("x265").encoder(size, size, qp=None, preset=X265_PRESET, intra=True) as enc:
                     enc.submit(cpu_frames)
                     streams[size] = enc.flush()
             bench_nvdec(bench, torch, size, cpu_frames, streams[size], NVDEC_REPEATS)
@@ -394,7 +363,8 @@ if __name__ == "__main__":
     ap.add_argument("--channels", type=int, default=CHANNELS, help="D of the bf16 tensor (synthetic source)")
     ap.add_argument("--cpu-repeats", type=int, default=CPU_REPEATS)
     ap.add_argument("--gpu-repeats", type=int, default=GPU_REPEATS)
-    ap.add_argument("--synthetic", action="store_true", help="ignore captures; use synthetic planes")
+    ap.add_argument("--synthetic", action="store_true", help="ignore exported real planes; use synthetic ones")
+    ap.add_argument("--source", default=SOURCE, choices=sorted(REAL_CHANNELS), help="which exported real planes")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     ap.add_argument("--out", default=None, help="CSV path (default results/09_backend_bench.csv)")
     ap.add_argument("--merge", action="store_true",
