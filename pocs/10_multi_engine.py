@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.codecs import get_backend  # noqa: E402
 from shared.codecs import nvdec  # noqa: E402
-from shared.results import ResultsWriter  # noqa: E402
+from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
 from shared.sources import benchmark_frames  # noqa: E402
 
 FRAME_SIZES = [256, 1024, 2048]                 # frame side, pixels
@@ -142,13 +142,41 @@ def run(sizes, sessions_list, frames_per_stream, streams_per_session, repeats) -
     return res
 
 
+def plot(csv: str = "10_multi_engine", name: str = "10_multi_engine"):
+    plt = apply_style()
+    df = load(csv)
+    engines = int(df[df.metric == "engines"].value.iloc[0])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.3))
+    for size, s in df[df.metric == "throughput_planes"].groupby("frame"):
+        ax1.plot(s.sessions, s.value, "o-", label=f"{int(size)}x{int(size)}")
+    for size, s in df[df.metric == "ms_per_frame"].groupby("frame"):
+        ax2.plot(s.sessions, s.value, "o-", label=f"{int(size)}x{int(size)}")
+    for ax in (ax1, ax2):
+        ax.axvline(engines, color="0.5", ls=":", lw=1)
+        ax.text(engines, ax.get_ylim()[1], f" {engines} engines", va="top", fontsize=8, color="0.4")
+        ax.set_xlabel("concurrent NVDEC sessions (one thread each)")
+        ax.legend(title="frame")
+    ax1.set_ylabel("GB/s of decoded uint8 planes")
+    ax1.set_title("aggregate decode throughput")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("ms per frame (aggregate)")
+    ax2.set_title("time per frame")
+    src = df[df.metric == "throughput_planes"].source.iloc[0]
+    fig.suptitle(f"PoC 10: NVDEC HEVC 4:4:4 lossless decode on {df.device.iloc[0]}, planes: {src}", fontsize=11)
+    save_figure(fig, name, f"{csv}.csv")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run: 256 and 1024 frames, sessions 1/2/engines")
     ap.add_argument("--sizes", type=int, nargs="+", help=f"frame sides (default {FRAME_SIZES})")
     ap.add_argument("--sessions", type=int, nargs="+", help="session counts (default 1..2 x engines)")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="timed passes per point")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     args = ap.parse_args()
+    if args.plot_only:
+        plot()
+        sys.exit(0)
     sizes = args.sizes or ([256, 1024] if args.quick else FRAME_SIZES)
     per_stream = {s: FRAMES_PER_STREAM.get(s, 8) for s in sizes}
     sessions = args.sessions
@@ -159,3 +187,4 @@ if __name__ == "__main__":
     result = run(sizes, sessions, per_stream, 1 if args.quick else STREAMS_PER_SESSION, 1 if args.quick else args.repeats)
     if result is not None:
         result.save()
+        plot()

@@ -39,7 +39,7 @@ from shared.codecs import get_backend  # noqa: E402
 from shared.codecs import nvdec  # noqa: E402
 from shared.metrics import quality  # noqa: E402
 from shared.quant import PerChannelQuantizer  # noqa: E402
-from shared.results import ResultsWriter  # noqa: E402
+from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
 
 TOKENS = 16384          # rows of the activation
 CHANNELS = 1024         # D, its channels
@@ -244,14 +244,43 @@ def run(tokens: int, channels: int, k: int, frame: int, repeats: int) -> Results
     return res
 
 
+def plot(csv: str = "11_zero_copy_roundtrip", name: str = "11_zero_copy_roundtrip"):
+    plt = apply_style()
+    df = load(csv)
+    v = {(r.backend, r.metric): r.value for r in df.itertuples()}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    stages = [(b, m) for b, m in v if m.startswith("ms_")]
+    labels = [m.removeprefix("ms_").replace("_", " ") for _, m in stages]
+    ax1.barh(labels, [v[k] for k in stages], color=["#0072B2" if b != "x265" else "#D55E00" for b, _ in stages])
+    ax1.set_xscale("log")
+    ax1.set_xlabel("ms for the whole tensor (log)")
+    ax1.set_title("where the round trip spends its time")
+    sides = ["encode", "decode"]
+    copies = [v.get(("x265", "encode_frame_host_copies"), 0), v.get(("nvdec-hevc", "decode_frame_host_copies"), 0)]
+    ax2.bar(sides, copies, color=["#D55E00", "#0072B2"])
+    for i, c in enumerate(copies):
+        ax2.text(i, c, f"{int(c)}", ha="center", va="bottom")
+    ax2.set_ylabel("host copies of frame data")
+    ax2.set_title("copies between GPU and host (profiler)")
+    exact = "bit-exact" if v.get(("x265+nvdec-hevc", "exact_tensor")) == 1 else "NOT bit-exact"
+    fig.suptitle(f"PoC 11: CUDA tensor -> libx265 (CPU) -> NVDEC -> CUDA tensor on {df.device.iloc[0]}: {exact}, "
+                 f"ratio {v.get(('x265+nvdec-hevc', 'ratio'), float('nan')):.2f}x, NVENC absent", fontsize=10)
+    save_figure(fig, name, f"{csv}.csv")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run (2048 tokens x 256 channels, K=192)")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="timed round trips")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     args = ap.parse_args()
+    if args.plot_only:
+        plot()
+        sys.exit(0)
     if args.quick:
         result = run(2048, 256, 192, FRAME, 1)
     else:
         result = run(TOKENS, CHANNELS, K, FRAME, args.repeats)
     if result is not None:
         result.save()
+        plot()

@@ -48,7 +48,7 @@ from shared.codecs import get_backend  # noqa: E402
 from shared.codecs import nvdec  # noqa: E402
 from shared.metrics import quality  # noqa: E402
 from shared.quant import PerChannelQuantizer  # noqa: E402
-from shared.results import ResultsWriter  # noqa: E402
+from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
 
 TOKENS = 4096                 # synthetic activation rows
 CHANNELS = 1024               # synthetic activation channels (D)
@@ -257,12 +257,44 @@ def gpu_rows(res: ResultsWriter, payload10: bytes, frames10: np.ndarray, common:
             codec="hevc444_10bit_q", setting="lossless", **common)
 
 
+def plot(csv: str = "19_null_av1_10bit", name: str = "19_null_av1_10bit"):
+    plt = apply_style()
+    df = load(csv)
+    codecs = df[df.metric == "ratio"].backend.unique()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.3), gridspec_kw={"width_ratios": [3, 2]})
+    for codec in codecs:
+        r = df[(df.backend == codec) & (df.metric == "ratio")].set_index("setting").value
+        c = df[(df.backend == codec) & (df.metric == "cos_mean")].set_index("setting").value
+        ax1.plot(1 - c.reindex(r.index), r, "o-", label=codec)
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("1 - cos_mean (log; left is better)")
+    ax1.set_ylabel("ratio vs bf16 (log)")
+    ax1.set_title(f"same planes, four coders (source: {df.source.dropna().iloc[0]})")
+    ax1.legend(fontsize=8)
+    caps = df[df.metric == "nvdec_supported"]
+    if len(caps):
+        labels = [f"{r.nvdec_codec} {int(float(r.chroma))} {int(r.bit_depth)}-bit" for r in caps.itertuples()]
+        ax2.barh(labels, caps.value, color=["#009E73" if v else "#D55E00" for v in caps.value])
+        ax2.set_xticks([0, 1], ["no", "yes"])
+        ax2.set_title(f"NVDEC support reported by {caps.device.iloc[0]}")
+    else:
+        ax2.text(0.5, 0.5, "no GPU in this run:\nNVDEC capabilities not queried", ha="center", va="center")
+        ax2.set_axis_off()
+    fig.suptitle("PoC 19: AV1 (4:2:0, one channel per luma plane) and 10-bit against HEVC 4:4:4 8-bit", fontsize=11)
+    save_figure(fig, name, f"{csv}.csv")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run (1024 x 256 synthetic, K=128, 2 QPs)")
     ap.add_argument("--source", choices=["auto", "synthetic", "llm", "diffusion"], default="auto",
                     help="auto: LLM captures, else diffusion captures, else synthetic")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     args = ap.parse_args()
+    if args.plot_only:
+        plot()
+        sys.exit(0)
     source = args.source
     if source == "auto":
         source = next((s for s in ("llm", "diffusion") if captured_activation(s) is not None), "synthetic")
@@ -271,3 +303,4 @@ if __name__ == "__main__":
     else:
         result = run(source, TOKENS, CHANNELS, K, FRAME, HEVC_QPS, AV1_QPS)
     result.save()
+    plot()
