@@ -16,12 +16,14 @@ POCS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14 15 16 17 18 19
 RESULTS := $(wildcard results/[0-9][0-9]_*.csv)
 FIGURES := $(patsubst results/%.csv,figures/%.png,$(RESULTS))
 
-.PHONY: help test pocs figures clean setup models $(addprefix poc-,$(POCS))
+.PHONY: help test pocs figures readme planes clean setup models $(addprefix poc-,$(POCS))
 
 help:
 	@echo "make poc-01 .. poc-19   run one PoC (writes results/NN_*.csv and figures/NN_*.png); ARGS=--quick for a small run"
 	@echo "make pocs               every PoC that runs on this machine"
 	@echo "make figures            redraw every figure from its CSV (no rerun)"
+	@echo "make readme             rewrite README.md's results tables from results/*.csv"
+	@echo "make planes             export real quantized PCA planes for the GPU benchmarks (data/planes/)"
 	@echo "make test               the test suite (GPU tests skip without a GPU)"
 	@echo "make models             retrain the embedded diffusion model"
 	@echo "make clean              remove caches and captured activations (keeps results/ and figures/)"
@@ -50,6 +52,12 @@ pocs: $(SETUP)
 figures: $(FIGURES)
 figures/%.png: results/%.csv $(SETUP)
 	$(PYTHON) pocs/$*.py --plot-only
+
+readme: $(SETUP)
+	$(PYTHON) -m shared.report
+
+planes: $(SETUP)
+	$(PYTHON) -m shared.sources export
 
 test: $(SETUP)
 	$(PYTHON) -m pytest
