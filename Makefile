@@ -4,6 +4,8 @@ VENV    := .venv
 PYTHON  ?= $(VENV)/bin/python
 ARGS    ?=
 export PYTHONUNBUFFERED := 1
+# No model hub is needed: weights ship inside packages or the repo; a missing model fails fast and clearly.
+export HF_HUB_OFFLINE := 1
 
 # The virtualenv is built only when we run on its Python; PYTHON=python3 skips it.
 ifeq ($(PYTHON),$(VENV)/bin/python)

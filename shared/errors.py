@@ -23,3 +23,7 @@ class BackendUnavailable(TensorCodecError, RuntimeError):
 
 class CodecError(TensorCodecError, RuntimeError):
     """A codec call failed. The message names the call, the status and a fix."""
+
+
+class WeightsUnavailable(TensorCodecError, FileNotFoundError):
+    """Model weights are not on this machine and no model hub can be reached; the message says how to provide them."""
