@@ -153,11 +153,23 @@ def diffusion_rows(res: ResultsWriter, quick: bool):
               f"PSNR {np.mean(values):.1f} dB (min over seeds {np.min(values):.1f})")
 
 
-def run(quick: bool) -> ResultsWriter:
+def run(quick: bool, domains: list[str]) -> ResultsWriter:
     res = ResultsWriter("05", "downstream_quality")
-    diffusion_rows(res, quick)
-    llm_rows(res, quick)
+    if "llm" in domains:
+        llm_rows(res, quick)
+    if "diffusion" in domains:
+        diffusion_rows(res, quick)
     return res
+
+
+def save(res: ResultsWriter, domains: list[str]) -> None:
+    """Write the CSV, keeping rows of domains this run did not measure."""
+    new = res.frame()
+    if res.path.exists() and set(domains) != {"llm", "diffusion"}:
+        old = pd.read_csv(res.path, dtype={"poc": str})
+        new = pd.concat([old[~old.domain.isin(domains)], new])
+    new.to_csv(res.path, index=False)
+    print(f"wrote {res.path.name} ({len(new)} rows)")
 
 
 def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"):
@@ -188,8 +200,10 @@ def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run")
+    ap.add_argument("--only", choices=["llm", "diffusion"], help="measure one domain, keep the other's rows")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     args = ap.parse_args()
     if not args.plot_only:
-        run(args.quick).save()
+        domains = [args.only] if args.only else ["llm", "diffusion"]
+        save(run(args.quick, domains), domains)
     plot()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,32 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.codecs import get_backend  # noqa: E402
 from shared.codecs.ffmpeg_subprocess import ffmpeg_binary  # noqa: E402
 from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.sources import benchmark_frames  # noqa: E402
+from shared.timing import wall_ms  # noqa: E402
 
 FRAME = 256                       # frame side, pixels
 FRAME_COUNTS = [1, 2, 4, 8, 16, 32, 64]  # frames per call
 REPEATS = 5                       # timed calls per point (median reported)
 QP = 18                           # constant QP (the seed's speed setting); lossless checked separately
 PRESET = "ultrafast"              # x265 preset: the fastest, so fixed costs show most plainly
+SOURCE = "llm_kv"       # real planes if exported (make planes), else synthetic (labelled)
 SEED = 0
-
-
-def pca_like_frames(n: int, size: int, seed: int) -> np.ndarray:
-    """Planes that look like quantized PCA coefficients: smooth across tokens, decaying across components."""
-    rng = np.random.default_rng(seed)
-    scale = 1.0 / np.sqrt(1 + np.arange(size))[None, :]
-    planes = [np.cumsum(rng.normal(size=(size, size)), axis=0) * 0.05 * scale + rng.normal(size=(size, size)) * scale
-              for _ in range(3 * n)]
-    frames = np.stack(planes).reshape(n, 3, size, size)
-    return np.clip(128 + 40 * frames, 0, 255).astype(np.uint8)
-
-
-def time_call(fn, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return float(np.median(samples)) * 1e3
 
 
 def roundtrip(backend, frames, settings) -> tuple[bytes, np.ndarray]:
@@ -70,7 +53,8 @@ def run(quick: bool) -> ResultsWriter:
     global FRAME
     counts, repeats = ([1, 4, 8], 2) if quick else (FRAME_COUNTS, REPEATS)
     FRAME = 64 if quick else FRAME
-    frames = pca_like_frames(max(counts), FRAME, SEED)
+    frames, source = benchmark_frames(FRAME, max(counts), SOURCE, SEED)
+    print(f"frames: {max(counts)} of {FRAME}x{FRAME}, planes: {source}")
     sub, inproc = get_backend("ffmpeg-x265"), get_backend("x265")
     sub.require()
     inproc.require()
@@ -84,7 +68,7 @@ def run(quick: bool) -> ResultsWriter:
 
     res = ResultsWriter("08", "subprocess_overhead")
     exe = ffmpeg_binary()
-    spawn_ms = time_call(lambda: subprocess.run([exe, "-hide_banner", "-version"], capture_output=True, check=True),
+    spawn_ms = wall_ms(lambda: subprocess.run([exe, "-hide_banner", "-version"], capture_output=True, check=True),
                          repeats * 2)
     res.add(backend="ffmpeg-x265", metric="spawn_ms", value=spawn_ms, unit="ms", direction="both", frame=FRAME)
     print(f"ffmpeg spawn (ffmpeg -version): {spawn_ms:.1f} ms per call")
@@ -99,7 +83,7 @@ def run(quick: bool) -> ResultsWriter:
                     enc.submit(batch)
                     payloads[n] = enc.flush()
 
-            ms = time_call(encode, repeats)
+            ms = wall_ms(encode, repeats)
             res.add(backend=backend.name, metric="call_ms", value=ms, unit="ms", direction="encode", frames=n,
                     frame=FRAME, qp=QP, preset=PRESET)
         with backend.decoder(FRAME, FRAME) as persistent:
@@ -108,7 +92,7 @@ def run(quick: bool) -> ResultsWriter:
                     persistent.submit(payloads[n])
                     persistent.flush()
 
-                ms = time_call(decode, repeats)
+                ms = wall_ms(decode, repeats)
                 res.add(backend=backend.name, metric="call_ms", value=ms, unit="ms", direction="decode", frames=n,
                         frame=FRAME, qp=QP, preset=PRESET)
 
@@ -134,6 +118,8 @@ def run(quick: bool) -> ResultsWriter:
         print(f"in-process session vs subprocess, {direction}: "
               + ", ".join(f"{n} frames {calls[(sub.name, direction, n)] / calls[(inproc.name, direction, n)]:.2f}x"
                           for n in counts))
+    for row in res.rows:
+        row["source"] = source
     return res
 
 

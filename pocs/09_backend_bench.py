@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +47,7 @@ from shared import frames as framing  # noqa: E402
 from shared.codecs import all_backends, get_backend  # noqa: E402
 from shared.errors import TensorCodecError  # noqa: E402
 from shared.sources import real_planes, synthetic_planes  # noqa: E402
+from shared.timing import cuda_ms, wall_ms  # noqa: E402
 from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
 
 FRAME_SIZES = [256, 512, 1024, 2048]  # frame side, pixels
@@ -91,32 +91,6 @@ def source_planes(tokens: int, source: str, components: int, channels: int):
 
 
 # -- timing --------------------------------------------------------------------------------------
-def wall_ms(fn, repeats: int) -> float:
-    fn()  # untimed: opens sessions, warms caches
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return float(np.median(samples)) * 1e3
-
-
-def gpu_ms(torch, fn, repeats: int, warmup: int, stream) -> float:
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        samples = []
-        for i in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            fn(i)
-            end.record(stream)
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-    return float(np.median(samples))
-
-
 class Bench:
     """Collects rows; one `add` per measured configuration writes every metric of it."""
 
@@ -232,8 +206,8 @@ def bench_nvcomp_fast(bench: Bench, torch, name, size, frames_gpu, stream, repea
     exact = bool(torch.equal(out, flat))
     if not exact:
         raise AssertionError(f"{name} {size}px: GPU round trip is not bit-exact")
-    enc_ms = gpu_ms(torch, lambda i=0: coder.encode_cuda(flat), repeats, warmup, stream)
-    dec_ms = gpu_ms(torch, lambda i=0: coder.decode_cuda(payload, out=out), repeats, warmup, stream)
+    enc_ms = cuda_ms(lambda i=0: coder.encode_cuda(flat), repeats, warmup, stream)
+    dec_ms = cuda_ms(lambda i=0: coder.decode_cuda(payload, out=out), repeats, warmup, stream)
     n = frames_gpu.shape[0] if layout == "frames" else 1
     bench.add(name, "default", size, "gpu_batch" if layout == "frames" else "gpu_planes", n, flat.numel(), enc_ms,
               dec_ms, payload.numel(), exact, bf16_bytes=bf16_bytes, timing="cuda_events", repeats=repeats,
@@ -248,8 +222,8 @@ def bench_nvcomp_fast(bench: Bench, torch, name, size, frames_gpu, stream, repea
         if not torch.equal(outs, f.reshape(-1)):
             raise AssertionError(f"{name} {size}px: per-frame GPU round trip is not bit-exact")
     nf = frames_gpu.shape[0]
-    enc1 = gpu_ms(torch, lambda i=0: coder.encode_cuda(frames_gpu[i % nf]), repeats, warmup, stream)
-    dec1 = gpu_ms(torch, lambda i=0: coder.decode_cuda(per[i % nf], out=outs), repeats, warmup, stream)
+    enc1 = cuda_ms(lambda i=0: coder.encode_cuda(frames_gpu[i % nf]), repeats, warmup, stream)
+    dec1 = cuda_ms(lambda i=0: coder.decode_cuda(per[i % nf], out=outs), repeats, warmup, stream)
     bench.add(name, "default", size, "gpu_per_frame", 1, frames_gpu[0].numel(), enc1, dec1,
               int(np.mean([p.numel() for p in per])), True, timing="cuda_events", repeats=repeats, layout=layout,
               chunk_bytes=coder.chunk_size)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.codecs import get_backend  # noqa: E402
 from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.sources import benchmark_frames  # noqa: E402
+from shared.timing import wall_ms  # noqa: E402
 
 GEMM_N = 4096          # square GEMM side (the seed's)
 GEMM_ITERS = 30        # GEMMs per loop (the seed's)
@@ -42,34 +43,13 @@ FRAME = 256            # frame side, pixels
 REPEATS = 7            # timed runs per case (median), after one untimed
 NVCOMP_ALGO = "nvcomp-ans"
 X265_PRESET = "ultrafast"
+SOURCE = "llm_kv"       # real planes if exported (make planes), else synthetic (labelled)
 SEED = 0
 
 
-def pca_like_frames(n: int, size: int, seed: int) -> np.ndarray:
-    """Smooth along tokens (rows), decaying across components (columns), as quantized PCA planes look."""
-    rng = np.random.default_rng(seed)
-    scale = 1.0 / np.sqrt(1 + np.arange(size))[None, :]
-    planes = [np.cumsum(rng.normal(size=(size, size)), axis=0) * 0.05 * scale + rng.normal(size=(size, size)) * scale
-              for _ in range(3 * n)]
-    return np.clip(128 + 40 * np.stack(planes).reshape(n, 3, size, size), 0, 255).astype(np.uint8)
-
-
-def wall_ms(torch, fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t0)
-    return float(np.median(samples)) * 1e3
-
-
 def measure(torch, gemm, codec, repeats: int) -> dict:
-    gemm_ms = wall_ms(torch, gemm, repeats)
-    codec_ms = wall_ms(torch, codec, repeats)
+    gemm_ms = wall_ms(gemm, repeats, sync=torch.cuda.synchronize)
+    codec_ms = wall_ms(codec, repeats, sync=torch.cuda.synchronize)
 
     def serialized():
         gemm()
@@ -80,8 +60,8 @@ def measure(torch, gemm, codec, repeats: int) -> dict:
         gemm()  # queued on its stream; the host goes straight on to the codec
         codec()
 
-    serial_ms = wall_ms(torch, serialized, repeats)
-    parallel_ms = wall_ms(torch, parallel, repeats)
+    serial_ms = wall_ms(serialized, repeats, sync=torch.cuda.synchronize)
+    parallel_ms = wall_ms(parallel, repeats, sync=torch.cuda.synchronize)
     floor_ms = max(gemm_ms, codec_ms)
     share = (serial_ms - parallel_ms) / (serial_ms - floor_ms) if serial_ms > floor_ms else float("nan")
     return {"gemm_ms": gemm_ms, "codec_ms": codec_ms, "serialized_ms": serial_ms, "parallel_ms": parallel_ms,
@@ -114,9 +94,10 @@ def run(args) -> ResultsWriter | None:
         raise AssertionError(f"fp16 GEMM differs from the float32 product by {err:.2e}")
     print(f"GEMM {args.iters} x {args.gemm_n}^2 fp16: relative error vs float32 {err:.1e} (matches)")
 
-    frames = pca_like_frames(args.frames, FRAME, SEED)
+    frames, source = benchmark_frames(FRAME, args.frames, SOURCE, SEED)
+    print(f"frames: {args.frames} of {FRAME}x{FRAME}, planes: {source}")
     frames_gpu = torch.from_numpy(frames).cuda()
-    common = dict(gemm_n=args.gemm_n, gemm_iters=args.iters, frames=args.frames, frame_size=FRAME,
+    common = dict(source=source, gemm_n=args.gemm_n, gemm_iters=args.iters, frames=args.frames, frame_size=FRAME,
                   gemm_dtype="float16", timing="wall+synchronize", repeats=args.repeats)
     results = {}
 
@@ -165,8 +146,8 @@ def run(args) -> ResultsWriter | None:
             with torch.cuda.stream(codec_stream):
                 coder.decode_cuda(payload, out=out)
 
-        one_ms = wall_ms(torch, decode_once, args.repeats)
-        gemm_alone = wall_ms(torch, gemm, args.repeats)
+        one_ms = wall_ms(decode_once, args.repeats, sync=torch.cuda.synchronize)
+        gemm_alone = wall_ms(gemm, args.repeats, sync=torch.cuda.synchronize)
         reps = max(1, round(gemm_alone / one_ms))
         print(f"{NVCOMP_ALGO}: decode bit-exact (matches), ratio {flat.numel() / payload.numel():.2f}; "
               f"{one_ms:.3f} ms per decode, repeated {reps}x to match the GEMM loop")
