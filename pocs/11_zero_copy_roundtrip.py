@@ -39,6 +39,7 @@ from shared.codecs import get_backend  # noqa: E402
 from shared.codecs import nvdec  # noqa: E402
 from shared.metrics import quality  # noqa: E402
 from shared.quant import PerChannelQuantizer  # noqa: E402
+from shared.sources import synthetic_activation  # noqa: E402
 from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
 
 TOKENS = 16384          # rows of the activation
@@ -50,20 +51,6 @@ RHO = 0.9               # AR(1) correlation between neighbouring tokens of the s
 SPECTRUM_POWER = 1.0    # channel variance ~ (index + 1) ** -power in the synthetic activation's eigenbasis
 REPEATS = 3             # timed round trips (median)
 SEED = 0
-
-
-def synthetic_activation(tokens: int, channels: int, seed: int):
-    """A [tokens, channels] bf16-able float32 activation with a heavy-tailed eigen-spectrum and
-    correlated neighbouring tokens (synthetic: no captures are used here)."""
-    from scipy.signal import lfilter
-    from scipy.stats import ortho_group
-
-    rng = np.random.default_rng(seed)
-    scales = (np.arange(channels) + 1.0) ** (-SPECTRUM_POWER / 2)
-    z = rng.standard_t(3, size=(tokens, channels)).astype(np.float32) * scales.astype(np.float32)
-    z = lfilter([np.sqrt(1 - RHO ** 2)], [1, -RHO], z, axis=0).astype(np.float32)
-    rotation = ortho_group.rvs(channels, random_state=seed).astype(np.float32)
-    return z @ rotation.T + rng.normal(0, 0.5, size=channels).astype(np.float32)
 
 
 # -- the GPU side of the pipeline: torch mirrors of shared.basis / shared.quant (shared.frames takes CUDA tensors) --------------
@@ -140,7 +127,7 @@ def run(tokens: int, channels: int, k: int, frame: int, repeats: int) -> Results
     res.add(backend="nvenc", metric="available", value=int(encoder == "nvenc"), unit="bool", note=nvenc_note, **common)
 
     # The activation lives on the GPU; the basis is a per-model artifact fitted beforehand (calibration).
-    x_host = synthetic_activation(tokens, channels, SEED)
+    x_host = synthetic_activation(tokens, channels, SEED, spectrum_power=SPECTRUM_POWER, rho=RHO)
     basis = fit_basis([x_host], k=k)
     x = torch.from_numpy(x_host).to("cuda", torch.bfloat16)
     mean = torch.from_numpy(basis.mean).cuda().float()

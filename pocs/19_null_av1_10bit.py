@@ -48,6 +48,7 @@ from shared.codecs import get_backend  # noqa: E402
 from shared.codecs import nvdec  # noqa: E402
 from shared.metrics import quality  # noqa: E402
 from shared.quant import PerChannelQuantizer  # noqa: E402
+from shared.sources import real_planes, synthetic_activation  # noqa: E402
 from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
 
 TOKENS = 4096                 # synthetic activation rows
@@ -63,21 +64,11 @@ SEED = 0
 
 
 # -- sources -------------------------------------------------------------------------------------------
-def synthetic_activation(tokens: int, channels: int, seed: int) -> np.ndarray:
-    from scipy.signal import lfilter
-    from scipy.stats import ortho_group
-
-    rng = np.random.default_rng(seed)
-    scales = ((np.arange(channels) + 1.0) ** -0.5).astype(np.float32)
-    z = rng.standard_t(3, size=(tokens, channels)).astype(np.float32) * scales
-    z = lfilter([np.sqrt(1 - RHO ** 2)], [1, -RHO], z, axis=0).astype(np.float32)
-    rotation = ortho_group.rvs(channels, random_state=seed).astype(np.float32)
-    return z @ rotation.T
-
-
 def captured_activation(kind: str) -> tuple[np.ndarray, str] | None:
     """All captures of one tensor stacked into [T, D], or None when no finished store exists."""
-    stores = {"llm": [("smollm2_kv", "layer15.k")],
+    if kind == "llm" and (exported := real_planes("act_llm_k15")) is not None:
+        return exported[0], exported[1]
+    stores = {"llm": [("smollm2_kv_6x1024", "layer15.k")],
               "diffusion": [(p.name, "act") for p in sorted(DEFAULT_ROOT.glob("tiny_flux_block*"))]}[kind]
     for name, tensor in stores:
         store = CaptureStore(name)
@@ -171,7 +162,7 @@ def run(source: str, tokens: int, channels: int, k: int, frame: int, hevc_qps, a
     else:
         if source != "synthetic":
             print(f"no finished '{source}' capture store under {DEFAULT_ROOT}; using the synthetic activation")
-        x, label = synthetic_activation(tokens, channels, SEED), "synthetic"
+        x, label = synthetic_activation(tokens, channels, SEED, rho=RHO), "synthetic"
     basis = fit_basis([x], k=k)
     coeffs = basis.project(x)
     q8, q10 = PerChannelQuantizer.fit(coeffs, 8), PerChannelQuantizer.fit(coeffs, 10)

@@ -26,7 +26,8 @@ from .quant import PerChannelQuantizer
 ROOT = Path(__file__).resolve().parent.parent
 REAL_PLANES = ROOT / "data" / "planes" / "real_planes.safetensors"
 REAL_K = 128                          # components kept per tensor (divides every frame side 256..2048)
-LLM_LAYERS = (0, 5, 10, 15, 20, 25, 29)  # SmolLM2 layers exported (K and V of each)
+LLM_LAYERS = (5, 15, 25)  # SmolLM2 layers exported (K and V of each)
+DIFF_SEEDS = range(4)     # diffusion seeds exported (10 classes x 20 steps each)
 
 
 def synthetic_activation(tokens: int, channels: int, seed: int, spectrum_power: float = 1.0,
@@ -77,11 +78,14 @@ def export_real_planes(path: Path = REAL_PLANES) -> Path:
     store = llm.capture_kv(model, llm.text_chunks(tokenizer, 6, 1024), "smollm2_kv_6x1024")
     llm_planes = [_pca_planes(store.stack(f"layer{layer}.{kind}"), REAL_K) for layer in LLM_LAYERS for kind in "kv"]
     dstore = diffusion.capture_tiny_flux(seeds=range(8), classes=range(10), steps=20)
-    diff = [dstore.load(k)["act"] for k in dstore.keys()]
-    tensors = {"llm_kv": np.concatenate(llm_planes), "diffusion": _pca_planes(diff, min(REAL_K, diff[0].shape[1]))}
+    diff = [dstore.load(k)["act"] for k in dstore.keys() if int(k.split("_")[0][4:]) in DIFF_SEEDS]
+    tensors = {"llm_kv": np.concatenate(llm_planes), "diffusion": _pca_planes(diff, min(REAL_K, diff[0].shape[1])),
+               "act_llm_k15": np.concatenate([x.float().numpy() for x in store.stack("layer15.k")])}
     meta = {"llm_kv": f"SmolLM2-135M-Instruct layers {list(LLM_LAYERS)} K and V, 6 chunks x 1024 tokens, "
                       f"PCA K={REAL_K} per tensor, per-channel uint8",
-            "diffusion": f"tiny_flux block {dstore.meta()['block']}, 8 seeds x 10 classes x 20 steps, PCA, uint8"}
+            "diffusion": f"tiny_flux block {dstore.meta()['block']}, {len(DIFF_SEEDS)} seeds x 10 classes x 20 steps, "
+                         "PCA, uint8",
+            "act_llm_k15": "SmolLM2-135M-Instruct layer-15 K cache, 6 chunks x 1024 tokens, float32"}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"sources": json.dumps(meta)})
     for name, t in tensors.items():
@@ -91,7 +95,8 @@ def export_real_planes(path: Path = REAL_PLANES) -> Path:
 
 
 def real_planes(name: str) -> tuple[np.ndarray, str] | None:
-    """(planes [T, 128] uint8, description) from the exported file, or None when it is absent."""
+    """(array, description) from the exported file: planes "llm_kv" / "diffusion" ([T, 128] uint8) or the
+    activation "act_llm_k15" ([T, 192] float32); None when the file is absent."""
     if not REAL_PLANES.exists():
         return None
     import json
