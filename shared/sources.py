@@ -89,7 +89,7 @@ def export_real_planes(path: Path = REAL_PLANES) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"sources": json.dumps(meta)})
     for name, t in tensors.items():
-        print(f"{name}: {t.shape} uint8 ({t.nbytes / 2**20:.1f} MiB) <- {meta[name]}")
+        print(f"{name}: {t.shape} {t.dtype} ({t.nbytes / 2**20:.1f} MiB) <- {meta[name]}")
     print(f"wrote {path}")
     return path
 
