@@ -6,8 +6,9 @@ components, which is what a codec's intra prediction can use.
 - K <= W: a tile holds W // K blocks of H consecutive tokens side by side (block j in columns
   j*K .. j*K+K-1), so narrow matrices fill the frame instead of padding it.
 - K > W: the matrix is cut into H x W tiles, row-major over (token block, component block).
-Edges are padded by repeating the last row/column (cheaper to code than zeros); the layout is a
-function of (T, K, H, W) alone, so unpacking crops the padding exactly.
+Edges are padded by repeating the last row/column (cheaper to code than zeros), planes of the last
+frame that hold no tile are zero; the layout is a function of (T, K, H, W) alone, so unpacking
+crops the padding exactly.
 """
 from __future__ import annotations
 
@@ -130,7 +131,11 @@ def to_frames(planes, layout: FrameLayout):
         raise InvalidTensorError(f"planes must be a 2-D integer array, got {planes.dtype} {tuple(planes.shape)}")
     if tuple(planes.shape) != (layout.tokens, layout.channels):
         raise InvalidTensorError(f"planes {tuple(planes.shape)} do not match layout {layout}")
-    return _take(planes, layout, gather=True)
+    frames = _take(planes, layout, gather=True)
+    # Planes of the last frame that hold no tile are set to one constant: a codec codes that for
+    # almost nothing, where a copy of the last tile would cost as much as the tile (intra coding).
+    frames.reshape(-1, layout.height, layout.width)[layout.n_tiles:] = 0
+    return frames
 
 
 def from_frames(frames, layout: FrameLayout):

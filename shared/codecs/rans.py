@@ -1,0 +1,799 @@
+"""Interleaved rANS for integer symbol matrices [T, K] with per-component statistics.
+
+The entropy-coding stage of the compute codec: PCA coefficients quantized with one shared step
+(shared/rdquant.py) are integers whose distribution differs per component, so every component
+(column) gets its own frequency table. Many independent rANS lanes make it parallel: a lane codes
+`lane_tokens` consecutive tokens of one component, and lanes are grouped `group_lanes` at a time
+into one shared word stream, so a GPU runs one lane per thread and writes/reads each group's
+stream coalesced.
+
+    from shared.codecs import rans
+    payload = rans.encode(symbols)            # numpy int32 [T, K] -> bytes (CPU reference)
+    symbols = rans.decode(payload)            # bytes -> numpy int32 [T, K]
+    p = rans.encode_cuda(t)                   # torch int32 CUDA [T, K] -> torch uint8 CUDA (same bytes)
+    t = rans.decode_cuda(p)                   # torch uint8 CUDA -> torch int32 CUDA
+    rans.entropy_bound_bytes(symbols)         # the per-component memoryless empirical entropy, bytes
+
+The numpy coder and the Triton kernels write the identical bitstream; either decodes the other's.
+Importing this module needs neither a GPU nor Triton.
+
+Bitstream (all little-endian; offsets follow from the header):
+
+    header, 52 bytes: magic b"TRNS", u8 version=1, u8 prob_bits n, u16 group_lanes G,
+        u32 T, u32 K, u32 lane_tokens S, u32 n_table, u32 n_escapes, u32 k_coded,
+        u8 lo_bytes, u8 w_bytes, u16 reserved=0, u64 stream_words, u32 check0, u32 check1
+    lo        int{8,16,32}[K]  first symbol value of each component's window (lo_bytes wide)
+    wflag     uint{8,16}[K]    window width W | escape flag in the top bit (w_bytes wide);
+                               alphabet A = W + flag
+    (zero padding to a multiple of 4 bytes)
+    codes     uint8[n_table]  per-component weights, A entries per component, 8-bit minifloat
+    (zero padding to a multiple of 4 bytes)
+    group_words uint32[n_groups]   words in each group's stream
+    escapes   int32[n_escapes]     values outside their component's window, row-major order
+    states    uint32[P * k_coded]  final rANS state of each lane of a component with A > 1
+                                   (a component of one symbol codes nothing: its state stays 2^16)
+    streams   uint16[stream_words] the groups' word streams, group after group
+
+    lanes: P = ceil(T / S) token chunks; lane g = p * K + k codes tokens [p*S, min(T, (p+1)*S))
+    of component k; n_lanes = P * K; group = g // G; n_groups = ceil(n_lanes / G).
+
+check0/check1 are a Fletcher-like checksum of the whole payload except these 8 bytes (sum of
+bytes, and sum of bytes times (position mod 65521 + 1), both mod 2^32; positions count the bytes
+checked). Decoding verifies it, and also that every lane ends in the initial state 2^16 and every
+group consumes exactly its words, so a corrupt or truncated payload raises BitstreamError rather
+than returning wrong symbols (rANS resynchronizes after a corrupt word, so the state check alone
+would miss some corruption).
+
+Windows: a component whose values span at most 2^(n-2) symbols takes its whole range; a wider one
+gets 2^(n-2) - 1 symbols centred on the floor of its mean. Tails are then trimmed while escaping
+their values (ESCAPE_COST bytes each) is cheaper than their table entries (TABLE_ENTRY_COST each),
+always keeping the mode; values outside the window are coded as the escape symbol (the last one of
+the alphabet) and stored raw in `escapes`.
+
+Frequencies: from the 8-bit weight codes w (0 = absent), both coders compute the same table summing
+to 2^n: f = max(1, floor(w * s / sum(w))) for w > 0 with the largest integer s <= 2^(n+1) that keeps
+the sum <= 2^n (bisection), the remainder added to the heaviest symbol. The rANS state is 32 bits in [2^16, 2^32),
+renormalized 16 bits at a time; encoding runs from the last token of a lane to the first, and each
+step's emitted words are appended to the group stream in lane order; the decoder reads them back
+from the end of the stream.
+"""
+from __future__ import annotations
+
+import math
+import os
+import struct
+
+import numpy as np
+
+from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
+
+MAGIC = b"TRNS"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHIIIIIIBBHQII")  # 52 bytes
+CHECKED_HEADER_BYTES = 44  # the header bytes before check0
+STATE_LOW = 1 << 16  # rANS state lower bound L; states live in [L, 2^32)
+
+DEFAULT_PROB_BITS = 11  # frequency precision n: tables sum to 2^n (<= 11: one-load GPU decode)
+DEFAULT_GROUP_LANES = 32  # lanes sharing one word stream (a GPU warp)
+ESCAPE_COST = 5  # bytes an escaped value costs (4 raw + its escape code), for window trimming
+TABLE_ENTRY_COST = 1  # bytes one table entry costs
+_BIG = 1 << 62
+
+
+def max_alphabet(prob_bits: int) -> int:
+    """Largest per-component alphabet (window + escape); wider ranges escape their tails."""
+    return 1 << (prob_bits - 2)
+
+
+def default_lane_tokens(T: int, K: int) -> int:
+    """Tokens per lane: enough lanes (~2^17) to fill a GPU, but >= 1024 tokens so the per-lane
+    state (4 bytes) stays below ~1% of the payload."""
+    s = 1 << max(0, round(math.log2(max(1, T * K) / (1 << 17))))
+    return int(min(T, max(1024, min(4096, s))))
+
+
+# --------------------------------------------------------------------------------------------
+# Table construction: integer-only, shared by the CPU coder and mirrored exactly by the Triton
+# kernels (tested against each other).
+
+
+def _bitlen(v: np.ndarray) -> np.ndarray:
+    """Number of bits of non-negative int64 values below 2^53 (0 -> 0)."""
+    return np.frexp(v.astype(np.float64))[1].astype(np.int64)
+
+
+def minifloat_encode(v: np.ndarray) -> np.ndarray:
+    """Nearest 8-bit minifloat code of integer weights 0 <= v < 2^18 (exact below 32)."""
+    v = np.asarray(v, np.int64)
+    e = np.maximum(_bitlen(v) - 4, 2)
+    q = (v + (np.int64(1) << (e - 2))) >> (e - 1)
+    carry = q >= 32
+    e = e + carry
+    q = np.where(carry, 16, q)
+    return np.where(v < 32, v, e * 16 + q - 16).astype(np.uint8)
+
+
+def minifloat_decode(code: np.ndarray) -> np.ndarray:
+    c = np.asarray(code, np.int64)
+    e = c >> 4
+    return np.where(c < 32, c, (16 + (c & 15)) << np.maximum(e - 1, 0))
+
+
+def initial_windows(mn, mx, sm, T: int, prob_bits: int):
+    """First window [lo0, lo0 + h0) per component from its min, max and integer sum.
+
+    Ranges up to the maximum alphabet are taken whole; wider ones are centred on the floor of
+    the mean and leave room for the escape symbol."""
+    a_max = max_alphabet(prob_bits)
+    mn, mx, sm = (np.asarray(a, np.int64) for a in (mn, mx, sm))
+    span = mx - mn + 1
+    wide = span > a_max
+    h0 = np.where(wide, a_max - 1, span)
+    centre = sm // T
+    lo0 = np.where(wide, np.clip(centre - (a_max - 1) // 2, mn, mx - h0 + 1), mn)
+    return lo0, h0
+
+
+def choose_tables(counts: np.ndarray, h0: np.ndarray, T: int):
+    """Trim each component's window and make its weight codes.
+
+    counts: [K, H] int64 histogram of the values inside the first window (index = value - lo0).
+    Returns (a, W, esc, n_esc, codes [K, H+1] uint8): the kept window is [lo0 + a, lo0 + a + W),
+    esc is 1 when some value of the component is escaped; codes hold A = W + esc entries, the
+    escape symbol last.
+
+    Tails are trimmed where escaping their values (ESCAPE_COST bytes each) is cheaper than
+    their table entries (TABLE_ENTRY_COST each); the window always keeps the mode."""
+    counts = np.asarray(counts, np.int64)
+    K, H = counts.shape
+    j = np.arange(H, dtype=np.int64)[None, :]
+    n_in = counts.sum(1)
+    esc0 = T - n_in
+    mode = counts.argmax(1)[:, None]
+    incl = np.cumsum(counts, 1)
+    left_out = incl - counts  # values below j
+    right_out = n_in[:, None] - incl  # values above j
+    cost_l = np.where(j <= mode, ESCAPE_COST * left_out - TABLE_ENTRY_COST * j, _BIG)
+    cost_r = np.where((j >= mode) & (j < h0[:, None]), TABLE_ENTRY_COST * j + ESCAPE_COST * right_out, _BIG)
+    a = cost_l.argmin(1)
+    b = cost_r.argmin(1)
+    rows = np.arange(K)
+    n_esc = esc0 + left_out[rows, a] + right_out[rows, b]
+    esc = (n_esc > 0).astype(np.int64)
+    W = b - a + 1
+    src = a[:, None] + j
+    kept = np.where(j < W[:, None], counts[rows[:, None], np.minimum(src, H - 1)], 0)
+    kept = np.concatenate([kept, np.zeros((K, 1), np.int64)], 1)
+    kept[rows, W] = np.where(esc > 0, n_esc, 0)
+    shift = np.maximum(_bitlen(kept.max(1)) - 18, 0)[:, None]
+    weights = np.where(kept > 0, np.maximum(kept >> shift, 1), 0)
+    return a, W, esc, n_esc, minifloat_encode(weights)
+
+
+def normalize(codes: np.ndarray, prob_bits: int):
+    """Frequencies summing to 2^prob_bits from weight codes [K, A]: returns (freq, cum) int64."""
+    M = 1 << prob_bits
+    w = minifloat_decode(codes)
+    total = w.sum(1, keepdims=True)
+    if (total <= 0).any():
+        raise BitstreamError("a component's frequency table is empty; the payload is corrupt")
+    lo = np.ones((w.shape[0], 1), np.int64)
+    hi = np.full((w.shape[0], 1), 2 * M, np.int64)
+    for _ in range(prob_bits + 2):
+        mid = (lo + hi) // 2
+        f = np.where(w > 0, np.maximum(1, w * mid // total), 0)
+        ok = f.sum(1, keepdims=True) <= M
+        lo = np.where(ok, mid, lo)
+        hi = np.where(ok, hi, mid)
+    f = np.where(w > 0, np.maximum(1, w * lo // total), 0)
+    rows = np.arange(w.shape[0])
+    f[rows, w.argmax(1)] += M - f.sum(1)
+    if (f.sum(1) != M).any() or (f < 0).any():
+        raise BitstreamError("a component's frequency table cannot be normalized; the payload is corrupt")
+    return f, np.cumsum(f, 1) - f
+
+
+def checksum(*parts) -> tuple[int, int]:
+    """(sum of bytes, sum of bytes * (position mod 65521 + 1)), both mod 2^32, over the parts."""
+    s0 = s1 = 0
+    pos = 0
+    for part in parts:
+        b = np.frombuffer(part, np.uint8)
+        for start in range(0, len(b), 1 << 22):
+            chunk = b[start:start + (1 << 22)].astype(np.int64)
+            w = (np.arange(pos + start, pos + start + len(chunk), dtype=np.int64) % 65521) + 1
+            s0 += int(chunk.sum())
+            s1 += int((chunk * w).sum())
+        pos += len(b)
+    return s0 & 0xFFFFFFFF, s1 & 0xFFFFFFFF
+
+
+def _pad4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+class Layout:
+    """Byte offsets of every section, computed from the header fields alone."""
+
+    def __init__(self, T, K, S, G, n_table, n_escapes, stream_words, k_coded=0, lo_bytes=4, w_bytes=2):
+        self.T, self.K, self.S, self.G = T, K, S, G
+        self.lo_bytes, self.w_bytes, self.k_coded = lo_bytes, w_bytes, k_coded
+        self.P = -(-T // S)
+        self.n_lanes = self.P * K
+        self.n_groups = -(-self.n_lanes // G)
+        self.lo = HEADER.size
+        self.wflag = self.lo + lo_bytes * K + (lo_bytes * K) % w_bytes  # aligned for its width
+        self.codes = _pad4(self.wflag + w_bytes * K)
+        self.group_words = _pad4(self.codes + n_table)
+        self.escapes = self.group_words + 4 * self.n_groups
+        self.states = self.escapes + 4 * n_escapes
+        self.streams = self.states + 4 * self.P * k_coded
+        self.total = self.streams + 2 * stream_words
+
+
+def _widths(lo: np.ndarray, W: np.ndarray) -> tuple[int, int]:
+    """Narrowest lo and wflag widths (bytes) that hold every component's values."""
+    lo_bytes = next(b for b in (1, 2, 4) if lo.min() >= -(1 << (8 * b - 1)) and lo.max() < (1 << (8 * b - 1)))
+    return lo_bytes, (1 if W.max() < 128 else 2)
+
+
+_INT = {1: "<i1", 2: "<i2", 4: "<i4"}
+_UINT = {1: "<u1", 2: "<u2"}
+
+
+def _validate_symbols(symbols) -> np.ndarray:
+    if not isinstance(symbols, np.ndarray):
+        raise InvalidTensorError(f"symbols must be a numpy array, got {type(symbols).__name__}")
+    if symbols.ndim != 2:
+        raise InvalidTensorError(f"symbols must be 2-D [T tokens, K components], got shape {symbols.shape}")
+    if symbols.size == 0:
+        raise InvalidTensorError(f"symbols is empty (shape {symbols.shape}); there is nothing to code")
+    if symbols.dtype.kind not in "iub":
+        raise InvalidTensorError(f"symbols must be integers, got {symbols.dtype}; quantize first (shared.rdquant)")
+    if symbols.dtype != np.int32:
+        if symbols.dtype.itemsize >= 4 and (symbols.min() < -(2**31) or symbols.max() > 2**31 - 1):
+            raise InvalidTensorError(
+                f"symbols overflow int32 (range {symbols.min()}..{symbols.max()}); use a larger quantization step"
+            )
+        symbols = symbols.astype(np.int32)
+    if symbols.shape[0] >= 2**31 or symbols.shape[1] >= 2**31:
+        raise InvalidTensorError(f"symbols shape {symbols.shape} too large for one payload; split it")
+    return np.ascontiguousarray(symbols)
+
+
+def _check_settings(prob_bits, group_lanes, lane_tokens, T):
+    if not 10 <= prob_bits <= 15:
+        raise InvalidTensorError(f"prob_bits must be 10..15, got {prob_bits}")
+    if group_lanes < 1 or group_lanes > 1024 or group_lanes & (group_lanes - 1):
+        raise InvalidTensorError(f"group_lanes must be a power of two up to 1024, got {group_lanes}")
+    if lane_tokens < 1:
+        raise InvalidTensorError(f"lane_tokens must be >= 1, got {lane_tokens}")
+    return min(int(lane_tokens), T)
+
+
+def _tables_cpu(sym: np.ndarray, prob_bits: int):
+    """Per-component window and tables from the symbols (CPU path)."""
+    T, K = sym.shape
+    s64 = sym.astype(np.int64)
+    lo0, h0 = initial_windows(s64.min(0), s64.max(0), s64.sum(0), T, prob_bits)
+    H = int(h0.max())
+    idx = s64 - lo0
+    inwin = (idx >= 0) & (idx < h0)
+    key = (np.arange(K, dtype=np.int64)[None, :] * H + idx)[inwin]
+    counts = np.bincount(key, minlength=K * H).reshape(K, H)
+    a, W, esc, n_esc, codes = choose_tables(counts, h0, T)
+    return lo0 + a, W, esc, codes
+
+
+def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
+           lane_tokens: int | None = None) -> bytes:
+    """Code an integer matrix [T tokens, K components] (int32 range) into a self-contained payload."""
+    sym = _validate_symbols(symbols)
+    T, K = sym.shape
+    S = _check_settings(prob_bits, group_lanes, lane_tokens or default_lane_tokens(T, K), T)
+    n, M, G = prob_bits, 1 << prob_bits, group_lanes
+    lo, W, esc, codes = _tables_cpu(sym, prob_bits)
+    A = W + esc
+    freq, cum = normalize(codes, prob_bits)
+
+    idx = sym.astype(np.int64) - lo
+    outside = (idx < 0) | (idx >= W)
+    escapes = sym[outside]  # row-major order
+    idx = np.where(outside, W, idx)
+    lay = Layout(T, K, S, G, int(A.sum()), len(escapes), 0)
+    P, NL, NG = lay.P, lay.n_lanes, lay.n_groups
+
+    # Per-step, per-lane (f, c): rows [P*S] padded with the no-op symbol (f = M, c = 0).
+    rows_k = np.arange(K)[None, :]
+    F = np.full((P * S, K), M, np.int64)
+    C = np.zeros((P * S, K), np.int64)
+    F[:T] = freq[rows_k, idx]
+    C[:T] = cum[rows_k, idx]
+    F = _steps_by_lane(F, P, S, K, NG * G, M)
+    C = _steps_by_lane(C, P, S, K, NG * G, 0)
+
+    x = np.full(NG * G, STATE_LOW, np.int64)
+    ptr = np.zeros(NG, np.int64)
+    cap = G * S
+    buf = np.zeros(NG * cap, np.uint16)
+    group_base = np.arange(NG, dtype=np.int64) * cap
+    for i in range(S - 1, -1, -1):
+        f = F[i]
+        emit = (x >> (32 - n)) >= f
+        e2 = emit.reshape(NG, G)
+        cnt = e2.sum(1)
+        if cnt.any():
+            rank = np.cumsum(e2, 1) - e2
+            pos = (group_base + ptr)[:, None] + rank
+            buf[pos.ravel()[emit]] = x[emit] & 0xFFFF
+            ptr += cnt
+            x = np.where(emit, x >> 16, x)
+        q = x // f
+        x = (q << n) + (x - q * f) + C[i]
+
+    words = buf.reshape(NG, cap)
+    streams = np.concatenate([words[g, :ptr[g]] for g in range(NG)]) if NG else np.zeros(0, np.uint16)
+    coded = np.tile(A > 1, P)  # lanes of components with more than one symbol
+    return _assemble(lay, n, lo, W, esc, codes, A, ptr.astype(np.uint32), escapes,
+                     x[:NL][coded].astype(np.uint32), streams)
+
+
+def _steps_by_lane(a: np.ndarray, P, S, K, n_lanes_padded, fill) -> np.ndarray:
+    """[P*S, K] per-token values -> [S, lanes] with lane g = p*K + k, padded lanes filled."""
+    out = np.full((S, n_lanes_padded), fill, a.dtype)
+    out[:, :P * K] = a.reshape(P, S, K).transpose(1, 0, 2).reshape(S, P * K)
+    return out
+
+
+def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, A, group_words, escapes, states, streams) -> bytes:
+    stream_words = int(group_words.astype(np.int64).sum())
+    lo_bytes, w_bytes = _widths(lo, W)
+    k_coded = int((A > 1).sum())
+    lay = Layout(lay.T, lay.K, lay.S, lay.G, int(A.sum()), len(escapes), stream_words, k_coded, lo_bytes, w_bytes)
+    meta = bytearray(lay.states - HEADER.size)
+
+    def put(offset, arr):
+        raw = np.ascontiguousarray(arr).tobytes()
+        meta[offset - HEADER.size: offset - HEADER.size + len(raw)] = raw
+
+    put(lay.lo, lo.astype(_INT[lo_bytes]))
+    put(lay.wflag, (W | (esc << (8 * w_bytes - 1))).astype(_UINT[w_bytes]))
+    put(lay.codes, np.concatenate([codes[k, :A[k]] for k in range(lay.K)]))
+    put(lay.group_words, group_words.astype(np.uint32))
+    put(lay.escapes, np.asarray(escapes, np.int32))
+    head = HEADER.pack(MAGIC, VERSION, prob_bits, lay.G, lay.T, lay.K, lay.S, int(A.sum()), len(escapes),
+                       k_coded, lo_bytes, w_bytes, 0, stream_words, 0, 0)
+    tail = [bytes(meta), states.astype("<u4").tobytes(), streams.astype("<u2").tobytes()]
+    c0, c1 = checksum(head[:CHECKED_HEADER_BYTES], *tail)
+    return b"".join([head[:CHECKED_HEADER_BYTES], struct.pack("<II", c0, c1)] + tail)
+
+
+class Parsed:
+    """Header and meta of a payload, validated against the checksum; arrays are numpy."""
+
+    def __init__(self, payload: bytes):
+        mv = memoryview(payload)
+        _parse_header_only(self, bytes(mv[:HEADER.size]), len(mv))
+        lay, n, K = self.layout, self.prob_bits, self.K
+        if checksum(mv[:CHECKED_HEADER_BYTES], mv[HEADER.size:]) != (self.check0, self.check1):
+            raise BitstreamError("rANS payload checksum mismatch: the payload is corrupt")
+        meta = mv[HEADER.size:lay.states]
+        n_table, n_esc, stream_words = self.n_table, self.n_escapes, self.stream_words
+
+        def get(offset, dtype, count):
+            o = offset - HEADER.size
+            return np.frombuffer(meta, dtype, count, o)
+
+        self.lo = get(lay.lo, _INT[lay.lo_bytes], K).astype(np.int64)
+        wflag = get(lay.wflag, _UINT[lay.w_bytes], K).astype(np.int64)
+        top = 8 * lay.w_bytes - 1
+        self.W, self.esc = wflag & ((1 << top) - 1), wflag >> top
+        self.A = self.W + self.esc
+        if (self.W < 1).any() or (self.A > max_alphabet(n)).any() or int(self.A.sum()) != n_table \
+                or (self.lo + self.W - 1 > 2**31 - 1).any() or int((self.A > 1).sum()) != lay.k_coded:
+            raise BitstreamError("rANS payload tables are corrupt (alphabet sizes out of range)")
+        self.codes_flat = get(lay.codes, "u1", n_table)
+        self.group_words = get(lay.group_words, "<u4", lay.n_groups).astype(np.int64)
+        if int(self.group_words.sum()) != stream_words:
+            raise BitstreamError("rANS payload group lengths do not add up to its stream length")
+        self.escapes = get(lay.escapes, "<i4", n_esc)
+
+    def dense_codes(self) -> np.ndarray:
+        A = self.A
+        out = np.zeros((self.K, int(A.max())), np.uint8)
+        mask = np.arange(out.shape[1])[None, :] < A[:, None]
+        out[mask] = self.codes_flat
+        return out
+
+
+def parse(payload) -> Parsed:
+    """Read and validate the header and meta of a payload, checksum included (no decoding)."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise InvalidTensorError(f"payload must be bytes, got {type(payload).__name__}")
+    return Parsed(payload)
+
+
+def decode(payload) -> np.ndarray:
+    """Inverse of encode (and of encode_cuda): payload bytes -> int32 [T, K]."""
+    if isinstance(payload, np.ndarray):
+        payload = payload.tobytes()
+    hdr = parse(payload)
+    lay, n, G, S, K, T = hdr.layout, hdr.prob_bits, hdr.G, hdr.S, hdr.K, hdr.T
+    M, P, NL, NG = 1 << n, lay.P, lay.n_lanes, lay.n_groups
+    freq, cum = normalize(hdr.dense_codes(), n)
+    A1 = freq.shape[1]
+    # A virtual component K with one symbol of frequency M: decoding it leaves the state unchanged.
+    freq = np.concatenate([freq, np.zeros((1, A1), np.int64)])
+    freq[K, 0] = M
+    cum = np.concatenate([cum, np.zeros((1, A1), np.int64)])
+    lut = np.repeat(np.tile(np.arange(A1, dtype=np.int64), K + 1), freq.ravel())  # [(K+1) * M]
+    freq, cum = freq.ravel(), cum.ravel()
+
+    mv = memoryview(payload)
+    states = np.full(NL, STATE_LOW, np.int64)
+    states[np.tile(hdr.A > 1, P)] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
+    if (states < STATE_LOW).any():
+        raise BitstreamError("rANS payload lane states are corrupt")
+    words = np.frombuffer(mv[lay.streams:lay.total], "<u2").astype(np.int64)
+    x = np.full(NG * G, STATE_LOW, np.int64)
+    x[:NL] = states
+    group_start = np.concatenate([[0], np.cumsum(hdr.group_words)[:-1]]).astype(np.int64)
+    ptr = hdr.group_words.copy()
+    lane_k = np.full(NG * G, K, np.int64)
+    lane_k[:NL] = np.tile(np.arange(K), P)
+    last_len = T - (P - 1) * S
+    lane_k_last = lane_k.copy()
+    lane_k_last[(P - 1) * K:NL] = K  # lanes of the last chunk, past its end
+    out = np.empty((S, NG * G), np.int64)
+    bad = False
+    n_words = max(len(words), 1)
+    if len(words) == 0:
+        words = np.zeros(1, np.int64)
+    for i in range(S):
+        comp = lane_k if i < last_len else lane_k_last
+        slot = x & (M - 1)
+        s = lut[comp * M + slot]
+        fc = comp * A1 + s
+        x = freq[fc] * (x >> n) + slot - cum[fc]
+        out[i] = s
+        need = x < STATE_LOW
+        n2 = need.reshape(NG, G)
+        cnt = n2.sum(1)
+        if cnt.any():
+            rank = np.cumsum(n2, 1) - n2
+            ptr = ptr - cnt
+            bad = bad or bool((ptr < 0).any())
+            pos = np.clip((group_start + ptr)[:, None] + rank, 0, n_words - 1).ravel()
+            x = np.where(need, (x << 16) | words[pos], x)
+    if bad or (ptr != 0).any() or (x != STATE_LOW).any():
+        raise BitstreamError("rANS payload streams are corrupt (lane states do not return to their start)")
+    idx = out[:, :NL].reshape(S, P, K).transpose(1, 0, 2).reshape(P * S, K)[:T]
+    return _symbols_from_indices(idx, hdr)
+
+
+def _symbols_from_indices(idx: np.ndarray, hdr: Parsed) -> np.ndarray:
+    is_esc = (idx == hdr.W) & (hdr.esc > 0)
+    vals = (idx + hdr.lo).astype(np.int32)  # escaped entries are overwritten below
+    n_esc = int(is_esc.sum())
+    if n_esc != hdr.n_escapes:
+        raise BitstreamError(f"rANS payload escape count mismatch ({n_esc} decoded, {hdr.n_escapes} stored)")
+    if n_esc:
+        vals[is_esc] = hdr.escapes
+    return vals
+
+
+def entropy_bound_bytes(symbols) -> float:
+    """Per-component memoryless empirical entropy of the symbols, in bytes (no table costs).
+    numpy arrays, or torch tensors (computed on their device)."""
+    if hasattr(symbols, "detach") and not isinstance(symbols, np.ndarray):
+        import torch
+
+        t = symbols.detach()
+        if t.dim() != 2 or t.numel() == 0:
+            raise InvalidTensorError(f"symbols must be a non-empty 2-D tensor, got shape {tuple(t.shape)}")
+        T, K = t.shape
+        col_sorted = torch.sort(t, dim=0).values.t().contiguous()
+        starts = torch.ones_like(col_sorted, dtype=torch.bool)
+        starts[:, 1:] = col_sorted[:, 1:] != col_sorted[:, :-1]
+        flat_starts = torch.nonzero(starts.reshape(-1)).reshape(-1)
+        counts = torch.diff(flat_starts, append=torch.tensor([K * T], device=t.device)).double()
+        return float(-(counts * torch.log2(counts / T)).sum() / 8)
+    sym = _validate_symbols(np.asarray(symbols))
+    T, K = sym.shape
+    col_sorted = np.sort(sym, axis=0).T  # [K, T]
+    starts = np.ones((K, T), bool)
+    starts[:, 1:] = col_sorted[:, 1:] != col_sorted[:, :-1]
+    flat_starts = np.flatnonzero(starts.ravel())
+    counts = np.diff(np.append(flat_starts, K * T)).astype(np.float64)
+    return float(-(counts * np.log2(counts / T)).sum() / 8)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU coder: Triton kernels writing the same bitstream. Defined on first use, so importing this
+# module needs neither Triton nor a GPU. With TRITON_INTERPRET=1 they also run on CPU tensors
+# (slowly), which is how the CPU machine tests them against the numpy coder.
+
+_KERNELS = None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(f"the GPU rANS coder needs Triton ({e}); pip install triton, "
+                                 "or use the CPU coder rans.encode/rans.decode") from None
+
+    from . import _rans_triton as kt
+
+    _KERNELS = dict(hist=kt.hist_kernel, tables=kt.tables_kernel, decode_tables=kt.decode_tables_kernel,
+                    encode=kt.encode_kernel, gather=kt.gather_streams_kernel, decode=kt.decode_kernel,
+                    checksum=kt.checksum_kernel)
+    return _KERNELS
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise BackendUnavailable(f"the GPU rANS coder needs torch ({e})") from None
+    return torch
+
+
+def _check_device(t, what: str):
+    if t.device.type != "cuda" and not _interpreting():
+        raise BackendUnavailable(
+            f"{what} needs a CUDA tensor (got one on {t.device}); move it with .cuda(), or use the CPU coder "
+            "(rans.encode/rans.decode), or set TRITON_INTERPRET=1 to run the kernels on the CPU for tests")
+
+
+GROUPS_PER_PROGRAM = 4  # lane groups per Triton program: 4 x 32 lanes = 128 threads
+HIST_TOKENS, HIST_BLOCK = 256, 128  # histogram: tokens per thread, threads per program
+
+
+def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
+                lane_tokens: int | None = None, stats=None):
+    """encode() on the GPU: int32 CUDA tensor [T, K] -> uint8 CUDA tensor holding the same bytes.
+
+    stats: optional (min, max, sum) per component, int tensors [K] on t's device, when the
+    producer already has them (rdquant's fused projection does); saves a pass over t."""
+    torch = _torch()
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTensorError(f"encode_cuda takes a torch tensor, got {type(t).__name__}; use encode() for numpy")
+    _check_device(t, "encode_cuda")
+    if t.dim() != 2:
+        raise InvalidTensorError(f"symbols must be 2-D [T tokens, K components], got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise InvalidTensorError(f"symbols is empty (shape {tuple(t.shape)}); there is nothing to code")
+    if t.dtype != torch.int32:
+        if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
+            raise InvalidTensorError(f"symbols must be integers, got {t.dtype}; quantize first (shared.rdquant)")
+        if t.dtype == torch.int64 and (int(t.min()) < -(2**31) or int(t.max()) > 2**31 - 1):
+            raise InvalidTensorError("symbols overflow int32; use a larger quantization step")
+        t = t.to(torch.int32)
+    t = t.contiguous()
+    T, K = t.shape
+    S = _check_settings(prob_bits, group_lanes, lane_tokens or default_lane_tokens(T, K), T)
+    n, G, HCAP = prob_bits, group_lanes, max_alphabet(prob_bits)
+    kern = _kernels()
+    dev = t.device
+    a_max = HCAP
+
+    # 1. first windows from min, max and the exact integer sum (no host round trip)
+    if stats is None:
+        mn, mx = torch.aminmax(t, dim=0)
+        sm = t.sum(0, dtype=torch.int64)
+    else:
+        mn, mx, sm = stats
+    mn, mx, sm = mn.long(), mx.long(), sm.long()
+    span = mx - mn + 1
+    wide = span > a_max
+    h0 = torch.where(wide, torch.full_like(span, a_max - 1), span)
+    centre = torch.div(sm, T, rounding_mode="floor")
+    lo0 = torch.where(wide, torch.maximum(torch.minimum(centre - (a_max - 1) // 2, mx - h0 + 1), mn), mn)
+
+    # 2. histograms inside the first windows, 3. trimmed windows, codes and tables per component
+    wide_index = (T + 1) * K >= 2**31
+    counts = torch.zeros((K, HCAP), dtype=torch.int32, device=dev)
+    hs = min(T, HIST_TOKENS)
+    n_hist = triton_cdiv(T, hs) * K
+    kern["hist"][(triton_cdiv(n_hist, HIST_BLOCK),)](
+        t, lo0, h0, centre, counts, T, K, n_hist, hs, HCAP=HCAP, BLOCK=HIST_BLOCK, WIDE_INDEX=wide_index,
+        num_warps=HIST_BLOCK // 32)
+    a = torch.empty(K, dtype=torch.int64, device=dev)
+    W = torch.empty_like(a)
+    esc = torch.empty_like(a)
+    n_esc = torch.empty_like(a)
+    codes = torch.empty((K, HCAP), dtype=torch.uint8, device=dev)
+    tab = torch.empty((K, HCAP), dtype=torch.int32, device=dev)
+    kern["tables"][(K,)](counts, h0, a, W, esc, n_esc, codes, tab, T, HCAP=HCAP, PROB_BITS=n,
+                         ESC_COST=ESCAPE_COST, ENTRY_COST=TABLE_ENTRY_COST)
+    lo = lo0 + a
+    A = W + esc
+    n_table, n_escapes = (int(v) for v in torch.stack([A.sum(), n_esc.sum()]).cpu().tolist())  # host sync 1
+
+    # 4. the lanes; escaped values land in (position, value) slots, put in row-major order below
+    lay = Layout(T, K, S, G, 0, 0, 0)
+    NL, NG, cap = lay.n_lanes, lay.n_groups, G * S
+    buf = torch.empty(NG * cap, dtype=torch.int16, device=dev)
+    states = torch.empty(NL, dtype=torch.int32, device=dev)
+    glen = torch.empty(NG, dtype=torch.int32, device=dev)
+    esc_key = torch.empty(max(n_escapes, 1), dtype=torch.int64, device=dev)
+    esc_val = torch.empty(max(n_escapes, 1), dtype=torch.int32, device=dev)
+    esc_count = torch.zeros(1, dtype=torch.int32, device=dev)
+    kern["encode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
+        t, lo, W, tab, buf, states, glen, esc_key, esc_val, esc_count, T, K, NL, NG, S, cap,
+        HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM, HAS_ESC=n_escapes > 0, WIDE_INDEX=wide_index,
+        num_warps=_warps(G))
+
+    # 5. the stream length (host sync 2), then the payload
+    lo_bytes, w_bytes, k_coded, stream_words = (int(v) for v in torch.stack([  # host sync 2
+        _lo_bytes_torch(torch, lo), 1 + (W.max() >= 128).long(), (A > 1).sum(), glen.sum(dtype=torch.int64)]
+    ).cpu().tolist())
+    lay = Layout(T, K, S, G, n_table, n_escapes, stream_words, k_coded, lo_bytes, w_bytes)
+    payload = torch.zeros(lay.total, dtype=torch.uint8, device=dev)
+    head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, n_table, n_escapes, k_coded, lo_bytes, w_bytes, 0,
+                       stream_words, 0, 0)
+    payload[:CHECKED_HEADER_BYTES] = torch.frombuffer(bytearray(head[:CHECKED_HEADER_BYTES]),
+                                                       dtype=torch.uint8).to(dev)
+    payload[lay.lo:lay.wflag].view(_TORCH_INT[lo_bytes]).copy_(lo.to(_TORCH_INT[lo_bytes]))
+    wflag = (W | (esc << (8 * w_bytes - 1))).to(torch.int16)
+    payload[lay.wflag:lay.wflag + w_bytes * K].view(_TORCH_INT[w_bytes]).copy_(wflag.to(_TORCH_INT[w_bytes]))
+    starts = torch.repeat_interleave(torch.arange(K, device=dev) * HCAP, A, output_size=n_table)
+    within = torch.arange(n_table, device=dev) - torch.repeat_interleave(torch.cumsum(A, 0) - A, A,
+                                                                         output_size=n_table)
+    payload[lay.codes:lay.codes + n_table] = codes.view(-1)[starts + within]
+    payload[lay.group_words:lay.escapes].view(torch.int32).copy_(glen)
+    if n_escapes:
+        payload[lay.escapes:lay.states].view(torch.int32).copy_(esc_val[torch.argsort(esc_key)])
+    payload[lay.states:lay.streams].view(torch.int32).copy_(states.view(lay.P, K)[:, A > 1].reshape(-1))
+    if stream_words:
+        goff = torch.cumsum(glen.long(), 0) - glen.long()
+        kern["gather"][(NG,)](buf, glen, goff, payload[lay.streams:].view(torch.int16), cap, BLOCK=1024)
+    sums = _checksum_torch(torch, payload)
+    payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32).copy_(sums.to(torch.int32))
+    return payload
+
+
+class _TorchInt(dict):
+    def __missing__(self, nbytes):
+        import torch
+
+        return {1: torch.int8, 2: torch.int16, 4: torch.int32}[nbytes]
+
+
+_TORCH_INT = _TorchInt()
+
+
+def _lo_bytes_torch(torch, lo):
+    mn, mx = lo.min(), lo.max()
+    return torch.where((mn >= -128) & (mx < 128), 1, torch.where((mn >= -32768) & (mx < 32768), 2, 4))
+
+
+def _warps(G: int) -> int:
+    return max(1, min(16, GROUPS_PER_PROGRAM * G // 32))
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+CHECKSUM_BLOCK = 8192  # payload bytes per program of the checksum kernel
+
+
+def _checksum_torch(torch, payload):
+    """checksum() of the whole payload but its check fields, on the payload's device: int64 [2]."""
+    sums = torch.zeros(2, dtype=torch.int64, device=payload.device)
+    n = len(payload)
+    _kernels()["checksum"][(triton_cdiv(n, CHECKSUM_BLOCK),)](
+        payload, n, sums, SKIP_LO=CHECKED_HEADER_BYTES, SKIP_HI=HEADER.size, BLOCK=CHECKSUM_BLOCK)
+    return sums & 0xFFFFFFFF
+
+
+def decode_cuda(payload):
+    """decode() on the GPU: uint8 CUDA tensor (a payload from encode or encode_cuda) -> int32 CUDA [T, K]."""
+    torch = _torch()
+    if not isinstance(payload, torch.Tensor):
+        raise InvalidTensorError(f"decode_cuda takes a torch uint8 tensor, got {type(payload).__name__}; "
+                                 "use decode() for bytes")
+    _check_device(payload, "decode_cuda")
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise InvalidTensorError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
+    payload = payload.contiguous()
+    dev = payload.device
+    # The header sizes every allocation, so it is validated on the host; the meta on the GPU below.
+    hdr = Parsed.__new__(Parsed)
+    _parse_header_only(hdr, bytes(payload[:HEADER.size].cpu().numpy()), len(payload))
+    lay, n, G, S, K, T = hdr.layout, hdr.prob_bits, hdr.G, hdr.S, hdr.K, hdr.T
+    M, HCAP = 1 << n, max_alphabet(n)
+    NL, NG = lay.n_lanes, lay.n_groups
+    kern = _kernels()
+    errors = []
+
+    sums = _checksum_torch(torch, payload)
+    errors.append((sums[0] != hdr.check0) | (sums[1] != hdr.check1))
+    lo = payload[lay.lo:lay.wflag].view(_TORCH_INT[lay.lo_bytes]).long()
+    top = 8 * lay.w_bytes - 1
+    wflag = payload[lay.wflag:lay.wflag + lay.w_bytes * K].view(_TORCH_INT[lay.w_bytes]).long() & ((2 << top) - 1)
+    W, esc = wflag & ((1 << top) - 1), wflag >> top
+    A = W + esc
+    errors += [(W < 1).any(), (A > HCAP).any(), A.sum() != hdr.n_table, (lo + W - 1 > 2**31 - 1).any(),
+               (A > 1).sum() != lay.k_coded]
+    A = A.clamp(0, HCAP)
+    offs = torch.cumsum(A, 0) - A
+    j = torch.arange(HCAP, device=dev)
+    src = (offs[:, None] + j[None, :]).clamp(max=max(hdr.n_table - 1, 0))
+    flat = payload[lay.codes:lay.codes + max(hdr.n_table, 1)]
+    codes = torch.where(j[None, :] < A[:, None], flat[src], torch.zeros((), dtype=torch.uint8, device=dev))
+    # tables for K components plus the virtual no-op component K (one symbol of frequency M)
+    tab = torch.empty((K + 1, HCAP), dtype=torch.int32, device=dev)
+    freq = torch.empty((K + 1, HCAP), dtype=torch.int32, device=dev)
+    bad_rows = torch.empty(K + 1, dtype=torch.int32, device=dev)
+    codes1 = torch.cat([codes, torch.zeros((1, HCAP), dtype=torch.uint8, device=dev)])
+    codes1[K, 0] = 1
+    kern["decode_tables"][(K + 1,)](codes1, tab, freq, bad_rows, HCAP=HCAP, PROB_BITS=n)
+    errors.append(bad_rows.any())
+    # slot -> symbol lookup of every component (each table sums to M, so the sizes are fixed)
+    f_flat = freq.view(-1).long()
+    lut = torch.repeat_interleave(j.repeat(K + 1), f_flat, output_size=(K + 1) * M)
+    packed = n <= 11
+    if packed:  # symbol << 2n | (f - 1) << n | (slot - cum): the decoder's one load per step
+        f_slot = torch.repeat_interleave(f_flat, f_flat, output_size=(K + 1) * M)
+        c_slot = torch.repeat_interleave((tab.view(-1).long() >> 16), f_flat, output_size=(K + 1) * M)
+        slot = torch.arange((K + 1) * M, device=dev) % M
+        lut = (lut << (2 * n)) | ((f_slot - 1) << n) | (slot - c_slot)
+    lut = lut.to(torch.int32)
+    glen = payload[lay.group_words:lay.escapes].view(torch.int32)
+    errors.append(glen.long().sum() != hdr.stream_words)
+    goff = torch.cumsum(glen.long(), 0) - glen.long()
+    states = torch.full((lay.P, K), STATE_LOW, dtype=torch.int32, device=dev)
+    coded = (A > 1).nonzero().reshape(-1)
+    if len(coded) == lay.k_coded:  # (else the error above is raised after decoding)
+        states[:, coded] = payload[lay.states:lay.streams].view(torch.int32).view(lay.P, lay.k_coded)
+    states = states.view(-1)
+    words = payload[lay.streams:].view(torch.int16) if hdr.stream_words else torch.zeros(1, dtype=torch.int16,
+                                                                                         device=dev)
+    out = torch.empty((T, K), dtype=torch.int32, device=dev)
+    n_esc = hdr.n_escapes
+    esc_key = torch.empty(max(n_esc, 1), dtype=torch.int64, device=dev)
+    esc_count = torch.zeros(1, dtype=torch.int32, device=dev)
+    bad = torch.zeros(NL, dtype=torch.int32, device=dev)
+    kern["decode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
+        words, goff, glen, states, lo, W, lut, tab, out, esc_key, esc_count, bad, T, K, NL, NG, S,
+        hdr.stream_words, n_esc, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM, HAS_ESC=n_esc > 0,
+        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G))
+    errors.append(bad.any())
+    errors.append(esc_count[0] != n_esc)
+    if bool(torch.stack([e.reshape(()) for e in errors]).any()):  # the one host sync after the header
+        raise BitstreamError("rANS payload is corrupt (checksum, tables or lane states do not check out)")
+    if n_esc:
+        vals = payload[lay.escapes:lay.states].view(torch.int32)
+        out.view(-1)[torch.sort(esc_key).values] = vals
+    return out
+
+
+def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int) -> None:
+    if len(head) < HEADER.size:
+        raise BitstreamError(f"rANS payload truncated: {len(head)} bytes, the header alone is {HEADER.size}")
+    (magic, version, n, G, T, K, S, n_table, n_esc, k_coded, lo_bytes, w_bytes, reserved, stream_words, c0,
+     c1) = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise BitstreamError(f"not an rANS payload (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise BitstreamError(f"rANS payload version {version}; this build reads version {VERSION}")
+    if not (10 <= n <= 15 and 1 <= G <= 1024 and G & (G - 1) == 0 and T >= 1 and K >= 1
+            and 1 <= S <= T and reserved == 0 and n_esc <= T * K and k_coded <= K and lo_bytes in (1, 2, 4)
+            and w_bytes in (1, 2)):
+        raise BitstreamError("rANS payload header is corrupt (settings out of range)")
+    hdr.prob_bits, hdr.G, hdr.T, hdr.K, hdr.S = n, G, T, K, S
+    hdr.n_table, hdr.n_escapes, hdr.stream_words = n_table, n_esc, stream_words
+    hdr.check0, hdr.check1 = c0, c1
+    hdr.layout = Layout(T, K, S, G, n_table, n_esc, stream_words, k_coded, lo_bytes, w_bytes)
+    if hdr.layout.total != total_len:
+        raise BitstreamError("rANS payload truncated or its header is corrupt (section sizes do not add up)")

@@ -1,0 +1,311 @@
+"""Rate-distortion quantizer for PCA coefficients: one uniform step shared by all K components.
+
+After a decorrelating (PCA) transform, the quantizer that minimizes MSE at a given rate uses the
+same step on every component (high-rate theory); a component whose spread is below the step then
+quantizes to (almost) all zeros by itself, which is the 'reverse water-filling' of rate-distortion
+theory. The symbols are integers of any range (int32), coded per component by shared/codecs/rans.py.
+
+    q = find_step(coeffs, target=0.999, metric="cos", reconstruct=basis.reconstruct, reference=x)
+    symbols = q.quantize(coeffs)              # int32 [T, K], numpy or torch (same type out)
+    coeffs_hat = q.dequantize(symbols)        # float32, symbol * step (means belong to the basis)
+    blob = q.to_bytes(); RDQuantizer.from_bytes(blob)
+
+`water_fill=True` also drops (zeroes) whole components whose variance is below the distortion
+level step^2/12, so they cost nothing; PoC 06 measures whether that wins.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+from typing import Callable
+
+import numpy as np
+
+from .errors import BitstreamError, InvalidTensorError
+
+INT32_MAX = 2**31 - 1
+_MAGIC = b"RDQ1"
+_HEAD = struct.Struct("<4sdIB")  # magic, step, K, has_keep_mask
+
+
+def _is_torch(x) -> bool:
+    return hasattr(x, "detach") and hasattr(x, "device")
+
+
+@dataclasses.dataclass
+class RDQuantizer:
+    """Mid-tread uniform quantizer: symbol = round(c / step); dequantize = symbol * step.
+
+    keep: optional bool mask [K]; components outside it are quantized to 0 (dropped)."""
+
+    step: float
+    keep: np.ndarray | None = None
+
+    def __post_init__(self):
+        if not (math.isfinite(self.step) and self.step > 0):
+            raise InvalidTensorError(f"quantization step must be a positive finite number, got {self.step}")
+        if self.keep is not None:
+            self.keep = np.asarray(self.keep, bool).ravel()
+
+    def _check(self, coeffs):
+        if coeffs.ndim != 2:
+            raise InvalidTensorError(f"coefficients must be 2-D [T, K], got shape {tuple(coeffs.shape)}")
+        if coeffs.shape[0] == 0 or coeffs.shape[1] == 0:
+            raise InvalidTensorError(f"coefficients are empty (shape {tuple(coeffs.shape)})")
+        if self.keep is not None and len(self.keep) != coeffs.shape[1]:
+            raise InvalidTensorError(f"quantizer keeps a mask of {len(self.keep)} components, "
+                                     f"coefficients have {coeffs.shape[1]}")
+
+    def quantize(self, coeffs):
+        """float [T, K] (numpy or torch, any device) -> int32 symbols of the same kind."""
+        self._check(coeffs)
+        if _is_torch(coeffs):
+            import torch
+
+            if not torch.is_floating_point(coeffs):
+                raise InvalidTensorError(f"coefficients must be floating point, got {coeffs.dtype}")
+            scaled = torch.round(coeffs.float() / self.step)  # round half to even, like np.rint
+            amax = scaled.abs().amax()
+            if not bool(torch.isfinite(amax)):
+                raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
+            if float(amax) > INT32_MAX:
+                raise InvalidTensorError(f"quantized coefficients reach {float(amax):.3g}, beyond int32; "
+                                         "use a larger step")
+            sym = scaled.to(torch.int32)
+            if self.keep is not None:
+                sym = sym * torch.as_tensor(self.keep, device=sym.device).to(torch.int32)[None, :]
+            return sym
+        c = np.asarray(coeffs)
+        if c.dtype.kind != "f":
+            raise InvalidTensorError(f"coefficients must be floating point, got {c.dtype}")
+        scaled = np.rint(c.astype(np.float64) / self.step)
+        if not np.isfinite(scaled).all():
+            raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
+        if np.abs(scaled).max() > INT32_MAX:
+            raise InvalidTensorError(f"quantized coefficients reach {np.abs(scaled).max():.3g}, beyond int32; "
+                                     "use a larger step")
+        sym = scaled.astype(np.int32)
+        if self.keep is not None:
+            sym = sym * self.keep[None, :].astype(np.int32)
+        return sym
+
+    def dequantize(self, symbols):
+        """int symbols [T, K] -> float32 coefficients (numpy or torch, like the input)."""
+        if _is_torch(symbols):
+            import torch
+
+            return symbols.to(torch.float32) * self.step
+        return np.asarray(symbols).astype(np.float32) * np.float32(self.step)
+
+    def to_bytes(self) -> bytes:
+        K = 0 if self.keep is None else len(self.keep)
+        head = _HEAD.pack(_MAGIC, float(self.step), K, int(self.keep is not None))
+        return head + (np.packbits(self.keep).tobytes() if self.keep is not None else b"")
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "RDQuantizer":
+        if len(blob) < _HEAD.size:
+            raise BitstreamError(f"quantizer parameters truncated ({len(blob)} bytes)")
+        magic, step, K, has_keep = _HEAD.unpack(blob[:_HEAD.size])
+        if magic != _MAGIC:
+            raise BitstreamError(f"not rate-distortion quantizer parameters (magic {magic!r})")
+        keep = None
+        if has_keep:
+            bits = np.frombuffer(blob[_HEAD.size:], np.uint8)
+            if len(bits) != (K + 7) // 8:
+                raise BitstreamError("quantizer keep-mask truncated")
+            keep = np.unpackbits(bits)[:K].astype(bool)
+        try:
+            return cls(step, keep)
+        except InvalidTensorError as e:
+            raise BitstreamError(f"quantizer parameters are corrupt: {e}") from None
+
+    def to_dict(self) -> dict:
+        return {"step": float(self.step), "keep": None if self.keep is None else self.keep.astype(int).tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RDQuantizer":
+        return cls(float(d["step"]), None if d.get("keep") is None else np.asarray(d["keep"], bool))
+
+
+def _to_np64(x) -> np.ndarray:
+    if _is_torch(x):
+        import torch
+
+        x = x.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(x, np.float64)
+
+
+def _quality_torch(reference, approx, metric: str) -> float:
+    import torch
+
+    r, a = reference.double(), approx.double()
+    if metric == "cos":
+        nr, na = r.norm(dim=1), a.norm(dim=1)
+        den = nr * na
+        cos = torch.where(den > 0, (r * a).sum(1) / torch.where(den > 0, den, torch.ones_like(den)),
+                          ((nr == 0) & (na == 0)).double())
+        return float(cos.mean())
+    if metric == "rel_mse":
+        energy = float((r ** 2).sum())
+        err = float(((r - a) ** 2).sum())
+        return err / energy if energy > 0 else (0.0 if err == 0 else math.inf)
+    raise InvalidTensorError(f"unknown quality metric '{metric}'; use 'cos' or 'rel_mse'")
+
+
+def quality(reference, approx, metric: str) -> float:
+    """'cos': mean over tokens of the cosine similarity; 'rel_mse': ||x - y||^2 / ||x||^2.
+    numpy arrays, or torch tensors (computed on their device in float64)."""
+    if _is_torch(reference):
+        return _quality_torch(reference, approx if _is_torch(approx) else
+                              __import__("torch").as_tensor(approx, device=reference.device), metric)
+    if metric == "cos":
+        num = (reference * approx).sum(1)
+        nr, na = np.linalg.norm(reference, axis=1), np.linalg.norm(approx, axis=1)
+        den = nr * na
+        cos = np.where(den > 0, num / np.where(den > 0, den, 1), np.where((nr == 0) & (na == 0), 1.0, 0.0))
+        return float(cos.mean())
+    if metric == "rel_mse":
+        energy = float((reference ** 2).sum())
+        err = float(((reference - approx) ** 2).sum())
+        return err / energy if energy > 0 else (0.0 if err == 0 else math.inf)
+    raise InvalidTensorError(f"unknown quality metric '{metric}'; use 'cos' or 'rel_mse'")
+
+
+def meets(value: float, target: float, metric: str) -> bool:
+    return value >= target if metric == "cos" else value <= target
+
+
+def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable | None = None,
+              reference=None, water_fill: bool = False, iters: int = 32) -> RDQuantizer:
+    """The largest shared step whose reconstruction meets the target quality, by bisection.
+
+    coeffs: [T, K] PCA coefficients. reconstruct: maps dequantized coefficients back to the
+    original space (e.g. basis.reconstruct), so quality is measured where it matters; identity if
+    None. reference: what quality is measured against; default reconstruct(coeffs), i.e. the
+    quantization error alone (pass the original tensor to include the truncation error of K < D).
+    target: cos >= target, or rel_mse <= target. Raises InvalidTensorError when even a step of
+    1e-6 of the coefficients' RMS misses the target (e.g. the truncation alone misses it)."""
+    recon = (lambda y: y) if reconstruct is None else reconstruct
+    if _is_torch(coeffs):  # stay on the tensor's device (a GPU makes the search fast)
+        c = coeffs.detach().float()
+        if c.ndim != 2 or c.numel() == 0:
+            raise InvalidTensorError(f"coefficients must be a non-empty 2-D [T, K] tensor, got {tuple(c.shape)}")
+        if not bool(c.isfinite().all()):
+            raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
+        ref = recon(c) if reference is None else reference
+        var = c.double().var(0, unbiased=False).cpu().numpy()
+        rms = float(c.double().pow(2).mean().sqrt())
+        cmax = float(c.abs().max())
+    else:
+        c = _to_np64(coeffs)
+        if c.ndim != 2 or c.size == 0:
+            raise InvalidTensorError(f"coefficients must be a non-empty 2-D [T, K] array, got shape {c.shape}")
+        if not np.isfinite(c).all():
+            raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
+        c = c.astype(np.float32)
+        ref = _to_np64(recon(c) if reference is None else reference)
+        var = c.astype(np.float64).var(0)
+        rms = float(np.sqrt((c.astype(np.float64) ** 2).mean()))
+        cmax = float(np.abs(c).max())
+    if rms == 0:
+        return RDQuantizer(1.0, None)
+
+    def make(step):
+        keep = var >= step * step / 12 if water_fill else None
+        return RDQuantizer(step, keep)
+
+    def score(step):
+        q = make(step)
+        approx = recon(q.dequantize(q.quantize(c)))
+        return quality(ref, approx if _is_torch(ref) else _to_np64(approx), metric)
+
+    lo, hi = math.log(rms * 1e-6), math.log(cmax * 4 + rms)
+    if not meets(score(math.exp(lo)), target, metric):
+        raise InvalidTensorError(
+            f"no quantization step reaches {metric} {target}: even a step of 1e-6 x RMS gives "
+            f"{score(math.exp(lo)):.6g}; the target is beyond what the basis (K components) allows")
+    if meets(score(math.exp(hi)), target, metric):
+        return make(math.exp(hi))
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if meets(score(math.exp(mid)), target, metric):
+            lo = mid
+        else:
+            hi = mid
+    return make(math.exp(lo))
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class CudaProjection:
+    """The compute codec's dense stages on a GPU, fused into one Triton kernel each way:
+
+        proj = CudaProjection(basis.mean, basis.components)          # [D], [D, K]
+        symbols, stats = proj.quantize(x, step)   # bf16 CUDA [T, D] -> int32 [T, K] + (min, max, sum)
+        payload = rans.encode_cuda(symbols, stats=stats)
+        x_hat = proj.reconstruct(rans.decode_cuda(payload), step)    # -> bf16 [T, D]
+
+    quantize computes round(((x - mean) @ components) / step) with bf16 inputs and float32
+    accumulation (round half up; the CPU quantizer rounds half to even, which only differs on
+    exact ties); reconstruct computes bf16((symbols * step) @ components.T + mean)."""
+
+    BLOCK = dict(BM=32, BN=32, BD=32)  # the CPU interpreter's tile (the GPU autotunes its own)
+
+    def __init__(self, mean, components, device="cuda"):
+        import torch
+
+        comp = torch.as_tensor(np.asarray(components, np.float32) if not _is_torch(components) else components)
+        mu = torch.as_tensor(np.asarray(mean, np.float32) if not _is_torch(mean) else mean)
+        self.D, self.K = comp.shape
+        self.components = comp.to(device, torch.bfloat16).contiguous()  # [D, K]
+        self.components_t = self.components.t().contiguous()  # [K, D]
+        self.mean = mu.to(device, torch.float32).contiguous()
+        # (x - mean) @ B = x @ B - mean @ B, with mean @ B from the same bf16 basis the kernel uses
+        self.bias = (self.mean @ self.components.float()).contiguous()
+
+    def quantize(self, x, step: float):
+        import torch
+        from .codecs import _rans_triton as kt
+
+        if x.dim() != 2 or x.shape[1] != self.D:
+            raise InvalidTensorError(f"tensor must be [T, {self.D}], got {tuple(x.shape)}")
+        x = x.to(torch.bfloat16).contiguous()
+        T, K = x.shape[0], self.K
+        sym = torch.empty((T, K), dtype=torch.int32, device=x.device)
+        mn = torch.full((K,), 2**31 - 1, dtype=torch.int32, device=x.device)
+        mx = torch.full((K,), -2**31, dtype=torch.int32, device=x.device)
+        sm = torch.zeros(K, dtype=torch.int64, device=x.device)
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, 1.0 / step)
+        if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
+            b = self.BLOCK
+            kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]))](*args, UPCAST=True, **b)
+        else:
+            kt.project_quantize_tuned[lambda m: (-(-T // m["BM"]), -(-K // m["BN"]))](*args, UPCAST=False)
+        if not float(amax) < INT32_MAX:  # also catches NaN/Inf in x
+            raise InvalidTensorError(f"quantized coefficients reach {float(amax):.3g} (beyond int32, or NaN/Inf "
+                                     "in the tensor); use a larger step or fix the producer")
+        return sym, (mn, mx, sm)
+
+    def reconstruct(self, symbols, step: float):
+        import torch
+        from .codecs import _rans_triton as kt
+
+        T, K = symbols.shape
+        if K != self.K:
+            raise InvalidTensorError(f"symbols must be [T, {self.K}], got {tuple(symbols.shape)}")
+        out = torch.empty((T, self.D), dtype=torch.bfloat16, device=symbols.device)
+        args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, step)
+        if _interpreting():
+            b = self.BLOCK
+            kt.reconstruct_kernel[(-(-T // b["BM"]), -(-self.D // b["BN"]))](
+                *args, BM=b["BM"], BN=b["BN"], BK=b["BD"], UPCAST=True)
+        else:
+            kt.reconstruct_tuned[lambda m: (-(-T // m["BM"]), -(-self.D // m["BN"]))](*args, UPCAST=False)
+        return out

@@ -1,0 +1,270 @@
+"""The rANS coder (shared/codecs/rans.py): bit-exact round trips, ratio near the entropy bound,
+clear errors on bad input and corrupt payloads; the Triton kernels write the same bytes.
+
+CPU tests run the numpy coder. The Triton kernels run on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1) when triton is installed, else those tests skip. Tests marked gpu run the
+compiled kernels on a CUDA GPU and cross-decode with the CPU coder.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.codecs import rans
+from shared.errors import BitstreamError, InvalidTensorError
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def pca_like(T=2048, K=48, scale=60.0, seed=0):
+    """Gaussian coefficients with a power-law spectrum, quantized with one step: like PCA output."""
+    rng = np.random.default_rng(seed)
+    sigma = scale * np.arange(1, K + 1) ** -0.7
+    return np.rint(rng.standard_normal((T, K)) * sigma).astype(np.int32)
+
+
+def cases():
+    rng = np.random.default_rng(7)
+    heavy = pca_like(1000, 16)
+    heavy[rng.integers(0, 1000, 20), rng.integers(0, 16, 20)] = rng.integers(-10**6, 10**6, 20)
+    extremes = pca_like(300, 5, seed=3)
+    extremes[0, 0], extremes[1, 1], extremes[2, 2] = -2**31, 2**31 - 1, 0
+    return {
+        "pca_like": pca_like(),
+        "skewed": rng.geometric(0.3, (3000, 8)).astype(np.int32) - 1,
+        "constant_columns": np.tile(np.array([[5, -3, 0, 2**31 - 1]], np.int32), (700, 1)),
+        "single_token": np.array([[3, -7, 100000, 0]], np.int32),
+        "single_component": pca_like(777, 1),
+        "negatives": -np.abs(pca_like(900, 6)) - 1000,
+        "huge_alphabet": rng.integers(-2**31, 2**31 - 1, (400, 3), dtype=np.int64).astype(np.int32),
+        "heavy_tails": heavy,
+        "int32_extremes": extremes,
+    }
+
+
+@pytest.mark.parametrize("name", list(cases()))
+def test_round_trip(name):
+    x = cases()[name]
+    payload = rans.encode(x)
+    y = rans.decode(payload)
+    assert y.dtype == np.int32 and y.shape == x.shape
+    np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("settings", [dict(lane_tokens=1), dict(lane_tokens=100), dict(group_lanes=1),
+                                      dict(group_lanes=128), dict(prob_bits=10), dict(prob_bits=15)])
+def test_round_trip_settings(settings):
+    x = pca_like(1000, 40)
+    np.testing.assert_array_equal(rans.decode(rans.encode(x, **settings)), x)
+
+
+def test_other_integer_dtypes_accepted():
+    x = pca_like(500, 4)
+    for dtype in (np.int8, np.int16, np.int64, np.uint8):
+        y = np.clip(x, 0, 100).astype(dtype)
+        np.testing.assert_array_equal(rans.decode(rans.encode(y)), y.astype(np.int32))
+
+
+def test_within_a_few_percent_of_entropy_bound():
+    x = pca_like(8192, 64)
+    bound = rans.entropy_bound_bytes(x)
+    size = len(rans.encode(x))
+    assert bound < size < 1.03 * bound, (size, bound)
+
+
+def test_entropy_bound_matches_definition():
+    x = np.array([[0, 1], [0, 1], [1, 1], [2, 1]], np.int32)
+    # column 0: p = (1/2, 1/4, 1/4) -> 1.5 bits x 4 tokens; column 1 constant -> 0
+    assert rans.entropy_bound_bytes(x) == pytest.approx(6 / 8)
+
+
+def test_constant_matrix_costs_only_header_tables_and_states():
+    x = np.full((5000, 8), -42, np.int32)
+    lanes = 8 * -(-5000 // rans.default_lane_tokens(5000, 8))
+    assert len(rans.encode(x)) <= 48 + 8 * 7 + 4 + 4 * lanes + 8  # no stream words at all
+
+
+def test_bad_input_errors():
+    with pytest.raises(InvalidTensorError, match="empty"):
+        rans.encode(np.zeros((0, 4), np.int32))
+    with pytest.raises(InvalidTensorError, match="2-D"):
+        rans.encode(np.zeros(10, np.int32))
+    with pytest.raises(InvalidTensorError, match="integers"):
+        rans.encode(np.zeros((3, 3), np.float32))
+    with pytest.raises(InvalidTensorError, match="overflow int32"):
+        rans.encode(np.array([[2**31]], np.int64))
+    with pytest.raises(InvalidTensorError, match="numpy array"):
+        rans.encode([[1, 2]])
+
+
+def test_every_single_byte_corruption_is_detected():
+    x = pca_like(300, 6, scale=20)
+    x[3, 2] = 10**6  # an escape, so the escapes section is exercised too
+    payload = rans.encode(x)
+    missed = []
+    for i in range(len(payload)):
+        bad = bytearray(payload)
+        bad[i] ^= 0x5A
+        try:
+            rans.decode(bytes(bad))
+            missed.append(i)
+        except BitstreamError:
+            pass
+    assert not missed, f"corruption at bytes {missed} of {len(payload)} went unnoticed"
+
+
+def test_truncated_and_extended_payloads():
+    payload = rans.encode(pca_like(500, 8))
+    for cut in (0, 10, 47, 48, 100, len(payload) - 1):
+        with pytest.raises(BitstreamError):
+            rans.decode(payload[:cut])
+    with pytest.raises(BitstreamError):
+        rans.decode(payload + b"\0")
+    with pytest.raises(BitstreamError, match="magic"):
+        rans.decode(b"XXXX" + payload[4:])
+
+
+def test_importing_needs_no_gpu_libraries():
+    code = textwrap.dedent("""
+        import sys
+        import shared.codecs.rans as r
+        assert "triton" not in sys.modules, "rans imported triton at import time"
+        import numpy as np
+        assert (r.decode(r.encode(np.ones((4, 2), np.int32))) == 1).all()
+    """)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernels, run on the CPU by Triton's interpreter: same bytes as the numpy coder.
+
+
+def _interpreter():
+    """Run kernels through Triton's interpreter. Triton 3.6's interpreter turns 1-element arrays
+    into loop bounds with int(), which numpy >= 2.4 refuses; read the element instead."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.runtime.interpreter as ti
+
+    if not getattr(ti._patch_lang_tensor, "_fixed", False):
+        original = ti._patch_lang_tensor
+
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+        patched._fixed = True
+        ti._patch_lang_tensor = patched
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# Triton picks interpreter or compiler when a kernel module is first imported, for the whole
+# process: with a GPU the compiled kernels are tested (the gpu tests below), not the interpreter.
+needs_triton = pytest.mark.skipif(not HAS_TRITON or _has_cuda(),
+                                  reason="needs triton (pip install triton) and no GPU (GPU runs test the "
+                                         "compiled kernels instead)")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["pca_like_small", "heavy_tails", "constant_columns", "single_token",
+                                  "huge_alphabet_small"])
+def test_triton_interpreter_writes_the_same_bytes(name, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _interpreter()
+    all_cases = cases()
+    x = {"pca_like_small": pca_like(300, 20), "huge_alphabet_small": all_cases["huge_alphabet"][:40]}.get(
+        name, all_cases.get(name))
+    x = x[:300]
+    payload = rans.encode(x, lane_tokens=64)
+    gpu_payload = rans.encode_cuda(torch.from_numpy(x), lane_tokens=64)
+    assert bytes(gpu_payload.numpy()) == payload
+    y = rans.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    np.testing.assert_array_equal(y.numpy(), x)
+
+
+@needs_triton
+def test_triton_interpreter_rejects_corruption(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _interpreter()
+    payload = bytearray(rans.encode(pca_like(200, 8), lane_tokens=64))
+    for i in (5, 60, len(payload) // 2, len(payload) - 2):
+        bad = bytearray(payload)
+        bad[i] ^= 0xFF
+        with pytest.raises(BitstreamError):
+            rans.decode_cuda(torch.frombuffer(bad, dtype=torch.uint8))
+    with pytest.raises(BitstreamError):
+        rans.decode_cuda(torch.frombuffer(payload[:-3], dtype=torch.uint8))
+
+
+def test_cuda_functions_need_a_cuda_tensor(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from shared.errors import BackendUnavailable
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailable, match="CUDA tensor"):
+        rans.encode_cuda(torch.zeros((4, 4), dtype=torch.int32))
+    with pytest.raises(InvalidTensorError):
+        rans.encode_cuda(np.zeros((4, 4), np.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(cases()))
+def test_cuda_and_cpu_cross_decode(name, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = cases()[name]
+    t = torch.from_numpy(x).cuda()
+    gpu_payload = rans.encode_cuda(t)
+    cpu_payload = rans.encode(x)
+    assert bytes(gpu_payload.cpu().numpy()) == cpu_payload
+    np.testing.assert_array_equal(rans.decode(bytes(gpu_payload.cpu().numpy())), x)
+    y = rans.decode_cuda(torch.frombuffer(bytearray(cpu_payload), dtype=torch.uint8).cuda())
+    assert torch.equal(y, t)
+
+
+@pytest.mark.gpu
+def test_cuda_large_round_trip(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sigma = 40 * torch.arange(1, 257, device="cuda", dtype=torch.float32) ** -0.7
+    t = torch.round(torch.randn((65536, 256), device="cuda", generator=g) * sigma).to(torch.int32)
+    payload = rans.encode_cuda(t)
+    assert torch.equal(rans.decode_cuda(payload), t)
+    assert len(payload) < 1.03 * rans.entropy_bound_bytes(t.cpu().numpy())
+
+
+@pytest.mark.gpu
+def test_cuda_rejects_corruption(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    payload = rans.encode_cuda(torch.from_numpy(pca_like(3000, 32)).cuda())
+    for i in (7, 100, len(payload) // 2, len(payload) - 2):
+        bad = payload.clone()
+        bad[i] ^= 0xFF
+        with pytest.raises(BitstreamError):
+            rans.decode_cuda(bad)
