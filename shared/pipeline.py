@@ -29,6 +29,7 @@ from .codecs import get_backend
 from .errors import BasisMismatchError, BitstreamError, InvalidTensorError
 from .quant import PerChannelQuantizer
 
+SYMBOL_CODER = "rans"  # the compute codec: integer symbols, not frames
 MAGIC = b"TNSC"
 VERSION = 1
 DTYPES = {"bfloat16", "float16", "float32", "float64"}
@@ -102,11 +103,23 @@ class TensorCodec:
     """basis (or None for the raw channels) -> per-channel uint8 quantizer -> frames -> codec backend."""
 
     def __init__(self, basis: PCABasis | None = None, backend: str = "x265", frame_size: int = framing.DEFAULT_FRAME,
-                 bits: int = 8, decoder: str | None = None, **codec_settings):
+                 bits: int = 8, decoder: str | None = None, target_cos: float | None = None,
+                 step: float | None = None, water_fill: bool = True, **codec_settings):
         """decoder: decode with this backend instead of the one that encoded (e.g. "nvdec-hevc" for
-        streams made by "x265"); it must read the same stream format."""
+        streams made by "x265"); it must read the same stream format.
+
+        backend="rans" selects the compute codec instead of the frame path: one quantization step
+        shared by all components (shared.rdquant; given as `step`, or searched per tensor for
+        `target_cos`, measured against the original tensor), coded by shared.codecs.rans."""
         self.basis = basis
-        self.backend = get_backend(backend)
+        self.symbols = backend == SYMBOL_CODER
+        if self.symbols:
+            if (step is None) == (target_cos is None):
+                raise InvalidTensorError("backend 'rans' needs exactly one of step= or target_cos=")
+            self.step, self.target_cos, self.water_fill = step, target_cos, water_fill
+            self.backend = None
+        else:
+            self.backend = get_backend(backend)
         self.decoder = get_backend(decoder) if decoder else None
         if bits != 8:
             raise InvalidTensorError(f"the frame path carries 8-bit planes; got bits={bits}")
@@ -125,9 +138,35 @@ class TensorCodec:
         coeffs = quantizer.dequantize(planes)
         return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
 
+    def _reconstruct(self, coeffs):
+        return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
+
+    def _encode_symbols(self, x, dtype: str) -> bytes:
+        from .codecs import rans
+        from .rdquant import RDQuantizer, find_step
+
+        values = as_float_matrix(x)
+        coeffs = self.basis.project(values) if self.basis is not None else values
+        quantizer = RDQuantizer(self.step) if self.step is not None else find_step(
+            coeffs, self.target_cos, "cos", reconstruct=self._reconstruct, reference=values,
+            water_fill=self.water_fill)
+        symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
+        header = {
+            "shape": [values.shape[0], values.shape[1]],
+            "dtype": dtype,
+            "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
+            "quant": {"kind": "rd_shared_step", "step": quantizer.step},
+            "codec": {"id": SYMBOL_CODER, "settings": {}},
+            "frames": None,
+            "fallback": None,
+        }
+        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": rans.encode(symbols)})
+
     # -- whole tensor --------------------------------------------------------------------------
     def encode(self, x) -> bytes:
         dtype = _dtype_name(x)
+        if self.symbols:
+            return self._encode_symbols(x, dtype)
         planes, quantizer = self.to_planes(x)
         layout = framing.layout_for(*planes.shape, height=self.frame_size)
         frames = framing.to_frames(planes, layout)
@@ -164,6 +203,15 @@ class TensorCodec:
                     f"bitstream was coded with basis {expected['hash']} (K={expected['k']}), this codec holds "
                     f"{self.basis.content_hash} (K={self.basis.k}); load the sender's basis file"
                 )
+        if header["quant"]["kind"] == "rd_shared_step":
+            from .codecs import rans
+            from .rdquant import RDQuantizer
+
+            quantizer = RDQuantizer.from_bytes(chunks["QPAR"])
+            values = self._reconstruct(np.asarray(quantizer.dequantize(rans.decode(chunks["DATA"])), np.float32))
+            if list(values.shape) != header["shape"]:
+                raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
+            return values
         backend = get_backend(header["codec"]["id"])
         if self.decoder is not None and backend.name != "raw":
             if self.decoder.stream_format is None or self.decoder.stream_format != backend.stream_format:
