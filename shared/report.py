@@ -133,17 +133,65 @@ def subprocess_overhead() -> str | None:
             + _source(df, "08_subprocess_overhead"))
 
 
+def coder_ablation() -> str | None:
+    df = _csv("06_coder_ablation")
+    if df is None:
+        return None
+    cpu = df[df.device == "cpu"]
+    rows = []
+    for (source, target), g in cpu[cpu.target.isin([0.999, 0.99, 0.97])].groupby(["source", "target"], sort=False):
+        def pick(backend, quant, metric="ratio"):
+            v = g[(g.backend == backend) & (g.quant == quant) & (g.metric == metric)].value
+            return v.iloc[0] if len(v) else None
+
+        rans_ = pick("rans", "rd_shared_step")
+        wf = pick("rans", "rd_water_fill")
+        x265 = pick("x265", "per_channel_8bit", "ratio_at_target")
+        bound = pick("entropy_bound", "rd_shared_step")
+        zstd = pick("zstd", "rd_shared_step")
+        fmt = (lambda v: "n/a" if v is None else f"{v:.2f}x")
+        gain = "n/a" if (x265 is None or rans_ is None) else f"{max(rans_, wf or 0) / x265:.2f}"
+        rows.append([source, f"{target:g}", fmt(rans_), fmt(wf), fmt(zstd), fmt(x265), gain, fmt(bound)])
+    text = _table(rows, ["source", "cos target", "compute codec (shared step + rANS)", "same + water-filling",
+                         "zstd-19 on the same symbols", "libx265 const-QP (interpolated)", "best compute / x265",
+                         "entropy bound"])
+    gpu = df[(df.backend == "compute-codec-cuda")]
+    if len(gpu):
+        g = gpu.pivot_table(index=["tokens", "channels"], columns="metric", values="value").reset_index()
+        text += "\n\nThe whole compute codec on the GPU (bf16 CUDA tensor -> projection -> shared-step quantizer -> rANS -> " \
+                "payload in GPU memory, and back; integer stage bit-exact first):\n\n"
+        text += _table([[f"[{int(r.tokens)}, {int(r.channels)}] synthetic", f"{r.ratio:.2f}x", f"{r.cos_mean:.4f}",
+                         f"{r.encode_gbps:.1f}", f"{r.decode_gbps:.1f}", f"{r.payload_over_bound:.3f}"]
+                        for r in g.itertuples()],
+                       ["tensor (bf16)", "ratio", "cos_mean", "encode GB/s of bf16", "decode GB/s of bf16",
+                        "payload / entropy bound"])
+    return text + "\n\n" + _source(df, "06_coder_ablation")
+
+
 def gpu_speed() -> str | None:
     parts = []
     df = _csv("09_backend_bench")
-    if df is not None and (df.device != "cpu").any():
-        tp = df[df.metric.isin(["encode_GBps", "decode_GBps"])] if "encode_GBps" in set(df.metric) else None
-        if tp is not None and len(tp):
-            best = tp.loc[tp.groupby(["backend", "metric"]).value.idxmax()]
-            rows = [[r.backend, r.metric.split("_")[0], f"{r.value:.2f}", int(r.frame_size) if "frame_size" in best
-                     and not pd.isna(r.frame_size) else "-", r.path if "path" in best else ""] for r in best.itertuples()]
-            parts.append(_table(rows, ["backend", "direction", "best GB/s of planes", "frame", "path"]) + "\n\n"
-                         + _source(df, "09_backend_bench"))
+    if df is not None:
+        tp = df[df.metric.isin(["encode_gbps_planes", "decode_gbps_planes"])]
+        rows = []
+        for (backend, device), g in tp.groupby(["backend", "device"], sort=False):
+            cells = [backend, device]
+            for metric in ("encode_gbps_planes", "decode_gbps_planes"):
+                m = g[g.metric == metric]
+                if len(m):
+                    r = m.loc[m.value.idxmax()]
+                    where = "component-major" if pd.isna(r.frame_size) or r.frame_size == 0 else f"{int(r.frame_size)}px"
+                    cells.append(f"{r.value:.2f} ({r.path}, {where})")
+                else:
+                    cells.append("not available (no NVENC)" if backend == "nvdec-hevc" else "-")
+            ratio = df[(df.backend == backend) & (df.metric == "ratio_planes") & (df.device == device)].value
+            cells.append(f"{ratio.median():.2f}" if len(ratio) else "")
+            rows.append(cells)
+        src = df[df.metric == "planes_shape"].source
+        parts.append(_table(rows, ["backend", "device", "best encode GB/s of planes (path, frame)",
+                                   "best decode GB/s of planes (path, frame)", "plane ratio (median)"])
+                     + f"\n\nPlanes: {src.iloc[0] if len(src) else ''}; rows with device `cpu` ran on the CPU of the "
+                       "GPU machine (16 cores). " + _source(df, "09_backend_bench"))
     df = _csv("10_multi_engine")
     if df is not None:
         t = df[df.metric == "throughput_planes"]
@@ -154,10 +202,15 @@ def gpu_speed() -> str | None:
                      f"({one.iloc[0]:.2f} GB/s with one), planes: {b.source}. " + _source(df, "10_multi_engine"))
     df = _csv("12_overlap")
     if df is not None:
-        ov = df[df.metric.str.contains("overlap")]
-        parts.append("Overlap (PoC 12): " + "; ".join(f"{r.backend} {r.metric} {100 * r.value:.0f}%" if r.unit in
-                                                      ("fraction", "1") else f"{r.backend} {r.metric} {r.value:.2f}"
-                                                      for r in ov.itertuples()) + ". " + _source(df, "12_overlap"))
+        rows = []
+        for backend, g in df.groupby("backend", sort=False):
+            v = dict(zip(g.metric, g.value))
+            if "overlap_share" in v:
+                rows.append([backend, f"{v['gemm_ms']:.2f}", f"{v['codec_ms']:.2f}", f"{v['serialized_ms']:.2f}",
+                             f"{v['parallel_ms']:.2f}", f"{v['floor_ms']:.2f}", f"{v['overlap_share']:.0f}%"])
+        parts.append("Overlap (PoC 12), a 30 x 4096^2 fp16 GEMM loop on one stream and the codec on another:\n\n"
+                     + _table(rows, ["codec", "GEMM ms", "codec ms", "serialized ms", "parallel ms", "floor ms",
+                                     "share of ideal overlap"]) + "\n\n" + _source(df, "12_overlap"))
     return "\n\n".join(parts) if parts else None
 
 
@@ -167,7 +220,8 @@ SECTIONS = [
     ("Channel spectra (PoC 02)", spectrum),
     ("Known-compressibility controls (PoC 01)", controls),
     ("FFmpeg subprocess vs in-process session (PoC 08)", subprocess_overhead),
-    ("GPU speed (PoCs 09, 10, 12)", gpu_speed),
+    ("Which coder wins on identical coefficients (PoC 06)", coder_ablation),
+    ("Speed of every backend (PoCs 09, 10, 12)", gpu_speed),
 ]
 
 
