@@ -377,17 +377,30 @@ def cuda_time_ms(fn, repeats: int, warmup: int) -> float:
 
 def benchmark_cuda(T: int, D: int, K: int, target_cos: float = BENCH_TARGET_COS, repeats: int = BENCH_REPEATS,
                    warmup: int = BENCH_WARMUP, power: float = BENCH_SPECTRUM_POWER, lane_tokens: int | None = None,
-                   profile: bool = False) -> dict:
+                   profile: bool = False, source: str = "synthetic") -> dict:
     """The whole compute codec on the GPU, each direction, in GB/s of original bf16 bytes.
 
     Encode: bf16 CUDA [T, D] -> projection + quantization (one fused kernel) -> rANS -> payload
     (uint8 CUDA). Decode: payload -> rANS -> dequantization + reconstruction (one fused kernel)
     -> bf16 [T, D]. The integer stage is checked bit-exact (decoded symbols == encoded symbols,
     and the same payload as encode_cuda without the fused statistics) before anything is timed.
-    Synthetic data: a Gaussian with a power-law spectrum (not a model's activations)."""
+    source "synthetic": a Gaussian with a power-law spectrum (not a model's activations);
+    "llm_k15": SmolLM2's layer-15 K cache exported by `make planes`, its 6144 rows cycled to T
+    (per-component statistics, which rANS codes, are those of the real tensor)."""
     import torch
 
-    x = synthetic_gpu_tensor(T, D, power)
+    if source == "synthetic":
+        x = synthetic_gpu_tensor(T, D, power)
+    else:
+        from shared.sources import real_planes
+
+        found = real_planes("act_" + source)
+        if found is None:
+            raise FileNotFoundError("no exported real activations: run `make planes` first (data/planes/)")
+        real = torch.from_numpy(found[0]).cuda()
+        if real.shape[1] != D:
+            raise ValueError(f"{source} has D={real.shape[1]}, the benchmark shape asks for D={D}")
+        x = real[torch.arange(T, device="cuda") % len(real)].to(torch.bfloat16)
     mean, comps = gpu_basis(x)
     comps = comps[:, :K].contiguous()
     sample = x[:16384].float()
@@ -413,7 +426,8 @@ def benchmark_cuda(T: int, D: int, K: int, target_cos: float = BENCH_TARGET_COS,
     x_hat = decode(payload)
     cos = quality(x.float(), x_hat.float(), "cos")
     n_bytes = x.numel() * 2
-    out = dict(T=T, D=D, K=K, step=step, target_cos=target_cos, cos_mean=cos, ratio=n_bytes / len(payload),
+    out = dict(source=source if source != "synthetic" else "synthetic_gpu", T=T, D=D, K=K, step=step,
+               target_cos=target_cos, cos_mean=cos, ratio=n_bytes / len(payload),
                payload_bytes=len(payload), matches=matches,
                lane_tokens=lane_tokens or rans.default_lane_tokens(T, K))
     out["entropy_bound_bytes"] = rans.entropy_bound_bytes(sym)
@@ -439,7 +453,7 @@ def benchmark_cuda(T: int, D: int, K: int, target_cos: float = BENCH_TARGET_COS,
 
 
 def add_bench_rows(res: ResultsWriter, r: dict):
-    settings = dict(source="synthetic_gpu", tokens=r["T"], channels=r["D"], k=r["K"], target=r["target_cos"],
+    settings = dict(source=r["source"], tokens=r["T"], channels=r["D"], k=r["K"], target=r["target_cos"],
                     lane_tokens=r["lane_tokens"], quant="rd_shared_step")
     for metric, unit in [("encode_gbps", "GB/s"), ("decode_gbps", "GB/s"), ("ratio", "x"), ("cos_mean", "1"),
                          ("encode_ms", "ms"), ("decode_ms", "ms"), ("quantize_ms", "ms"), ("rans_encode_ms", "ms"),
@@ -518,6 +532,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print a kernel profile of the GPU benchmark")
     ap.add_argument("--lane-tokens", type=int, nargs="*", default=[0], help="GPU benchmark: tokens per lane (0=auto)")
     ap.add_argument("--shapes", type=str, default=None, help="GPU benchmark shapes 'T,D,K;T,D,K'")
+    ap.add_argument("--bench-source", default="synthetic", choices=["synthetic", "llm_k15"],
+                    help="GPU benchmark tensor: synthetic, or the exported real SmolLM2 layer-15 K (make planes)")
+    ap.add_argument("--merge", action="store_true", help="add this run's rows to the CSV instead of replacing it")
     args = ap.parse_args()
     csv = Path(__file__).resolve().parent.parent / "results" / "06_coder_ablation.csv"
     if args.plot_only:
@@ -536,11 +553,17 @@ def main():
     if gpu:
         for T, D, K in ([(16384, 192, 192)] if args.quick else shapes):
             for lt in args.lane_tokens:
-                r = benchmark_cuda(T, D, K, lane_tokens=lt or None, profile=args.profile)
+                r = benchmark_cuda(T, D, K, lane_tokens=lt or None, profile=args.profile, source=args.bench_source)
                 print("GPU compute codec matches (bit-exact integer stage):", r["matches"])
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
                 add_bench_rows(res, r)
     if args.gpu_bench_only:
+        if args.merge and res.rows:
+            import pandas as pd
+
+            old = pd.read_csv(csv, dtype={"poc": str})
+            pd.concat([old, res.frame()]).to_csv(csv, index=False)
+            print(f"merged {len(res.rows)} rows into {csv.name}")
         return
     print(f"{'source':<11}{'coder':<16}{'quant':<18}{'target':>7}{'ratio':>8}{'cos':>10}{'enc GB/s':>10}"
           f"{'dec GB/s':>10}")

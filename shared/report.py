@@ -157,10 +157,11 @@ def coder_ablation() -> str | None:
                          "entropy bound"])
     gpu = df[(df.backend == "compute-codec-cuda")]
     if len(gpu):
-        g = gpu.pivot_table(index=["tokens", "channels"], columns="metric", values="value").reset_index()
+        g = gpu.pivot_table(index=["source", "tokens", "channels"], columns="metric", values="value").reset_index()
         text += "\n\nThe whole compute codec on the GPU (bf16 CUDA tensor -> projection -> shared-step quantizer -> rANS -> " \
                 "payload in GPU memory, and back; integer stage bit-exact first):\n\n"
-        text += _table([[f"[{int(r.tokens)}, {int(r.channels)}] synthetic", f"{r.ratio:.2f}x", f"{r.cos_mean:.4f}",
+        text += _table([[f"[{int(r.tokens)}, {int(r.channels)}] " + {"synthetic_gpu": "synthetic"}.get(
+                            r.source, f"real {r.source}, rows cycled"), f"{r.ratio:.2f}x", f"{r.cos_mean:.4f}",
                          f"{r.encode_gbps:.1f}", f"{r.decode_gbps:.1f}", f"{r.payload_over_bound:.3f}"]
                         for r in g.itertuples()],
                        ["tensor (bf16)", "ratio", "cos_mean", "encode GB/s of bf16", "decode GB/s of bf16",
