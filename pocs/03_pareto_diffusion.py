@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
-from shared.sweep import add_rows, loo_sweep, operating_points, plot_pareto, sweep_frame  # noqa: E402
+from shared.sweep import loo_sweep, plot_pareto, report_sweep, sweep_frame  # noqa: E402
 
 SEEDS = range(8)          # generations per class = leave-one-out groups
 CLASSES = range(10)       # digit classes, batched into one tensor per step
@@ -59,16 +59,8 @@ def run(quick: bool) -> ResultsWriter:
     rows = loo_sweep(tensors, ks, codecs, frame=64 if quick else FRAME, groups=groups, desc="diffusion sweep",
                      source="tiny_flux", model="tiny_flux", layer=f"double block {meta['block']}",
                      tokens=tensors[0].shape[0], loo="seed")
-    add_rows(res, rows)
-    print(f"{'cos>=':<8}{'ratio':>7}{'K':>5}  codec          cos_min     p1")
-    for op in operating_points(rows):
-        res.add(backend=op["backend"], metric="best_ratio", value=op["ratio"], unit="x", source="tiny_flux",
-                threshold=op["threshold"], k=op["k"], codec=op["codec"], qp=op["qp"], cos_mean=op["cos_mean"],
-                cos_min=op["cos_min"], p1=op["p1"], model="tiny_flux", basis="pca_loo", frame=op["frame"])
-        print(f"{op['threshold']:<8}{op['ratio']:>7.2f}{op['k']:>5}  {op['codec']:<14}{op['cos_min']:>8.4f}"
-              f"{op['p1']:>7.3f}")
-    raw = max((r for r in rows if r["basis"] == "raw" and r["qp"] is None), key=lambda r: r["ratio"])
-    print(f"raw-channel control, lossless codec stage: {raw['ratio']:.2f}x at cos {raw['cos_mean']:.5f}")
+    print(f"{'':<6}{'cos>=':<8}{'ratio':>7}{'K':>5}  codec          cos_min     p1")
+    report_sweep(res, rows)
     return res
 
 

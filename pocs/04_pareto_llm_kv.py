@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
-from shared.sweep import add_rows, loo_sweep, operating_points, plot_pareto, sweep_frame  # noqa: E402
+from shared.sweep import loo_sweep, plot_pareto, report_sweep, sweep_frame  # noqa: E402
 
 MODEL = "smollm2"         # embedded default; or a model id / local folder (--model)
 LAYER = 15                # decoder layer whose cache is coded
@@ -54,15 +54,7 @@ def run(quick: bool, model_name: str) -> ResultsWriter:
     for kind, caps in data.items():
         rows = loo_sweep(caps, ks, codecs, frame=frame, desc=f"layer {LAYER} {kind}", source=kind, model=label,
                          layer=LAYER, tokens=caps[0].shape[0])
-        add_rows(res, rows)
-        for op in operating_points(rows):
-            res.add(backend=op["backend"], metric="best_ratio", value=op["ratio"], unit="x", source=kind,
-                    threshold=op["threshold"], k=op["k"], codec=op["codec"], qp=op["qp"], cos_mean=op["cos_mean"],
-                    cos_min=op["cos_min"], p1=op["p1"], model=label, layer=LAYER, basis="pca_loo", frame=frame)
-            print(f"{kind:<6}{op['threshold']:<8}{op['ratio']:>7.2f}{op['k']:>5}  {op['codec']:<14}"
-                  f"{op['cos_min']:>8.4f}{op['p1']:>7.3f}")
-        raw = max((r for r in rows if r["basis"] == "raw" and r["qp"] is None), key=lambda r: r["ratio"])
-        print(f"{kind:<6}raw-channel control, lossless codec stage: {raw['ratio']:.2f}x at cos {raw['cos_mean']:.5f}")
+        report_sweep(res, rows, kind)
     return res
 
 

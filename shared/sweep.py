@@ -68,6 +68,20 @@ def operating_points(rows: Sequence[dict], thresholds=COS_THRESHOLDS, basis: str
     return best
 
 
+def report_sweep(res, rows: Sequence[dict], label: str = "") -> None:
+    """Write the sweep and its operating points (metric best_ratio) into a ResultsWriter and print them."""
+    add_rows(res, rows)
+    keep = ("source", "model", "layer", "frame", "basis")
+    for op in operating_points(rows):
+        res.add(backend=op["backend"], metric="best_ratio", value=op["ratio"], unit="x", threshold=op["threshold"],
+                k=op["k"], codec=op["codec"], qp=op["qp"], cos_mean=op["cos_mean"], cos_min=op["cos_min"],
+                p1=op["p1"], **{k: op[k] for k in keep if k in op})
+        print(f"{label:<6}{op['threshold']:<8}{op['ratio']:>7.2f}{op['k']:>5}  {op['codec']:<14}"
+              f"{op['cos_min']:>8.4f}{op['p1']:>7.3f}")
+    raw = max((r for r in rows if r["basis"] == "raw" and r["qp"] is None), key=lambda r: r["ratio"])
+    print(f"{label:<6}raw-channel control, lossless codec stage: {raw['ratio']:.2f}x at cos {raw['cos_mean']:.5f}")
+
+
 def add_rows(res, rows: Sequence[dict], metrics=("ratio", "cos_mean", "cos_min", "p1", "rel_mse"), **extra) -> None:
     """Write sweep rows into a ResultsWriter in long format."""
     units = {"ratio": "x", "bytes": "B"}

@@ -39,12 +39,25 @@ def check_frames(frames: np.ndarray, width: int, height: int) -> np.ndarray:
     return np.ascontiguousarray(frames)
 
 
-class EncoderSession:
-    """open in __init__, submit(frames), flush() -> bytes, close()."""
+class _Session:
+    """What both directions share: the size, the settings, close() and the context manager."""
 
     def __init__(self, width: int, height: int, **settings):
         self.width, self.height, self.settings = int(width), int(height), settings
         self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class EncoderSession(_Session):
+    """open in __init__, submit(frames), flush() -> bytes, close()."""
 
     def submit(self, frames: np.ndarray) -> None:
         raise NotImplementedError
@@ -52,37 +65,31 @@ class EncoderSession:
     def flush(self) -> bytes:
         raise NotImplementedError
 
-    def close(self) -> None:
-        self.closed = True
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-class DecoderSession:
-    """open in __init__, submit(payload bytes), flush() -> (F, 3, H, W) uint8, close()."""
+class BufferedEncoder(EncoderSession):
+    """An encoder that codes everything at flush(): submit() only checks and keeps the frame bytes."""
 
     def __init__(self, width: int, height: int, **settings):
-        self.width, self.height, self.settings = int(width), int(height), settings
-        self.closed = False
+        super().__init__(width, height, **settings)
+        self._parts: list[bytes] = []
+
+    def submit(self, frames: np.ndarray) -> None:
+        self._parts.append(check_frames(frames, self.width, self.height).tobytes())
+
+    def take(self) -> bytes:
+        """The bytes of every frame submitted since the last flush."""
+        data, self._parts = b"".join(self._parts), []
+        return data
+
+
+class DecoderSession(_Session):
+    """open in __init__, submit(payload bytes), flush() -> (F, 3, H, W) uint8, close()."""
 
     def submit(self, payload: bytes) -> None:
         raise NotImplementedError
 
     def flush(self) -> np.ndarray:
         raise NotImplementedError
-
-    def close(self) -> None:
-        self.closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def frames_from_bytes(self, data: bytes, n_frames: int | None = None) -> np.ndarray:
         plane = 3 * self.height * self.width
@@ -94,6 +101,21 @@ class DecoderSession:
         if n_frames is not None and len(frames) != n_frames:
             raise BitstreamError(f"expected {n_frames} frames, decoded {len(frames)}")
         return frames
+
+
+class BufferedDecoder(DecoderSession):
+    """A decoder that decodes everything at flush(): submit() only keeps the payload bytes."""
+
+    def __init__(self, width: int, height: int, **settings):
+        super().__init__(width, height, **settings)
+        self._parts: list[bytes] = []
+
+    def submit(self, payload: bytes) -> None:
+        self._parts.append(bytes(payload))
+
+    def take(self) -> bytes:
+        data, self._parts = b"".join(self._parts), []
+        return data
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..errors import BitstreamError, CodecError
-from .base import Backend, DecoderSession, EncoderSession, check_frames, register
+from .base import Backend, BufferedDecoder, BufferedEncoder, register
 
 
 @lru_cache(maxsize=None)
@@ -57,30 +57,16 @@ def encode_args(width: int, height: int, qp: int | None, preset: str) -> list[st
             "-c:v", "libx265", "-preset", preset, "-x265-params", f"log-level=error:{params}", "-f", "hevc", "pipe:1"]
 
 
-class SubprocessEncoder(EncoderSession):
-    def __init__(self, width, height, **settings):
-        super().__init__(width, height, **settings)
-        self._parts: list[bytes] = []
-
-    def submit(self, frames):
-        self._parts.append(check_frames(frames, self.width, self.height).tobytes())
-
+class SubprocessEncoder(BufferedEncoder):
     def flush(self) -> bytes:
-        data, self._parts = b"".join(self._parts), []
+        data = self.take()
         args = encode_args(self.width, self.height, self.settings.get("qp"), self.settings.get("preset", "medium"))
         return _run(args, data, "encode")
 
 
-class SubprocessDecoder(DecoderSession):
-    def __init__(self, width, height, **settings):
-        super().__init__(width, height, **settings)
-        self._parts: list[bytes] = []
-
-    def submit(self, payload):
-        self._parts.append(bytes(payload))
-
+class SubprocessDecoder(BufferedDecoder):
     def flush(self) -> np.ndarray:
-        payload, self._parts = b"".join(self._parts), []
+        payload = self.take()
         raw = _run(["-f", "hevc", "-i", "pipe:0", "-f", "rawvideo", "-pix_fmt", "yuv444p", "pipe:1"], payload, "decode")
         return self.frames_from_bytes(raw).copy()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import BitstreamError
-from .base import Backend, DecoderSession, EncoderSession, check_frames, register
+from .base import Backend, BufferedDecoder, BufferedEncoder, register
 
 DEFAULT_LEVEL = 19
 
@@ -17,38 +17,29 @@ def _probe() -> str | None:
     return None
 
 
-class ZstdEncoder(EncoderSession):
+class ZstdEncoder(BufferedEncoder):
     def __init__(self, width, height, **settings):
         super().__init__(width, height, **settings)
         import zstandard
 
         level = int(settings.get("level", DEFAULT_LEVEL))
         self._compressor = zstandard.ZstdCompressor(level=level, threads=int(settings.get("threads", 0)))
-        self._parts: list[bytes] = []
-
-    def submit(self, frames):
-        self._parts.append(check_frames(frames, self.width, self.height).tobytes())
 
     def flush(self) -> bytes:
-        data, self._parts = b"".join(self._parts), []
-        return self._compressor.compress(data)
+        return self._compressor.compress(self.take())
 
 
-class ZstdDecoder(DecoderSession):
+class ZstdDecoder(BufferedDecoder):
     def __init__(self, width, height, **settings):
         super().__init__(width, height, **settings)
         import zstandard
 
         self._decompressor = zstandard.ZstdDecompressor()
-        self._parts: list[bytes] = []
-
-    def submit(self, payload):
-        self._parts.append(bytes(payload))
 
     def flush(self) -> np.ndarray:
         import zstandard
 
-        payload, self._parts = b"".join(self._parts), []
+        payload = self.take()
         try:
             data = self._decompressor.decompress(payload)
         except zstandard.ZstdError as e:
