@@ -136,7 +136,7 @@ def _labels_tensor(model: TinyFlux, labels: Iterable[int] | torch.Tensor) -> tor
 @torch.no_grad()
 def generate(model: TinyFlux, labels: Iterable[int] | torch.Tensor, seed: int, steps: int,
              activation_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             block: int | None = None) -> torch.Tensor:
+             block: int | None = None, hook_whole_batch: bool = False) -> torch.Tensor:
     """Images (B, 1, 16, 16) in [0, 1] by Euler steps of the rectified flow from sigma 1 to 0.
 
     The starting noise of all B items comes from one generator seeded with `seed`, so item j depends
@@ -149,7 +149,8 @@ def generate(model: TinyFlux, labels: Iterable[int] | torch.Tensor, seed: int, s
     generator = torch.Generator().manual_seed(int(seed))
     x = torch.randn(len(labels), model.tokens, model.token_values, generator=generator)
     sigmas = torch.linspace(1.0, 0.0, steps + 1)
-    replacing = replace_block_output(model.transformer, activation_hook, block) if activation_hook else nullcontext()
+    replacing = (replace_block_output(model.transformer, activation_hook, block, hook_whole_batch)
+                 if activation_hook else nullcontext())
     with replacing:
         for i in range(steps):
             velocity = model(x, sigmas[i].expand(len(labels)), labels)
@@ -183,21 +184,25 @@ def record_block_output(transformer, block: int | None = None):
 
 
 @contextmanager
-def replace_block_output(transformer, fn: Callable[[torch.Tensor], torch.Tensor], block: int | None = None):
-    """While active, the image-stream output of double block `block` becomes fn(x) per batch item, x [T, D]."""
+def replace_block_output(transformer, fn: Callable[[torch.Tensor], torch.Tensor], block: int | None = None,
+                         whole_batch: bool = False):
+    """While active, the image-stream output of double block `block` becomes fn(x): per batch item with
+    x [T, D], or, with whole_batch, once per step with the batch's tokens stacked, x [B * T, D]."""
     module = transformer.transformer_blocks[double_block_index(transformer, block)]
+
+    def replaced(x):
+        x_hat = fn(x)
+        if not isinstance(x_hat, torch.Tensor) or x_hat.shape != x.shape:
+            got = tuple(x_hat.shape) if isinstance(x_hat, torch.Tensor) else type(x_hat).__name__
+            raise InvalidTensorError(f"activation hook must return a tensor of shape {tuple(x.shape)} "
+                                     f"[T tokens, D channels], got {got}")
+        return x_hat.to(device=x.device, dtype=x.dtype)
 
     def hook(_module, _args, out):
         text_stream, image_stream = out
-        replaced = []
-        for item in image_stream:
-            x_hat = fn(item)
-            if not isinstance(x_hat, torch.Tensor) or x_hat.shape != item.shape:
-                got = tuple(x_hat.shape) if isinstance(x_hat, torch.Tensor) else type(x_hat).__name__
-                raise InvalidTensorError(f"activation hook must return a tensor of shape {tuple(item.shape)} "
-                                         f"[T tokens, D channels], got {got}")
-            replaced.append(x_hat.to(device=item.device, dtype=item.dtype))
-        return text_stream, torch.stack(replaced)
+        if whole_batch:
+            return text_stream, replaced(image_stream.reshape(-1, image_stream.shape[-1])).reshape(image_stream.shape)
+        return text_stream, torch.stack([replaced(item) for item in image_stream])
 
     handle = module.register_forward_hook(hook)
     try:

@@ -70,6 +70,15 @@ def test_replace_hook_identity_is_exact_and_zeroing_changes_images(model):
     assert (zeroed - plain).abs().max() > 0.05
 
 
+def test_whole_batch_hook_sees_the_stacked_batch_and_is_exact_for_identity(model):
+    plain = generate(model, [1, 4], seed=0, steps=STEPS)
+    seen = []
+    identity = generate(model, [1, 4], seed=0, steps=STEPS, hook_whole_batch=True,
+                        activation_hook=lambda x: seen.append(x.shape) or x)
+    assert torch.equal(plain, identity)
+    assert seen == [(2 * model.tokens, model.transformer.inner_dim)] * STEPS
+
+
 def test_replace_hook_rejects_a_wrong_shape(model):
     with pytest.raises(InvalidTensorError, match="shape"):
         generate(model, [0], seed=0, steps=1, activation_hook=lambda x: x[:, :10])
