@@ -59,14 +59,12 @@ def synthetic_sources(tokens: int, channels: int, seed: int) -> dict[str, torch.
 
 
 def real_source(tokens: int) -> dict[str, torch.Tensor]:
-    """SmolLM2-135M layer-15 K cache in its raw channel basis, or nothing if the model is absent."""
-    try:
-        from shared import llm
-    except ImportError:
-        return {}
+    """SmolLM2-135M's layer-15 K cache in its raw channel basis: the first `tokens` tokens of text."""
+    from shared import llm
+
     model, tokenizer = llm.load_smollm2()
-    chunk = llm.text_chunks(tokenizer, n_chunks=1, tokens_per_chunk=min(tokens, 1024))[0]
-    k = llm.kv_of_chunk(model, chunk)["layer15.k"]
+    store = llm.capture_kv(model, llm.text_chunks(tokenizer, 6, 1024), "smollm2_kv_6x1024")
+    k = torch.cat(store.stack("layer15.k"))[:tokens]
     return {"smollm2_k15_raw": k.to(torch.bfloat16)}
 
 

@@ -118,13 +118,17 @@ def plot(csv: str = "07_basis_artifact", name: str = "07_basis_artifact"):
     axes[0].set_title("the artifact a receiver must hold")
     axes[0].legend()
     cal = df[df.metric.isin(["cos_in_sample", "cos_held_out"])]
+    cmaps = {"k": plt.cm.Blues, "v": plt.cm.Oranges, "act": plt.cm.Greens}
     for ax, src in zip(axes[1:], cal.source.unique()):
         sub = cal[cal.source == src]
+        ks = sorted(sub.k.unique())
         for (kind, k), s in sub.groupby(["kind", "k"]):
+            color = cmaps.get(kind, plt.cm.Greys)(0.35 + 0.6 * ks.index(k) / max(len(ks) - 1, 1))
             out = s[s.metric == "cos_held_out"]
             inn = s[s.metric == "cos_in_sample"]
-            line, = ax.plot(out.n_calibration, 1 - out.value, "o-", label=f"{kind} K={int(k)} held-out")
-            ax.plot(inn.n_calibration, 1 - inn.value, "--", color=line.get_color(), alpha=0.6)
+            ax.plot(out.n_calibration, 1 - out.value, "o-" if kind != "v" else "s-", color=color,
+                    label=f"{kind.upper() if kind != 'act' else 'act'} K={int(k)}")
+            ax.plot(inn.n_calibration, 1 - inn.value, "--", color=color, alpha=0.7)
         ax.set_yscale("log")
         ax.set_xlabel("calibration captures N (LLM: chunks; diffusion: seeds)")
         ax.set_ylabel("1 - cos_mean of the PCA projection (log)")

@@ -184,7 +184,7 @@ def plot(csv: str = "18_null_residual_reorder", name: str = "18_null_residual_re
     axes[1].set_ylabel("lossless libx265 ratio (x)")
     axes[1].set_title("channel order before tiling")
     axes[1].legend(fontsize=8)
-    fig.suptitle("PoC 18: negative results", fontsize=11)
+    fig.suptitle("PoC 18: sparse residual correction and channel reordering (the seed's negative results, re-measured)", fontsize=11)
     save_figure(fig, name, f"{csv}.csv")
 
 
