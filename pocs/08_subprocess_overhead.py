@@ -138,7 +138,7 @@ def plot(csv: str = "08_subprocess_overhead", name: str = "08_subprocess_overhea
     ax1.legend()
 
     spawn = df[df.metric == "spawn_ms"].value.iloc[0]
-    n = int(calls.frames.max())
+    n = int(calls.frames.min())  # the small-call case, where fixed costs matter
     labels, parts = [], []
     for backend in ("ffmpeg-x265", "x265"):
         for direction in ("encode", "decode"):
@@ -151,7 +151,7 @@ def plot(csv: str = "08_subprocess_overhead", name: str = "08_subprocess_overhea
     parts = np.array(parts)
     bottom = np.zeros(len(labels))
     for i, (lab, color) in enumerate([("process spawn", "#D55E00"), ("codec init / fixed", "#E69F00"),
-                                      (f"coding ({n} frames)", "#0072B2")]):
+                                      (f"coding ({n} frame{'s' if n > 1 else ''})", "#0072B2")]):
         ax2.bar(labels, parts[:, i], bottom=bottom, label=lab, color=color)
         bottom += parts[:, i]
     ax2.set_ylabel(f"ms per call of {n} frames (from the linear fit)")
