@@ -82,8 +82,17 @@ class ResultsWriter:
 
     def save(self, path: str | Path | None = None) -> Path:
         path = Path(path) if path else self.path
+        frame = self.frame()
+        if path.exists():
+            import pandas as pd
+
+            lost = set(pd.read_csv(path, usecols=["device"]).device.astype(str)) - set(frame.device) - {"cpu"}
+            if lost:  # never replace GPU measurements with a run on a machine without that GPU
+                path = RESULTS / "local" / path.name
+                print(f"results/{path.name} holds rows measured on {', '.join(sorted(lost))}, which this run did "
+                      f"not use: writing {path.relative_to(ROOT)} instead")
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.frame().to_csv(path, index=False)
+        frame.to_csv(path, index=False)
         print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} ({len(self.rows)} rows)")
         return path
 

@@ -345,3 +345,22 @@ def test_compute_codec_path_meets_target_and_round_trips():
         codec.decode(bytes(flipped))
     with pytest.raises(InvalidTensorError, match="exactly one"):
         TensorCodec(basis, backend="rans")
+
+
+def test_results_writer_never_replaces_gpu_rows_with_a_cpu_run(tmp_path, monkeypatch):
+    import pandas as pd
+
+    from shared import results
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    gpu = results.ResultsWriter("99", "probe")
+    gpu.path = tmp_path / "99_probe.csv"
+    gpu.add(backend="x", metric="m", value=1.0, unit="1", device="NVIDIA H200")
+    gpu.save()
+    cpu = results.ResultsWriter("99", "probe")
+    cpu.path = tmp_path / "99_probe.csv"
+    cpu.add(backend="x", metric="m", value=2.0, unit="1")
+    written = cpu.save()
+    assert written == tmp_path / "local" / "99_probe.csv"
+    assert pd.read_csv(tmp_path / "99_probe.csv").device.tolist() == ["NVIDIA H200"]
