@@ -8,6 +8,8 @@ stand for a bf16 [T, D] tensor, tiled into YUV 4:4:4 frames by shared.frames. Ro
   nvdec-hevc                                      NVDEC decode of the x265 lossless streams into CUDA
                                                   tensors; its encode (NVENC) is marked unavailable
                                                   where the GPU has no NVENC (the NVIDIA H200)
+  rans                                            the compute codec's entropy coder (Triton) on the planes
+                                                  as integer symbols with per-component tables
   nvcomp-*                                        nvCOMP on the GPU: the fast path (CUDA tensor in,
                                                   CUDA tensor out) on every frame of a size in one
                                                   call and one frame per call, and the session path
@@ -303,10 +305,33 @@ def run(args) -> ResultsWriter:
         for name in nvcomp:
             bench_nvcomp_fast(bench, torch, name, 0, planes_km, stream, args.gpu_repeats, GPU_WARMUP,
                               layout="component_major", bf16_bytes=2 * tokens * channels)
+    if torch is not None and selected("rans"):
+        bench_rans(bench, torch, planes, stream, args.gpu_repeats, GPU_WARMUP, 2 * tokens * channels)
     res.add(backend="-", metric="planes_shape", value=float(tokens * components), unit="bytes", source=source,
             tokens=tokens, components=components, channels=channels,
             layouts=json.dumps({s: layouts[s].to_dict() for s in sizes}))
     return res
+
+
+def bench_rans(bench: Bench, torch, planes, stream, repeats, warmup, bf16_bytes):
+    """The compute codec's entropy coder (shared/codecs/rans.py, Triton) on the same planes as symbols:
+    per-component tables, so it sees the [T, K] matrix, not frames."""
+    from shared.codecs import rans
+
+    symbols = torch.from_numpy(planes.astype(np.int32)).cuda()
+    with torch.cuda.stream(stream):
+        payload = rans.encode_cuda(symbols)
+        back = rans.decode_cuda(payload)
+    stream.synchronize()
+    head = symbols[:16384]  # the numpy decoder is slow: cross-check the formats on a slice
+    same_format = np.array_equal(rans.decode(rans.encode_cuda(head).cpu().numpy().tobytes()), head.cpu().numpy())
+    exact = bool(torch.equal(back, symbols)) and same_format
+    if not exact:
+        raise AssertionError("rans: GPU round trip (or the CPU decode of a GPU payload) is not bit-exact")
+    enc_ms = cuda_ms(lambda i=0: rans.encode_cuda(symbols), repeats, warmup, stream)
+    dec_ms = cuda_ms(lambda i=0: rans.decode_cuda(payload), repeats, warmup, stream)
+    bench.add("rans", "per-component tables", 0, "gpu_planes", 1, planes.nbytes, enc_ms, dec_ms, payload.numel(),
+              exact, bf16_bytes=bf16_bytes, timing="cuda_events", repeats=repeats, layout="token_major_symbols")
 
 
 def plot(csv: str = "09_backend_bench", name: str = "09_backend_bench"):
