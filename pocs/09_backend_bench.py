@@ -337,18 +337,40 @@ def bench_rans(bench: Bench, torch, planes, stream, repeats, warmup, bf16_bytes)
 def plot(csv: str = "09_backend_bench", name: str = "09_backend_bench"):
     plt = apply_style()
     df = load(csv)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    frame_paths = ["cpu_session", "gpu_batch", "nvdec_cuda"]
+    rows = df[df.path.isin(frame_paths + ["gpu_planes"])]
+    labels = sorted({f"{r.backend} {r.setting}" for r in rows.itertuples()})
+    colors = dict(zip(labels, plt.cm.tab20(np.linspace(0, 1, max(len(labels), 2)))))
+    planes_x = 2 ** 12.2  # where the whole-matrix rows (no frames) are drawn
     for ax, direction in zip(axes, ("encode", "decode")):
-        sel = df[(df.metric == f"{direction}_gbps_planes") & df.path.isin(["cpu_session", "gpu_batch", "nvdec_cuda"])]
+        sel = rows[rows.metric == f"{direction}_gbps_planes"]
         for (backend, setting, path), g in sel.groupby(["backend", "setting", "path"]):
+            label, cpu = f"{backend} {setting}", path == "cpu_session"
+            if path == "gpu_planes":
+                ax.plot([planes_x] * len(g), g.value, "D", color=colors[label], ms=7)
+                continue
             g = g.sort_values("frame_size")
-            ax.plot(g.frame_size, g.value, "o-" if path == "cpu_session" else "s--", label=f"{backend} {setting}")
+            ax.plot(g.frame_size, g.value, "o-" if cpu else "s--", color=colors[label],
+                    label=f"{label} ({'CPU' if cpu else 'GPU'})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks([256, 512, 1024, 2048, planes_x], ["256", "512", "1024", "2048", "whole\nmatrix"])
         ax.set_xlabel("frame side (pixels)")
-        ax.set_title(f"{direction}: GB/s of planes ({df.device.iloc[0]}, source={df.source.dropna().iloc[0]})")
-    axes[0].set_ylabel("GB/s of plane bytes")
-    axes[1].legend(fontsize=7, ncol=2)
+        ax.set_title(f"{direction}")
+    axes[0].set_ylabel("GB/s of plane bytes (log)")
+    by_label = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            by_label.setdefault(lab, h)
+    by_label["diamonds: the [T, K] matrix coded whole"] = plt.Line2D([], [], color="0.4", marker="D", ls="")
+    for lab in labels:
+        if lab.startswith("rans"):
+            by_label[f"{lab} (GPU)"] = plt.Line2D([], [], color=colors[lab], marker="D", ls="")
+    axes[1].legend(by_label.values(), by_label.keys(), fontsize=7, ncol=2, loc="lower left")
+    gpu = df[df.device != "cpu"].device
+    fig.suptitle(f"PoC 09: every backend's speed on {gpu.iloc[0] if len(gpu) else 'cpu'} (CPU rows: its host CPU); "
+                 f"planes: {df.source.dropna().iloc[0]}", fontsize=11)
     save_figure(fig, name, f"{csv}.csv")
 
 
