@@ -367,7 +367,7 @@ def plot(csv: str = "09_backend_bench", name: str = "09_backend_bench"):
     for lab in labels:
         if lab.startswith("rans"):
             by_label[f"{lab} (GPU)"] = plt.Line2D([], [], color=colors[lab], marker="D", ls="")
-    axes[1].legend(by_label.values(), by_label.keys(), fontsize=7, ncol=2, loc="lower left")
+    fig.legend(by_label.values(), by_label.keys(), fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, 0.0))
     gpu = df[df.device != "cpu"].device
     fig.suptitle(f"PoC 09: every backend's speed on {gpu.iloc[0] if len(gpu) else 'cpu'} (CPU rows: its host CPU); "
                  f"planes: {df.source.dropna().iloc[0]}", fontsize=11)
