@@ -177,3 +177,32 @@ def test_nvenc_absent_on_h200_is_a_clear_error():
     with pytest.raises(BackendUnavailable, match="NVIDIA H200 has no NVENC engine") as err:
         get_backend("nvdec-hevc").encoder(256, 256, qp=None)
     assert "encode with backend 'x265' and decode with 'nvdec-hevc'" in str(err.value)
+
+
+NVCOMP_READY = importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.nvcomp") is not None
+
+
+@pytest.mark.gpu
+@requires_nvdec
+@pytest.mark.skipif(not NVCOMP_READY, reason="nvCOMP (nvidia-nvcomp-cu13) is not installed")
+def test_nvcomp_still_works_after_nvdec_in_the_same_process():
+    """nvCOMP on a torch stream keeps working after an NVDEC session in the same process (passes on the H200;
+    PoC 09 still saw "invalid resource handle" from nvCOMP after its NVDEC rows, a case this does not reproduce)."""
+    import torch
+
+    from shared.codecs.nvcomp import gpu_coder
+
+    stream = (Path(__file__).parent / "data" / "x265_qp30_256x256_2frames.hevc").read_bytes()
+    with get_backend("nvdec-hevc").decoder(256, 256) as dec:
+        dec.submit(stream)
+        frames = dec.flush_cuda()
+    assert tuple(frames.shape) == (2, 3, 256, 256)
+    coder = gpu_coder("nvcomp-ans")
+    torch_stream = torch.cuda.Stream()
+    with torch.cuda.stream(torch_stream):
+        flat = frames.reshape(-1).contiguous()
+        payload = coder.encode_cuda(flat)
+        out = torch.empty_like(flat)
+        coder.decode_cuda(payload, out=out)
+    torch_stream.synchronize()
+    assert torch.equal(out, flat)
