@@ -51,6 +51,7 @@ from shared.errors import BackendUnavailable  # noqa: E402
 from shared.quant import PerChannelQuantizer  # noqa: E402
 from shared.rdquant import CudaProjection, find_step, quality  # noqa: E402
 from shared.results import ResultsWriter, apply_style, save_figure  # noqa: E402
+from shared.timing import cuda_ms  # noqa: E402
 
 SOURCES = ["synthetic", "llm_k", "llm_v", "diffusion"]
 TARGETS = [0.999, 0.99, 0.97]  # cos_mean the shared step is searched for (per capture)
@@ -359,22 +360,6 @@ def gpu_basis(x, sample: int = 65536):
     return mean, vecs.flip(1).float().contiguous()
 
 
-def cuda_time_ms(fn, repeats: int, warmup: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
-
-
 def benchmark_cuda(T: int, D: int, K: int, target_cos: float = BENCH_TARGET_COS, repeats: int = BENCH_REPEATS,
                    warmup: int = BENCH_WARMUP, power: float = BENCH_SPECTRUM_POWER, lane_tokens: int | None = None,
                    profile: bool = False, source: str = "synthetic") -> dict:
@@ -432,12 +417,14 @@ def benchmark_cuda(T: int, D: int, K: int, target_cos: float = BENCH_TARGET_COS,
                lane_tokens=lane_tokens or rans.default_lane_tokens(T, K))
     out["entropy_bound_bytes"] = rans.entropy_bound_bytes(sym)
     out["payload_over_bound"] = len(payload) / out["entropy_bound_bytes"]
-    t_enc = cuda_time_ms(encode, repeats, warmup)
-    t_dec = cuda_time_ms(lambda: decode(payload), repeats, warmup)
-    t_quant = cuda_time_ms(lambda: proj.quantize(x, step), repeats, warmup)
-    t_rans_enc = cuda_time_ms(lambda: rans.encode_cuda(sym, stats=stats, lane_tokens=lane_tokens), repeats, warmup)
-    t_rans_dec = cuda_time_ms(lambda: rans.decode_cuda(payload), repeats, warmup)
-    t_recon = cuda_time_ms(lambda: proj.reconstruct(sym, step), repeats, warmup)
+    stream = torch.cuda.current_stream()
+    t_enc = cuda_ms(lambda i: encode(), repeats, warmup, stream)
+    t_dec = cuda_ms(lambda i: decode(payload), repeats, warmup, stream)
+    t_quant = cuda_ms(lambda i: proj.quantize(x, step), repeats, warmup, stream)
+    t_rans_enc = cuda_ms(lambda i: rans.encode_cuda(sym, stats=stats, lane_tokens=lane_tokens), repeats, warmup,
+                         stream)
+    t_rans_dec = cuda_ms(lambda i: rans.decode_cuda(payload), repeats, warmup, stream)
+    t_recon = cuda_ms(lambda i: proj.reconstruct(sym, step), repeats, warmup, stream)
     gbps = lambda ms: n_bytes / (ms * 1e-3) / 1e9  # noqa: E731
     out.update(encode_ms=t_enc, decode_ms=t_dec, encode_gbps=gbps(t_enc), decode_gbps=gbps(t_dec),
                quantize_ms=t_quant, rans_encode_ms=t_rans_enc, rans_decode_ms=t_rans_dec, reconstruct_ms=t_recon)

@@ -312,6 +312,21 @@ class GpuCoder:
 
         return self._run(nvcomp, torch, flat.device, work)
 
+    def checked_round_trip(self, flat, stream):
+        """Encode and decode `flat` (uint8 CUDA) on `stream`, wait, and check the result bit for bit.
+
+        Returns (payload, out): the bitstream and a buffer of the decoded size, ready for timed decodes
+        into it. Raises CodecError when the round trip is not exact, before anything is timed."""
+        _, torch = _require()
+        with torch.cuda.stream(stream):
+            payload = self.encode_cuda(flat)
+            out = torch.empty_like(flat)
+            self.decode_cuda(payload, out=out)
+        stream.synchronize()
+        if not torch.equal(out, flat):
+            raise CodecError(f"nvCOMP {self.algorithm} round trip of {flat.numel()} bytes is not bit-exact")
+        return payload, out
+
 
 def gpu_coder(backend_name: str, **settings) -> GpuCoder:
     """The GpuCoder behind a registered backend name ("nvcomp-ans"), with session-style settings."""
