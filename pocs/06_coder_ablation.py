@@ -394,9 +394,9 @@ def benchmark_cuda(T: int, D: int, K: int, target_cos: float = BENCH_TARGET_COS,
     step = q.step
     proj = CudaProjection(mean, comps)
 
-    def encode():
-        sym, stats = proj.quantize(x, step)
-        return rans.encode_cuda(sym, stats=stats, lane_tokens=lane_tokens)
+    def encode():  # one host sync: the coder's (the quantizer's overflow check rides along as guard)
+        sym, stats, amax = proj.quantize_unchecked(x, step)
+        return rans.encode_cuda(sym, stats=stats, guard=amax, lane_tokens=lane_tokens)
 
     def decode(payload):
         return proj.reconstruct(rans.decode_cuda(payload), step)

@@ -249,6 +249,7 @@ class CudaProjection:
         proj = CudaProjection(basis.mean, basis.components)          # [D], [D, K]
         symbols, stats = proj.quantize(x, step)   # bf16 CUDA [T, D] -> int32 [T, K] + (min, max, sum)
         payload = rans.encode_cuda(symbols, stats=stats)
+        # or, with no host sync before the coder's own: proj.quantize_unchecked -> encode_cuda(guard=amax)
         x_hat = proj.reconstruct(rans.decode_cuda(payload), step)    # -> bf16 [T, D]
 
     quantize computes round(((x - mean) @ components) / step) with bf16 inputs and float32
@@ -270,6 +271,17 @@ class CudaProjection:
         self.bias = (self.mean @ self.components.float()).contiguous()
 
     def quantize(self, x, step: float):
+        """bf16 CUDA [T, D] -> int32 symbols [T, K] and their (min, max, sum) per component;
+        refuses values beyond int32 (a step too small, or NaN/Inf in x) at once (a host sync)."""
+        sym, stats, amax = self.quantize_unchecked(x, step)
+        if not float(amax) < INT32_MAX:  # also catches NaN/Inf in x
+            raise InvalidTensorError(f"quantized coefficients reach {float(amax):.3g} (beyond int32, or NaN/Inf "
+                                     "in the tensor); use a larger step or fix the producer")
+        return sym, stats
+
+    def quantize_unchecked(self, x, step: float):
+        """quantize() without its host sync: also returns the largest |scaled value| (float32
+        CUDA [1]) for the caller to check later, e.g. as rans.encode_cuda(..., guard=amax)."""
         import torch
         from .codecs import _rans_triton as kt
 
@@ -288,10 +300,7 @@ class CudaProjection:
             kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]))](*args, UPCAST=True, **b)
         else:
             kt.project_quantize_tuned[lambda m: (-(-T // m["BM"]), -(-K // m["BN"]))](*args, UPCAST=False)
-        if not float(amax) < INT32_MAX:  # also catches NaN/Inf in x
-            raise InvalidTensorError(f"quantized coefficients reach {float(amax):.3g} (beyond int32, or NaN/Inf "
-                                     "in the tensor); use a larger step or fix the producer")
-        return sym, (mn, mx, sm)
+        return sym, (mn, mx, sm), amax
 
     def reconstruct(self, symbols, step: float):
         import torch

@@ -64,6 +64,28 @@ def test_round_trip_settings(settings):
     np.testing.assert_array_equal(rans.decode(rans.encode(x, **settings)), x)
 
 
+@pytest.mark.parametrize("name", list(cases()))
+def test_round_trip_with_sampled_tables(name, monkeypatch):
+    """Tables from every 50th-or-so token: values the sample missed must still be coded."""
+    monkeypatch.setattr(rans, "HIST_SAMPLE_ROWS", 10)
+    x = cases()[name]
+    np.testing.assert_array_equal(rans.decode(rans.encode(x)), x)
+
+
+def test_sampled_tables_cost_little():
+    x = pca_like(40000, 16, seed=5)
+    full = len(rans.encode(x))
+    rans_stride = rans.hist_row_stride(len(x))
+    assert rans_stride == 1
+    old = rans.HIST_SAMPLE_ROWS
+    try:
+        rans.HIST_SAMPLE_ROWS = 4000  # stride 10
+        sampled = len(rans.encode(x))
+    finally:
+        rans.HIST_SAMPLE_ROWS = old
+    assert full <= sampled < 1.01 * full
+
+
 def test_other_integer_dtypes_accepted():
     x = pca_like(500, 4)
     for dtype in (np.int8, np.int16, np.int64, np.uint8):
@@ -143,9 +165,11 @@ def test_importing_needs_no_gpu_libraries():
 
 # ---------------------------------------------------------------------------------------------
 # The Triton kernels, run on the CPU by Triton's interpreter: same bytes as the numpy coder.
+# Triton picks interpreter or compiler when a kernel module is first imported, for the whole
+# process, so these tests run in a fresh interpreter process with TRITON_INTERPRET=1 from the start.
 
 
-def _interpreter():
+def enable_interpreter():
     """Run kernels through Triton's interpreter. Triton 3.6's interpreter turns 1-element arrays
     into loop bounds with int(), which numpy >= 2.4 refuses; read the element instead."""
     os.environ["TRITON_INTERPRET"] = "1"
@@ -162,55 +186,52 @@ def _interpreter():
         ti._patch_lang_tensor = patched
 
 
-def _has_cuda() -> bool:
-    try:
+def run_interpreted(body: str):
+    """Run test code in a new process under Triton's CPU interpreter; fail with its output."""
+    code = "import sys; sys.path[:0] = ['tests', '.']\nfrom test_rans import *\nenable_interpreter()\n" \
+        + textwrap.dedent(body)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, f"interpreted test failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton)")
+
+
+@needs_triton
+@pytest.mark.parametrize("sample_rows", [rans.HIST_SAMPLE_ROWS, 64])
+def test_triton_interpreter_writes_the_same_bytes(sample_rows):
+    """Every case, with the histogram over all tokens and over a sample (stride 4)."""
+    run_interpreted(f"""
         import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-# Triton picks interpreter or compiler when a kernel module is first imported, for the whole
-# process: with a GPU the compiled kernels are tested (the gpu tests below), not the interpreter.
-needs_triton = pytest.mark.skipif(not HAS_TRITON or _has_cuda(),
-                                  reason="needs triton (pip install triton) and no GPU (GPU runs test the "
-                                         "compiled kernels instead)")
-
-
-@needs_triton
-@pytest.mark.parametrize("name", ["pca_like_small", "heavy_tails", "constant_columns", "single_token",
-                                  "huge_alphabet_small"])
-def test_triton_interpreter_writes_the_same_bytes(name, monkeypatch):
-    import torch
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _interpreter()
-    all_cases = cases()
-    x = {"pca_like_small": pca_like(300, 20), "huge_alphabet_small": all_cases["huge_alphabet"][:40]}.get(
-        name, all_cases.get(name))
-    x = x[:300]
-    payload = rans.encode(x, lane_tokens=64)
-    gpu_payload = rans.encode_cuda(torch.from_numpy(x), lane_tokens=64)
-    assert bytes(gpu_payload.numpy()) == payload
-    y = rans.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    np.testing.assert_array_equal(y.numpy(), x)
+        rans.HIST_SAMPLE_ROWS = {sample_rows}
+        all_cases = cases()
+        for name, x in [("pca_like_small", pca_like(300, 20)), ("heavy_tails", all_cases["heavy_tails"][:300]),
+                        ("constant_columns", all_cases["constant_columns"][:300]),
+                        ("single_token", all_cases["single_token"]),
+                        ("huge_alphabet_small", all_cases["huge_alphabet"][:40]),
+                        ("int32_extremes", all_cases["int32_extremes"])]:
+            payload = rans.encode(x, lane_tokens=64)
+            gpu_payload = rans.encode_cuda(torch.from_numpy(x), lane_tokens=64)
+            assert bytes(gpu_payload.numpy()) == payload, name
+            y = rans.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            np.testing.assert_array_equal(y.numpy(), x, err_msg=name)
+    """)
 
 
 @needs_triton
-def test_triton_interpreter_rejects_corruption(monkeypatch):
-    import torch
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _interpreter()
-    payload = bytearray(rans.encode(pca_like(200, 8), lane_tokens=64))
-    for i in (5, 60, len(payload) // 2, len(payload) - 2):
-        bad = bytearray(payload)
-        bad[i] ^= 0xFF
+def test_triton_interpreter_rejects_corruption():
+    run_interpreted("""
+        import torch
+        payload = bytearray(rans.encode(pca_like(200, 8), lane_tokens=64))
+        for i in (5, 47, 60, len(payload) // 2, len(payload) - 2):
+            bad = bytearray(payload)
+            bad[i] ^= 0xFF
+            with pytest.raises(BitstreamError):
+                rans.decode_cuda(torch.frombuffer(bad, dtype=torch.uint8))
         with pytest.raises(BitstreamError):
-            rans.decode_cuda(torch.frombuffer(bad, dtype=torch.uint8))
-    with pytest.raises(BitstreamError):
-        rans.decode_cuda(torch.frombuffer(payload[:-3], dtype=torch.uint8))
+            rans.decode_cuda(torch.frombuffer(payload[:-3], dtype=torch.uint8))
+    """)
 
 
 def test_cuda_functions_need_a_cuda_tensor(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 
 from shared.errors import BitstreamError, InvalidTensorError
 from shared.rdquant import RDQuantizer, find_step, quality
-from test_rans import needs_triton
+from test_rans import needs_triton, run_interpreted
 
 
 def pca_setup(T=512, D=48, seed=0):
@@ -107,30 +107,27 @@ def test_torch_tensors_quantize_like_numpy():
 
 
 @needs_triton
-def test_fused_projection_in_triton_interpreter(monkeypatch):
+def test_fused_projection_in_triton_interpreter():
     """CudaProjection's kernels (run by Triton's CPU interpreter): symbols equal the float64
     reference except at rounding ties, statistics exact, reconstruction within bf16 precision."""
-    import torch
+    run_interpreted("""
+        import torch
+        from shared.rdquant import CudaProjection, quality
+        from test_rdquant import pca_setup
 
-    from shared.codecs import rans
-    from test_rans import _interpreter
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _interpreter()
-    from shared.rdquant import CudaProjection
-
-    x, mean, comps, coeffs = pca_setup(T=200, D=40)
-    proj = CudaProjection(mean, comps, device="cpu")
-    xt = torch.from_numpy(x).to(torch.bfloat16)
-    step = 0.02
-    sym, (mn, mx, sm) = proj.quantize(xt, step)
-    ref = np.floor((xt.float().numpy().astype(np.float64) @ proj.components.double().numpy()
-                    - proj.bias.double().numpy()) / step + 0.5)
-    assert (np.abs(sym.numpy() - ref) <= 1).all() and (sym.numpy() == ref).mean() > 0.999
-    s = sym.numpy()
-    assert (mn.numpy() == s.min(0)).all() and (mx.numpy() == s.max(0)).all()
-    assert (sm.numpy() == s.astype(np.int64).sum(0)).all()
-    payload = rans.encode_cuda(sym, stats=(mn, mx, sm))
-    assert bytes(payload.numpy()) == rans.encode(s)
-    x_hat = proj.reconstruct(rans.decode_cuda(payload), step).float().numpy()
-    assert quality(x.astype(np.float64), x_hat.astype(np.float64), "cos") > 0.999
+        x, mean, comps, coeffs = pca_setup(T=200, D=40)
+        proj = CudaProjection(mean, comps, device="cpu")
+        xt = torch.from_numpy(x).to(torch.bfloat16)
+        step = 0.02
+        sym, (mn, mx, sm) = proj.quantize(xt, step)
+        ref = np.floor((xt.float().numpy().astype(np.float64) @ proj.components.double().numpy()
+                        - proj.bias.double().numpy()) / step + 0.5)
+        assert (np.abs(sym.numpy() - ref) <= 1).all() and (sym.numpy() == ref).mean() > 0.999
+        s = sym.numpy()
+        assert (mn.numpy() == s.min(0)).all() and (mx.numpy() == s.max(0)).all()
+        assert (sm.numpy() == s.astype(np.int64).sum(0)).all()
+        payload = rans.encode_cuda(sym, stats=(mn, mx, sm))
+        assert bytes(payload.numpy()) == rans.encode(s)
+        x_hat = proj.reconstruct(rans.decode_cuda(payload), step).float().numpy()
+        assert quality(x.astype(np.float64), x_hat.astype(np.float64), "cos") > 0.999
+    """)

@@ -50,19 +50,34 @@ def normalize_row(w, j, PROB_BITS: tl.constexpr):
     return f, tl.cumsum(f, 0) - f, good
 
 @triton.jit
-def hist_kernel(sym_ptr, lo0_ptr, h0_ptr, centre_ptr, counts_ptr, T, K, n_lanes, HS,
+def first_window(mn, mx, sm, T, A_MAX: tl.constexpr):
+    """initial_windows() of rans.py for int64 (min, max, sum): returns (lo0, h0, centre)."""
+    span = mx - mn + 1
+    wide = span > A_MAX
+    h0 = tl.where(wide, A_MAX - 1, span)
+    # floor(sm / T), written so that both operands are non-negative (no signed-division convention)
+    centre = tl.where(sm >= 0, sm // T, -((T - 1 - sm) // T))
+    lo0 = tl.where(wide, tl.maximum(tl.minimum(centre - (A_MAX - 1) // 2, mx - h0 + 1), mn), mn)
+    return lo0, h0, centre
+
+
+@triton.jit
+def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, R,
                 HCAP: tl.constexpr, BLOCK: tl.constexpr, WIDE_INDEX: tl.constexpr):
-    """Exact per-component histograms inside the first windows. One thread walks HS tokens of
-    one component (lanes like the coder's, so loads are coalesced over components) and keeps
-    the 8 bins around the component's mean in registers: those take most of the hits and would
-    otherwise serialize on a few global atomics. Other bins get a global atomic each."""
+    """Per-component histograms of the sampled rows (every R-th token) inside the first windows.
+    One thread walks HS sampled rows of one component (lanes like the coder's, so loads are
+    coalesced over components) and keeps the 8 bins around the component's mean in registers:
+    those take most of the hits and would otherwise serialize on a few global atomics. Other
+    bins get a global atomic each."""
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     lane_ok = lane < n_lanes
     p = lane // K
     k = lane - p * K
-    lo0 = tl.load(lo0_ptr + k, mask=lane_ok, other=0)
-    h0 = tl.load(h0_ptr + k, mask=lane_ok, other=0)
-    c0 = tl.load(centre_ptr + k, mask=lane_ok, other=0) - lo0 - 3  # first of the 8 register bins
+    mn = tl.load(mn_ptr + k, mask=lane_ok, other=0).to(tl.int64)
+    mx = tl.load(mx_ptr + k, mask=lane_ok, other=0).to(tl.int64)
+    sm = tl.load(sm_ptr + k, mask=lane_ok, other=0).to(tl.int64)
+    lo0, h0, centre = first_window(mn, mx, sm, T, HCAP)
+    c0 = centre - lo0 - 3  # first of the 8 register bins
     row_ptr = k.to(tl.int64) * HCAP
     n0 = tl.zeros([BLOCK], tl.int32)
     n1 = tl.zeros([BLOCK], tl.int32)
@@ -74,7 +89,7 @@ def hist_kernel(sym_ptr, lo0_ptr, h0_ptr, centre_ptr, counts_ptr, T, K, n_lanes,
     n7 = tl.zeros([BLOCK], tl.int32)
     row0 = p * HS
     for i in range(0, HS):
-        row = row0 + i
+        row = (row0 + i) * R
         active = lane_ok & (row < T)
         if WIDE_INDEX:
             off = row.to(tl.int64) * K + k
@@ -104,60 +119,70 @@ def hist_kernel(sym_ptr, lo0_ptr, h0_ptr, centre_ptr, counts_ptr, T, K, n_lanes,
     tl.atomic_add(counts_ptr + row_ptr + c0 + 7, n7, mask=n7 > 0)
 
 
+# Slots of the encoder's scalar summary (int64), read by the host in its one synchronization.
+SCAL_N_TABLE, SCAL_K_CODED, SCAL_W_MAX, SCAL_LO_MIN, SCAL_LO_MAX, SCAL_WORDS, SCAL_ESCAPES, SCAL_OVERFLOW = range(8)
+
+
 @triton.jit
-def tables_kernel(counts_ptr, h0_ptr, a_ptr, w_ptr, esc_ptr, nesc_ptr, codes_ptr, tab_ptr, T,
-                  HCAP: tl.constexpr, PROB_BITS: tl.constexpr, ESC_COST: tl.constexpr,
-                  ENTRY_COST: tl.constexpr):
+def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, a_ptr, codes_ptr, tab_ptr,
+                  scal_ptr, T, R, n_sampled, HCAP: tl.constexpr, PROB_BITS: tl.constexpr,
+                  ESC_COST: tl.constexpr, ENTRY_COST: tl.constexpr, HAS_GUARD: tl.constexpr):
+    """choose_tables() of rans.py for one component, then its rANS table; sums, counts and
+    extremes of the results go to the scalar summary. guard (optional): a float the producer
+    wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too)."""
     k = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HCAP)
     j64 = j.to(tl.int64)
-    h0 = tl.load(h0_ptr + k)
+    mn = tl.load(mn_ptr + k).to(tl.int64)
+    mx = tl.load(mx_ptr + k).to(tl.int64)
+    sm = tl.load(sm_ptr + k).to(tl.int64)
+    lo0, h0, centre = first_window(mn, mx, sm, T, HCAP)
     cnt = tl.load(counts_ptr + k * HCAP + j).to(tl.int64)
     n_in = tl.sum(cnt, 0)
-    esc0 = T - n_in
     mode = tl.argmax(cnt, 0, tie_break_left=True)
     incl = tl.cumsum(cnt, 0)
     left_out = incl - cnt
     right_out = n_in - incl
     big = tl.full([HCAP], 1 << 62, tl.int64)
-    cost_l = tl.where(j <= mode, ESC_COST * left_out - ENTRY_COST * j64, big)
+    cost_l = tl.where(j <= mode, ESC_COST * R * left_out - ENTRY_COST * j64, big)
     a = tl.argmin(cost_l, 0, tie_break_left=True)
-    cost_r = tl.where((j >= mode) & (j64 < h0), ENTRY_COST * j64 + ESC_COST * right_out, big)
+    cost_r = tl.where((j >= mode) & (j64 < h0), ENTRY_COST * j64 + ESC_COST * R * right_out, big)
     b = tl.argmin(cost_r, 0, tie_break_left=True)
-    n_esc = esc0 + tl.sum(tl.where(j == a, left_out, 0), 0) + tl.sum(tl.where(j == b, right_out, 0), 0)
-    has_esc = n_esc > 0
-    W = b - a + 1
+    n_esc = (n_sampled - n_in) + tl.sum(tl.where(j == a, left_out, 0), 0) + tl.sum(tl.where(j == b, right_out, 0), 0)
+    W = (b - a + 1).to(tl.int64)
+    lo = lo0 + a
+    has_esc = (lo > mn) | (lo + W - 1 < mx)
     kept = tl.load(counts_ptr + k * HCAP + a + j, mask=j < W, other=0).to(tl.int64)
-    kept = tl.where((j == W) & has_esc, n_esc, kept)
+    kept = tl.where((j < W) & (R > 1), kept + 1, kept)  # a sample may miss values that occur
+    kept = tl.where((j == W) & has_esc, tl.maximum(n_esc, 1), kept)
     shift = tl.maximum(bitlen(tl.max(kept, 0)) - 18, 0)
     wts = tl.where(kept > 0, tl.maximum(kept >> shift, 1), 0)
     code = mf_encode(wts)
     f, c, good = normalize_row(mf_decode(code), j, PROB_BITS)
+    A = W + has_esc.to(tl.int64)
     tl.store(codes_ptr + k * HCAP + j, code.to(tl.uint8))
     tl.store(tab_ptr + k * HCAP + j, ((c << 16) | f).to(tl.int32))
-    tl.store(a_ptr + k, a.to(tl.int64))
-    tl.store(w_ptr + k, W.to(tl.int64))
-    tl.store(esc_ptr + k, has_esc.to(tl.int64))
-    tl.store(nesc_ptr + k, n_esc)
-
-@triton.jit
-def decode_tables_kernel(codes_ptr, tab_ptr, freq_ptr, bad_ptr, HCAP: tl.constexpr, PROB_BITS: tl.constexpr):
-    k = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, HCAP)
-    code = tl.load(codes_ptr + k * HCAP + j).to(tl.int64)
-    f, c, good = normalize_row(mf_decode(code), j, PROB_BITS)
-    tl.store(tab_ptr + k * HCAP + j, ((c << 16) | f).to(tl.int32))
-    tl.store(freq_ptr + k * HCAP + j, f.to(tl.int32))
-    tl.store(bad_ptr + k, (~good).to(tl.int32))
+    tl.store(lo_ptr + k, lo)
+    tl.store(w_ptr + k, W)
+    tl.store(a_ptr + k, A)
+    tl.atomic_add(scal_ptr + SCAL_N_TABLE, A)
+    tl.atomic_add(scal_ptr + SCAL_K_CODED, (A > 1).to(tl.int64))
+    tl.atomic_max(scal_ptr + SCAL_W_MAX, W)
+    tl.atomic_min(scal_ptr + SCAL_LO_MIN, lo)
+    tl.atomic_max(scal_ptr + SCAL_LO_MAX, lo)
+    if HAS_GUARD:
+        g = tl.load(guard_ptr)
+        tl.atomic_max(scal_ptr + SCAL_OVERFLOW, (~(g < 2147483520.0)).to(tl.int64), mask=k == 0)
 
 
 @triton.jit
 def encode_kernel(sym_ptr, lo_ptr, w_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr, esc_key_ptr, esc_val_ptr,
-                  esc_count_ptr, T, K, n_lanes, n_groups, S, cap,
+                  scal_ptr, T, K, n_lanes, n_groups, S, cap, esc_cap,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  HAS_ESC: tl.constexpr, WIDE_INDEX: tl.constexpr):
+                  WIDE_INDEX: tl.constexpr):
     """One thread per lane, G lanes per shared word stream, GPP streams per program. Walks its
-    tokens last to first; escaped values go to (key = row * K + k, value) slots, sorted later."""
+    tokens last to first; escaped values go to (key = row * K + k, value) slots (the first esc_cap
+    of them; the count goes to the scalar summary either way), sorted later."""
     M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     lane = grp[:, None] * G + tl.arange(0, G)[None, :]
@@ -189,11 +214,10 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr,
         idx = v - lo
         outside = (idx < 0) | (idx >= W)
         idx = tl.where(outside, W, idx)
-        if HAS_ESC:
-            esc_now = active & outside
-            slot = tl.atomic_add(esc_count_ptr + k * 0, 1, mask=esc_now)
-            tl.store(esc_key_ptr + slot, off.to(tl.int64), mask=esc_now)
-            tl.store(esc_val_ptr + slot, v.to(tl.int32), mask=esc_now)
+        esc_now = active & outside
+        slot = tl.atomic_add(scal_ptr + SCAL_ESCAPES + k * 0, 1, mask=esc_now)
+        tl.store(esc_key_ptr + slot, off.to(tl.int64), mask=esc_now & (slot < esc_cap))
+        tl.store(esc_val_ptr + slot, v.to(tl.int32), mask=esc_now & (slot < esc_cap))
         e = tl.load(tab_row + idx.to(tl.int32), mask=active, other=M)
         f = (e & 0xFFFF).to(tl.uint32)
         c = (e >> 16).to(tl.uint32)
@@ -207,27 +231,152 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr,
         x = (q << PROB_BITS) + (x - q * f) + c
     tl.store(state_ptr + lane, x.to(tl.int32, bitcast=True), mask=lane_ok)
     tl.store(glen_ptr + grp, ptr, mask=grp < n_groups)
+    tl.atomic_add(scal_ptr + SCAL_WORDS, tl.sum(ptr.to(tl.int64), 0))
 
 
 @triton.jit
-def gather_streams_kernel(buf_ptr, glen_ptr, goff_ptr, out_ptr, cap, BLOCK: tl.constexpr):
+def pack_meta_kernel(lo_ptr, w_ptr, a_ptr, codes_ptr, states_ptr, lo_out, wflag_out, codes_out, states_out,
+                     K, P, k_coded, HCAP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                     FLAG_SHIFT: tl.constexpr):
+    """One component's meta into the payload: lo, W | escape flag, its A weight codes (at the
+    sum of the A before it), and its lanes' final states when it codes anything (A > 1)."""
+    k = tl.program_id(0)
+    jk = tl.arange(0, BLOCK_K)
+    A_all = tl.load(a_ptr + jk, mask=jk < K, other=0)
+    before = jk < k
+    off = tl.sum(tl.where(before, A_all, 0), 0)
+    rank = tl.sum(tl.where(before & (A_all > 1), 1, 0), 0)
+    A = tl.load(a_ptr + k)
+    W = tl.load(w_ptr + k)
+    tl.store(lo_out + k, tl.load(lo_ptr + k).to(lo_out.dtype.element_ty))
+    tl.store(wflag_out + k, (W | ((A - W) << FLAG_SHIFT)).to(wflag_out.dtype.element_ty))
+    j = tl.arange(0, HCAP)
+    tl.store(codes_out + off + j, tl.load(codes_ptr + k * HCAP + j), mask=j < A)
+    if A > 1:
+        for p0 in range(0, P, BLOCK_P):
+            pp = (p0 + tl.arange(0, BLOCK_P)).to(tl.int64)
+            m = pp < P
+            s = tl.load(states_ptr + pp * K + k, mask=m)
+            tl.store(states_out + pp * k_coded + rank, s, mask=m)
+
+
+@triton.jit
+def gather_streams_kernel(buf_ptr, glen_ptr, gend_ptr, out_ptr, gw_out, cap, BLOCK: tl.constexpr):
+    """Group g's words to its place in the payload (gend: inclusive prefix sum of the lengths),
+    and its length to the group_words section."""
     g = tl.program_id(0).to(tl.int64)
     n = tl.load(glen_ptr + g)
-    o = tl.load(goff_ptr + g)
+    o = tl.load(gend_ptr + g) - n
+    tl.store(gw_out + g, n)
     for s in range(0, n, BLOCK):
         offs = s + tl.arange(0, BLOCK)
         m = offs < n
         tl.store(out_ptr + o + offs, tl.load(buf_ptr + g * cap + offs, mask=m), mask=m)
 
+
 @triton.jit
-def decode_kernel(words_ptr, goff_ptr, glen_ptr, state_ptr, lo_ptr, w_ptr, lut_ptr, tab_ptr,
-                  out_ptr, esc_key_ptr, esc_count_ptr, bad_ptr, T, K, n_lanes, n_groups, S, n_words, n_esc,
+def checksum_kernel(ptr, n, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.constexpr, BLOCK: tl.constexpr,
+                    ITERS: tl.constexpr):
+    """Partial sums of rans.checksum over ITERS blocks of the payload; bytes [SKIP_LO, SKIP_HI)
+    (the check fields themselves) are left out and do not count as positions."""
+    D: tl.constexpr = SKIP_HI - SKIP_LO
+    start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+    base = ((start - tl.where(start >= SKIP_HI, D, 0)) % 65521).to(tl.int32)  # first byte's position mod 65521
+    s0 = tl.zeros([BLOCK], tl.int64)
+    s1 = tl.zeros([BLOCK], tl.int64)
+    for it in range(ITERS):
+        local = it * BLOCK + tl.arange(0, BLOCK)
+        offs = start + local
+        b = tl.load(ptr + offs, mask=offs < n, other=0).to(tl.int32)
+        b = tl.where((offs >= SKIP_LO) & (offs < SKIP_HI), 0, b)
+        adj = tl.where((start < SKIP_HI) & (offs >= SKIP_HI), D, 0)  # only the first program straddles them
+        w = (base + local - adj) % 65521 + 1
+        s0 += b.to(tl.int64)
+        s1 += (b * w).to(tl.int64)
+    tl.atomic_add(out_ptr, tl.sum(s0, 0))
+    tl.atomic_add(out_ptr + 1, tl.sum(s1, 0))
+
+
+@triton.jit
+def finish_checksum_kernel(sums_ptr, check_out):
+    """The checksum's two words (mod 2^32) into the header."""
+    s = tl.load(sums_ptr + tl.arange(0, 2))
+    tl.store(check_out + tl.arange(0, 2), (s & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def decode_meta_kernel(lo_in, wflag_in, codes_in, check_in, sums_ptr, n_table, k_coded,
+                       lo_ptr, w_ptr, a_ptr, rank_ptr, tab_ptr, lut_ptr, err_ptr, K,
+                       HCAP: tl.constexpr, PROB_BITS: tl.constexpr, BLOCK_K: tl.constexpr, TOP: tl.constexpr,
+                       PACKED: tl.constexpr):
+    """Program k < K: component k's window and weight codes from the payload -> its rANS table
+    and its slot -> symbol lookup (PACKED: symbol << 2n | f - 1 << n | slot - cum); program K: the
+    virtual no-op component (one symbol of frequency 2^n). Anything out of range, and (program 0)
+    a checksum or table-size mismatch, sets the error flag."""
+    M: tl.constexpr = 1 << PROB_BITS
+    k = tl.program_id(0)
+    real = k < K
+    jk = tl.arange(0, BLOCK_K)
+    mk = jk < K
+    wf_all = tl.load(wflag_in + jk, mask=mk, other=0).to(tl.int64) & ((2 << TOP) - 1)
+    A_all = (wf_all & ((1 << TOP) - 1)) + (wf_all >> TOP)
+    off = tl.sum(tl.where(jk < k, A_all, 0), 0)
+    rank = tl.sum(tl.where((jk < k) & (A_all > 1), 1, 0), 0)
+    wf = tl.load(wflag_in + k, mask=real, other=1).to(tl.int64) & ((2 << TOP) - 1)
+    W = wf & ((1 << TOP) - 1)
+    A = W + (wf >> TOP)
+    lo = tl.load(lo_in + k, mask=real, other=0).to(tl.int64)
+    bad = real & ((W < 1) | (A > HCAP) | (lo + W - 1 > 2147483647))
+    sums = tl.load(sums_ptr + tl.arange(0, 2)) & 0xFFFFFFFF
+    check = tl.load(check_in + tl.arange(0, 2)).to(tl.int64) & 0xFFFFFFFF
+    bad_global = (tl.sum((sums != check).to(tl.int32), 0) > 0) | (tl.sum(A_all, 0) != n_table) \
+        | (tl.sum((A_all > 1).to(tl.int64), 0) != k_coded)
+    bad = bad | ((k == 0) & bad_global)
+    j = tl.arange(0, HCAP)
+    code = tl.load(codes_in + off + j, mask=real & (j < A) & (off + j < n_table), other=0).to(tl.int64)
+    code = tl.where((~real) & (j == 0), 1, code)
+    f, c, good = normalize_row(mf_decode(code), j, PROB_BITS)
+    bad = bad | (real & ~good)
+    tl.store(lo_ptr + k, lo, mask=real)
+    tl.store(w_ptr + k, W, mask=real)
+    tl.store(a_ptr + k, A, mask=real)
+    tl.store(rank_ptr + k, rank.to(tl.int64), mask=real)
+    tl.store(tab_ptr + k * HCAP + j, ((c << 16) | f).to(tl.int32))
+    # slot -> symbol: mark each symbol's first slot, then a running maximum fills its range
+    row = lut_ptr + k.to(tl.int64) * M
+    slots = tl.arange(0, M)
+    tl.store(row + slots, tl.zeros([M], tl.int32))
+    tl.debug_barrier()
+    tl.store(row + c, j.to(tl.int32), mask=f > 0)
+    tl.debug_barrier()
+    sym = tl.associative_scan(tl.load(row + slots), 0, _max_combine)
+    if PACKED:
+        t = tl.load(tab_ptr + k * HCAP + sym)
+        fs = t & 0xFFFF
+        cs = t >> 16
+        val = (sym << (2 * PROB_BITS)) | ((fs - 1) << PROB_BITS) | (slots - cs)
+    else:
+        val = sym
+    tl.debug_barrier()
+    tl.store(row + slots, val)
+    tl.atomic_or(err_ptr, bad.to(tl.int32))
+
+
+@triton.jit
+def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr, rank_ptr, lut_ptr, tab_ptr,
+                  out_ptr, esc_key_ptr, err_ptr, T, K, n_lanes, n_groups, S, n_words, n_esc, k_coded,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  HAS_ESC: tl.constexpr, WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr):
+                  WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr):
     """The encoder's mirror: lanes walk their tokens first to last, reading each group's words
     from the end of its stream. PACKED: lut holds symbol | f-1 | slot-cum in one int32 (n <= 11);
     else lut holds the symbol and tab the (cum << 16 | f) entry. Escapes leave their position
-    (row * K + k) in esc_key; the caller sorts them and scatters the stored values."""
+    (row * K + k) in esc_key and are counted in err[1]; the caller sorts them and scatters the
+    stored values. Any inconsistency sets err[0]."""
     M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     grp_ok = grp < n_groups
@@ -237,10 +386,16 @@ def decode_kernel(words_ptr, goff_ptr, glen_ptr, state_ptr, lo_ptr, w_ptr, lut_p
     k = lane - p * K
     lo = tl.load(lo_ptr + k, mask=lane_ok, other=0)
     W = tl.load(w_ptr + k, mask=lane_ok, other=0)
-    x = tl.load(state_ptr + lane, mask=lane_ok, other=65536).to(tl.uint32, bitcast=True)
+    A = tl.load(a_ptr + k, mask=lane_ok, other=0)
+    rank = tl.load(rank_ptr + k, mask=lane_ok, other=0)
+    coded = lane_ok & (A > 1) & (rank < k_coded)
+    x = tl.load(states_in + p.to(tl.int64) * k_coded + rank, mask=coded, other=65536).to(tl.uint32, bitcast=True)
     bad = (x < 65536).to(tl.int32)
-    ptr = tl.load(glen_ptr + grp, mask=grp_ok, other=0)
-    base = tl.load(goff_ptr + grp, mask=grp_ok, other=0)
+    glen = tl.load(glen_ptr + grp, mask=grp_ok, other=0)
+    ptr = glen
+    base = tl.load(gend_ptr + grp, mask=grp_ok, other=0) - glen
+    if tl.program_id(0) == 0:  # the groups' lengths must add up to the stream
+        bad |= (tl.load(gend_ptr + n_groups - 1) != n_words).to(tl.int32)
     row0 = p * S
     last_word = tl.maximum(n_words - 1, 0)
     if WIDE_INDEX:
@@ -265,33 +420,20 @@ def decode_kernel(words_ptr, goff_ptr, glen_ptr, state_ptr, lo_ptr, w_ptr, lut_p
             x = f * (x >> PROB_BITS) + (slot.to(tl.uint32) - c)
         need = x < 65536
         nd = need.to(tl.int32)
-        rank = tl.cumsum(nd, 1) - nd
+        rank_w = tl.cumsum(nd, 1) - nd
         ptr -= tl.sum(nd, 1)
         bad |= (ptr < 0).to(tl.int32)[:, None]
-        rp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] + rank), 0), last_word)
+        rp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] + rank_w), 0), last_word)
         wd = tl.load(words_ptr + rp, mask=need, other=0).to(tl.int32) & 0xFFFF
         x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
         tl.store(out_ptr + off, (lo + s).to(tl.int32), mask=active)
-        if HAS_ESC:
-            esc_now = active & (s == W)
-            slot_e = tl.atomic_add(esc_count_ptr + k * 0, 1, mask=esc_now)
-            tl.store(esc_key_ptr + slot_e, off.to(tl.int64), mask=esc_now & (slot_e < n_esc))
+        esc_now = active & (s == W) & (A > W)
+        slot_e = tl.atomic_add(err_ptr + 1 + k * 0, 1, mask=esc_now)
+        tl.store(esc_key_ptr + slot_e, off.to(tl.int64), mask=esc_now & (slot_e < n_esc))
         off += K
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= (ptr != 0).to(tl.int32)[:, None]
-    tl.store(bad_ptr + lane, bad, mask=lane_ok)
-
-
-@triton.jit
-def checksum_kernel(ptr, n, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.constexpr, BLOCK: tl.constexpr):
-    """Partial sums of rans.checksum over one block of the payload, bytes [SKIP_LO, SKIP_HI) left out."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    b = tl.load(ptr + offs, mask=m, other=0).to(tl.int64)
-    b = tl.where((offs >= SKIP_LO) & (offs < SKIP_HI), 0, b)
-    pos = tl.where(offs < SKIP_LO, offs, offs - (SKIP_HI - SKIP_LO))
-    tl.atomic_add(out_ptr, tl.sum(b, 0))
-    tl.atomic_add(out_ptr + 1, tl.sum(b * (pos % 65521 + 1), 0))
+    tl.atomic_or(err_ptr, tl.max(tl.max(tl.where(lane_ok, bad, 0), 1), 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +512,8 @@ def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step,
 _MATMUL_CONFIGS = [
     triton.Config(dict(BM=bm, BN=bn, BD=bd), num_warps=w, num_stages=st)
     for bm, bn, bd, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
-                              (64, 128, 64, 4, 4)]
+                              (64, 128, 64, 4, 4), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3), (64, 64, 64, 4, 3),
+                              (256, 128, 64, 8, 3)]
 ]
 project_quantize_tuned = triton.autotune(_MATMUL_CONFIGS, key=["D", "K"], reset_to_zero=["sum_ptr"])(
     project_quantize_kernel)

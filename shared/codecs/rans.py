@@ -44,11 +44,13 @@ group consumes exactly its words, so a corrupt or truncated payload raises Bitst
 than returning wrong symbols (rANS resynchronizes after a corrupt word, so the state check alone
 would miss some corruption).
 
-Windows: a component whose values span at most 2^(n-2) symbols takes its whole range; a wider one
-gets 2^(n-2) - 1 symbols centred on the floor of its mean. Tails are then trimmed while escaping
-their values (ESCAPE_COST bytes each) is cheaper than their table entries (TABLE_ENTRY_COST each),
-always keeping the mode; values outside the window are coded as the escape symbol (the last one of
-the alphabet) and stored raw in `escapes`.
+Windows (the encoder's choice; the decoder reads them from the payload): a component whose values
+span at most 2^(n-2) symbols takes its whole range; a wider one gets 2^(n-2) - 1 symbols centred on
+the floor of its mean. Tails are then trimmed while escaping their values (ESCAPE_COST bytes each)
+is cheaper than their table entries (TABLE_ENTRY_COST each), always keeping the mode; values outside
+the window are coded as the escape symbol (the last one of the alphabet) and stored raw in
+`escapes`. The histogram behind these choices counts every token, or every R-th token of a long
+tensor (hist_row_stride).
 
 Frequencies: from the 8-bit weight codes w (0 = absent), both coders compute the same table summing
 to 2^n: f = max(1, floor(w * s / sum(w))) for w > 0 with the largest integer s <= 2^(n+1) that keeps
@@ -77,6 +79,7 @@ DEFAULT_PROB_BITS = 11  # frequency precision n: tables sum to 2^n (<= 11: one-l
 DEFAULT_GROUP_LANES = 32  # lanes sharing one word stream (a GPU warp)
 ESCAPE_COST = 5  # bytes an escaped value costs (4 raw + its escape code), for window trimming
 TABLE_ENTRY_COST = 1  # bytes one table entry costs
+HIST_SAMPLE_ROWS = 32768  # tokens sampled for the frequency tables of a long tensor (hist_row_stride)
 _BIG = 1 << 62
 
 
@@ -134,40 +137,51 @@ def initial_windows(mn, mx, sm, T: int, prob_bits: int):
     return lo0, h0
 
 
-def choose_tables(counts: np.ndarray, h0: np.ndarray, T: int):
+def hist_row_stride(T: int) -> int:
+    """Rows between the tokens whose values make the frequency tables: every token up to
+    2 * HIST_SAMPLE_ROWS tokens, then about HIST_SAMPLE_ROWS evenly spaced ones (a histogram of
+    every token costs more GPU time than coding them; a sample this size costs ~0.3% of ratio)."""
+    return max(1, T // HIST_SAMPLE_ROWS)
+
+
+def choose_tables(counts: np.ndarray, h0, lo0, mn, mx, n_sampled: int, stride: int):
     """Trim each component's window and make its weight codes.
 
-    counts: [K, H] int64 histogram of the values inside the first window (index = value - lo0).
-    Returns (a, W, esc, n_esc, codes [K, H+1] uint8): the kept window is [lo0 + a, lo0 + a + W),
-    esc is 1 when some value of the component is escaped; codes hold A = W + esc entries, the
-    escape symbol last.
+    counts: [K, H] int64 histogram of the sampled values (every stride-th token, n_sampled of
+    them) inside the first window [lo0, lo0 + h0); mn, mx: the component's exact extremes.
+    Returns (lo, W, esc, codes [K, H+1] uint8): the kept window is [lo, lo + W); esc is 1 when
+    the window does not cover [mn, mx], and codes then hold an escape symbol after the W others.
 
-    Tails are trimmed where escaping their values (ESCAPE_COST bytes each) is cheaper than
-    their table entries (TABLE_ENTRY_COST each); the window always keeps the mode."""
+    Tails are trimmed where escaping their values (ESCAPE_COST bytes each, counted as stride
+    values per sampled one) is cheaper than their table entries (TABLE_ENTRY_COST each); the
+    window always keeps the mode. With a sample (stride > 1) every value of the window gets a
+    weight of at least 1, because values the sample missed may still occur."""
     counts = np.asarray(counts, np.int64)
+    h0, lo0, mn, mx = (np.asarray(v, np.int64) for v in (h0, lo0, mn, mx))
     K, H = counts.shape
     j = np.arange(H, dtype=np.int64)[None, :]
     n_in = counts.sum(1)
-    esc0 = T - n_in
     mode = counts.argmax(1)[:, None]
     incl = np.cumsum(counts, 1)
     left_out = incl - counts  # values below j
     right_out = n_in[:, None] - incl  # values above j
-    cost_l = np.where(j <= mode, ESCAPE_COST * left_out - TABLE_ENTRY_COST * j, _BIG)
-    cost_r = np.where((j >= mode) & (j < h0[:, None]), TABLE_ENTRY_COST * j + ESCAPE_COST * right_out, _BIG)
+    cost_l = np.where(j <= mode, ESCAPE_COST * stride * left_out - TABLE_ENTRY_COST * j, _BIG)
+    cost_r = np.where((j >= mode) & (j < h0[:, None]), TABLE_ENTRY_COST * j + ESCAPE_COST * stride * right_out,
+                      _BIG)
     a = cost_l.argmin(1)
     b = cost_r.argmin(1)
     rows = np.arange(K)
-    n_esc = esc0 + left_out[rows, a] + right_out[rows, b]
-    esc = (n_esc > 0).astype(np.int64)
+    n_esc = (n_sampled - n_in) + left_out[rows, a] + right_out[rows, b]
     W = b - a + 1
+    lo = lo0 + a
+    esc = ((lo > mn) | (lo + W - 1 < mx)).astype(np.int64)
     src = a[:, None] + j
-    kept = np.where(j < W[:, None], counts[rows[:, None], np.minimum(src, H - 1)], 0)
+    kept = np.where(j < W[:, None], counts[rows[:, None], np.minimum(src, H - 1)] + (stride > 1), 0)
     kept = np.concatenate([kept, np.zeros((K, 1), np.int64)], 1)
-    kept[rows, W] = np.where(esc > 0, n_esc, 0)
+    kept[rows, W] = np.where(esc > 0, np.maximum(n_esc, 1), 0)
     shift = np.maximum(_bitlen(kept.max(1)) - 18, 0)[:, None]
     weights = np.where(kept > 0, np.maximum(kept >> shift, 1), 0)
-    return a, W, esc, n_esc, minifloat_encode(weights)
+    return lo, W, esc, minifloat_encode(weights)
 
 
 def normalize(codes: np.ndarray, prob_bits: int):
@@ -275,14 +289,16 @@ def _tables_cpu(sym: np.ndarray, prob_bits: int):
     """Per-component window and tables from the symbols (CPU path)."""
     T, K = sym.shape
     s64 = sym.astype(np.int64)
-    lo0, h0 = initial_windows(s64.min(0), s64.max(0), s64.sum(0), T, prob_bits)
+    mn, mx = s64.min(0), s64.max(0)
+    lo0, h0 = initial_windows(mn, mx, s64.sum(0), T, prob_bits)
+    stride = hist_row_stride(T)
+    sample = s64[::stride]
     H = int(h0.max())
-    idx = s64 - lo0
+    idx = sample - lo0
     inwin = (idx >= 0) & (idx < h0)
     key = (np.arange(K, dtype=np.int64)[None, :] * H + idx)[inwin]
     counts = np.bincount(key, minlength=K * H).reshape(K, H)
-    a, W, esc, n_esc, codes = choose_tables(counts, h0, T)
-    return lo0 + a, W, esc, codes
+    return choose_tables(counts, h0, lo0, mn, mx, len(sample), stride)
 
 
 def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
@@ -532,9 +548,9 @@ def _kernels():
 
     from . import _rans_triton as kt
 
-    _KERNELS = dict(hist=kt.hist_kernel, tables=kt.tables_kernel, decode_tables=kt.decode_tables_kernel,
-                    encode=kt.encode_kernel, gather=kt.gather_streams_kernel, decode=kt.decode_kernel,
-                    checksum=kt.checksum_kernel)
+    _KERNELS = dict(hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
+                    pack_meta=kt.pack_meta_kernel, gather=kt.gather_streams_kernel, checksum=kt.checksum_kernel,
+                    finish=kt.finish_checksum_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel)
     return _KERNELS
 
 
@@ -554,15 +570,22 @@ def _check_device(t, what: str):
 
 
 GROUPS_PER_PROGRAM = 4  # lane groups per Triton program: 4 x 32 lanes = 128 threads
-HIST_TOKENS, HIST_BLOCK = 256, 128  # histogram: tokens per thread, threads per program
+HIST_TOKENS, HIST_BLOCK = 256, 128  # histogram: sampled tokens per thread, threads per program
+CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 16  # checksum: bytes per step, steps per program
+ENCODE_WARPS = DECODE_WARPS = None  # warps per lane-kernel program; None: one thread per lane (fewer: several)
 
 
 def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
-                lane_tokens: int | None = None, stats=None):
+                lane_tokens: int | None = None, stats=None, guard=None):
     """encode() on the GPU: int32 CUDA tensor [T, K] -> uint8 CUDA tensor holding the same bytes.
 
     stats: optional (min, max, sum) per component, int tensors [K] on t's device, when the
-    producer already has them (rdquant's fused projection does); saves a pass over t."""
+    producer already has them (rdquant's fused projection does); saves a pass over t.
+    guard: optional float tensor [1] that must be below 2^31 (the fused quantizer's largest
+    |value|), checked in the same host synchronization as everything else.
+
+    Kernels: histogram of sampled tokens, tables, lanes, then (after the one host
+    synchronization, which learns the payload's size) meta, streams and checksum."""
     torch = _torch()
     if not isinstance(t, torch.Tensor):
         raise InvalidTensorError(f"encode_cuda takes a torch tensor, got {type(t).__name__}; use encode() for numpy")
@@ -583,81 +606,79 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
     n, G, HCAP = prob_bits, group_lanes, max_alphabet(prob_bits)
     kern = _kernels()
     dev = t.device
-    a_max = HCAP
-
-    # 1. first windows from min, max and the exact integer sum (no host round trip)
     if stats is None:
         mn, mx = torch.aminmax(t, dim=0)
         sm = t.sum(0, dtype=torch.int64)
     else:
         mn, mx, sm = stats
-    mn, mx, sm = mn.long(), mx.long(), sm.long()
-    span = mx - mn + 1
-    wide = span > a_max
-    h0 = torch.where(wide, torch.full_like(span, a_max - 1), span)
-    centre = torch.div(sm, T, rounding_mode="floor")
-    lo0 = torch.where(wide, torch.maximum(torch.minimum(centre - (a_max - 1) // 2, mx - h0 + 1), mn), mn)
 
-    # 2. histograms inside the first windows, 3. trimmed windows, codes and tables per component
+    # 1. histograms of the sampled tokens inside the first windows; 2. trimmed windows and tables
     wide_index = (T + 1) * K >= 2**31
+    R = hist_row_stride(T)
+    n_sampled = triton_cdiv(T, R)
     counts = torch.zeros((K, HCAP), dtype=torch.int32, device=dev)
-    hs = min(T, HIST_TOKENS)
-    n_hist = triton_cdiv(T, hs) * K
+    hs = min(n_sampled, HIST_TOKENS)
+    n_hist = triton_cdiv(n_sampled, hs) * K
     kern["hist"][(triton_cdiv(n_hist, HIST_BLOCK),)](
-        t, lo0, h0, centre, counts, T, K, n_hist, hs, HCAP=HCAP, BLOCK=HIST_BLOCK, WIDE_INDEX=wide_index,
+        t, mn, mx, sm, counts, T, K, n_hist, hs, R, HCAP=HCAP, BLOCK=HIST_BLOCK, WIDE_INDEX=wide_index,
         num_warps=HIST_BLOCK // 32)
-    a = torch.empty(K, dtype=torch.int64, device=dev)
-    W = torch.empty_like(a)
-    esc = torch.empty_like(a)
-    n_esc = torch.empty_like(a)
+    lo = torch.empty(K, dtype=torch.int64, device=dev)
+    W, A = torch.empty_like(lo), torch.empty_like(lo)
     codes = torch.empty((K, HCAP), dtype=torch.uint8, device=dev)
     tab = torch.empty((K, HCAP), dtype=torch.int32, device=dev)
-    kern["tables"][(K,)](counts, h0, a, W, esc, n_esc, codes, tab, T, HCAP=HCAP, PROB_BITS=n,
-                         ESC_COST=ESCAPE_COST, ENTRY_COST=TABLE_ENTRY_COST)
-    lo = lo0 + a
-    A = W + esc
-    n_table, n_escapes = (int(v) for v in torch.stack([A.sum(), n_esc.sum()]).cpu().tolist())  # host sync 1
+    scal = torch.tensor([0, 0, 0, 2**62, -2**62, 0, 0, 0], dtype=torch.int64).to(dev, non_blocking=True)
+    kern["tables"][(K,)](counts, mn, mx, sm, guard if guard is not None else scal, lo, W, A, codes, tab, scal,
+                         T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
+                         ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=guard is not None)
 
-    # 4. the lanes; escaped values land in (position, value) slots, put in row-major order below
+    # 3. the lanes; escaped values land in (position, value) slots, put in row-major order below
     lay = Layout(T, K, S, G, 0, 0, 0)
     NL, NG, cap = lay.n_lanes, lay.n_groups, G * S
     buf = torch.empty(NG * cap, dtype=torch.int16, device=dev)
     states = torch.empty(NL, dtype=torch.int32, device=dev)
     glen = torch.empty(NG, dtype=torch.int32, device=dev)
-    esc_key = torch.empty(max(n_escapes, 1), dtype=torch.int64, device=dev)
-    esc_val = torch.empty(max(n_escapes, 1), dtype=torch.int32, device=dev)
-    esc_count = torch.zeros(1, dtype=torch.int32, device=dev)
-    kern["encode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
-        t, lo, W, tab, buf, states, glen, esc_key, esc_val, esc_count, T, K, NL, NG, S, cap,
-        HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM, HAS_ESC=n_escapes > 0, WIDE_INDEX=wide_index,
-        num_warps=_warps(G))
 
-    # 5. the stream length (host sync 2), then the payload
-    lo_bytes, w_bytes, k_coded, stream_words = (int(v) for v in torch.stack([  # host sync 2
-        _lo_bytes_torch(torch, lo), 1 + (W.max() >= 128).long(), (A > 1).sum(), glen.sum(dtype=torch.int64)]
-    ).cpu().tolist())
+    def code_lanes(esc_cap):
+        esc_key = torch.empty(max(esc_cap, 1), dtype=torch.int64, device=dev)
+        esc_val = torch.empty(max(esc_cap, 1), dtype=torch.int32, device=dev)
+        kern["encode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
+            t, lo, W, tab, buf, states, glen, esc_key, esc_val, scal, T, K, NL, NG, S, cap, esc_cap,
+            HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM, WIDE_INDEX=wide_index,
+            num_warps=ENCODE_WARPS or _warps(G))
+        return esc_key, esc_val, [int(v) for v in scal.cpu().tolist()]  # the host synchronization
+
+    esc_cap = min(T * K, max(4096, T * K // 256))
+    esc_key, esc_val, summary = code_lanes(esc_cap)
+    n_table, k_coded, w_max, lo_min, lo_max, stream_words, n_escapes, overflow = summary
+    if overflow:
+        raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
+                                 "use a larger step or fix the producer")
+    if n_escapes > esc_cap:  # more escapes than slots (rare): code the lanes again with room for all
+        scal[5:7] = 0
+        esc_key, esc_val, summary = code_lanes(n_escapes)
+
+    # 4. the payload: header, meta, escapes, states and streams, then the checksum
+    lo_bytes = next(b for b in (1, 2, 4) if lo_min >= -(1 << (8 * b - 1)) and lo_max < (1 << (8 * b - 1)))
+    w_bytes = 1 if w_max < 128 else 2
     lay = Layout(T, K, S, G, n_table, n_escapes, stream_words, k_coded, lo_bytes, w_bytes)
-    payload = torch.zeros(lay.total, dtype=torch.uint8, device=dev)
+    payload = torch.empty(lay.total, dtype=torch.uint8, device=dev)
+    payload[:lay.group_words].zero_()  # header and the padding between meta sections
     head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, n_table, n_escapes, k_coded, lo_bytes, w_bytes, 0,
                        stream_words, 0, 0)
-    payload[:CHECKED_HEADER_BYTES] = torch.frombuffer(bytearray(head[:CHECKED_HEADER_BYTES]),
-                                                       dtype=torch.uint8).to(dev)
-    payload[lay.lo:lay.wflag].view(_TORCH_INT[lo_bytes]).copy_(lo.to(_TORCH_INT[lo_bytes]))
-    wflag = (W | (esc << (8 * w_bytes - 1))).to(torch.int16)
-    payload[lay.wflag:lay.wflag + w_bytes * K].view(_TORCH_INT[w_bytes]).copy_(wflag.to(_TORCH_INT[w_bytes]))
-    starts = torch.repeat_interleave(torch.arange(K, device=dev) * HCAP, A, output_size=n_table)
-    within = torch.arange(n_table, device=dev) - torch.repeat_interleave(torch.cumsum(A, 0) - A, A,
-                                                                         output_size=n_table)
-    payload[lay.codes:lay.codes + n_table] = codes.view(-1)[starts + within]
-    payload[lay.group_words:lay.escapes].view(torch.int32).copy_(glen)
+    payload[:CHECKED_HEADER_BYTES].copy_(torch.frombuffer(bytearray(head[:CHECKED_HEADER_BYTES]), dtype=torch.uint8))
+    kern["pack_meta"][(K,)](lo, W, A, codes, states, payload[lay.lo:lay.wflag].view(_TORCH_INT[lo_bytes]),
+                            payload[lay.wflag:lay.wflag + w_bytes * K].view(_TORCH_INT[w_bytes]),
+                            payload[lay.codes:lay.group_words], payload[lay.states:lay.streams].view(torch.int32),
+                            K, lay.P, k_coded, HCAP=HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
+                            FLAG_SHIFT=8 * w_bytes - 1)
     if n_escapes:
-        payload[lay.escapes:lay.states].view(torch.int32).copy_(esc_val[torch.argsort(esc_key)])
-    payload[lay.states:lay.streams].view(torch.int32).copy_(states.view(lay.P, K)[:, A > 1].reshape(-1))
-    if stream_words:
-        goff = torch.cumsum(glen.long(), 0) - glen.long()
-        kern["gather"][(NG,)](buf, glen, goff, payload[lay.streams:].view(torch.int16), cap, BLOCK=1024)
+        order = torch.argsort(esc_key[:n_escapes])
+        payload[lay.escapes:lay.states].view(torch.int32).copy_(esc_val[:n_escapes][order])
+    gend = torch.cumsum(glen, 0, dtype=torch.int64)
+    kern["gather"][(NG,)](buf, glen, gend, payload[lay.streams:].view(torch.int16),
+                          payload[lay.group_words:lay.escapes].view(torch.int32), cap, BLOCK=1024)
     sums = _checksum_torch(torch, payload)
-    payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32).copy_(sums.to(torch.int32))
+    kern["finish"][(1,)](sums, payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32))
     return payload
 
 
@@ -671,9 +692,8 @@ class _TorchInt(dict):
 _TORCH_INT = _TorchInt()
 
 
-def _lo_bytes_torch(torch, lo):
-    mn, mx = lo.min(), lo.max()
-    return torch.where((mn >= -128) & (mx < 128), 1, torch.where((mn >= -32768) & (mx < 32768), 2, 4))
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _warps(G: int) -> int:
@@ -684,20 +704,22 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-CHECKSUM_BLOCK = 8192  # payload bytes per program of the checksum kernel
-
-
 def _checksum_torch(torch, payload):
-    """checksum() of the whole payload but its check fields, on the payload's device: int64 [2]."""
+    """Sums of checksum() over the whole payload but its check fields, on the payload's device:
+    int64 [2], before the mod 2^32."""
     sums = torch.zeros(2, dtype=torch.int64, device=payload.device)
     n = len(payload)
-    _kernels()["checksum"][(triton_cdiv(n, CHECKSUM_BLOCK),)](
-        payload, n, sums, SKIP_LO=CHECKED_HEADER_BYTES, SKIP_HI=HEADER.size, BLOCK=CHECKSUM_BLOCK)
-    return sums & 0xFFFFFFFF
+    _kernels()["checksum"][(triton_cdiv(n, CHECKSUM_BLOCK * CHECKSUM_ITERS),)](
+        payload, n, sums, SKIP_LO=CHECKED_HEADER_BYTES, SKIP_HI=HEADER.size, BLOCK=CHECKSUM_BLOCK,
+        ITERS=CHECKSUM_ITERS)
+    return sums
 
 
 def decode_cuda(payload):
-    """decode() on the GPU: uint8 CUDA tensor (a payload from encode or encode_cuda) -> int32 CUDA [T, K]."""
+    """decode() on the GPU: uint8 CUDA tensor (a payload from encode or encode_cuda) -> int32 CUDA [T, K].
+
+    The header is read on the host (it sizes every allocation); checksum, tables, lookup and
+    lanes run as four kernels whose errors meet in one flag, read in one synchronization."""
     torch = _torch()
     if not isinstance(payload, torch.Tensor):
         raise InvalidTensorError(f"decode_cuda takes a torch uint8 tensor, got {type(payload).__name__}; "
@@ -707,70 +729,41 @@ def decode_cuda(payload):
         raise InvalidTensorError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
     payload = payload.contiguous()
     dev = payload.device
-    # The header sizes every allocation, so it is validated on the host; the meta on the GPU below.
     hdr = Parsed.__new__(Parsed)
     _parse_header_only(hdr, bytes(payload[:HEADER.size].cpu().numpy()), len(payload))
     lay, n, G, S, K, T = hdr.layout, hdr.prob_bits, hdr.G, hdr.S, hdr.K, hdr.T
     M, HCAP = 1 << n, max_alphabet(n)
     NL, NG = lay.n_lanes, lay.n_groups
     kern = _kernels()
-    errors = []
+    err = torch.zeros(2, dtype=torch.int32, device=dev)  # [any error, escapes decoded]
 
     sums = _checksum_torch(torch, payload)
-    errors.append((sums[0] != hdr.check0) | (sums[1] != hdr.check1))
-    lo = payload[lay.lo:lay.wflag].view(_TORCH_INT[lay.lo_bytes]).long()
-    top = 8 * lay.w_bytes - 1
-    wflag = payload[lay.wflag:lay.wflag + lay.w_bytes * K].view(_TORCH_INT[lay.w_bytes]).long() & ((2 << top) - 1)
-    W, esc = wflag & ((1 << top) - 1), wflag >> top
-    A = W + esc
-    errors += [(W < 1).any(), (A > HCAP).any(), A.sum() != hdr.n_table, (lo + W - 1 > 2**31 - 1).any(),
-               (A > 1).sum() != lay.k_coded]
-    A = A.clamp(0, HCAP)
-    offs = torch.cumsum(A, 0) - A
-    j = torch.arange(HCAP, device=dev)
-    src = (offs[:, None] + j[None, :]).clamp(max=max(hdr.n_table - 1, 0))
-    flat = payload[lay.codes:lay.codes + max(hdr.n_table, 1)]
-    codes = torch.where(j[None, :] < A[:, None], flat[src], torch.zeros((), dtype=torch.uint8, device=dev))
-    # tables for K components plus the virtual no-op component K (one symbol of frequency M)
+    lo = torch.empty(K, dtype=torch.int64, device=dev)
+    W, A, rank = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
     tab = torch.empty((K + 1, HCAP), dtype=torch.int32, device=dev)
-    freq = torch.empty((K + 1, HCAP), dtype=torch.int32, device=dev)
-    bad_rows = torch.empty(K + 1, dtype=torch.int32, device=dev)
-    codes1 = torch.cat([codes, torch.zeros((1, HCAP), dtype=torch.uint8, device=dev)])
-    codes1[K, 0] = 1
-    kern["decode_tables"][(K + 1,)](codes1, tab, freq, bad_rows, HCAP=HCAP, PROB_BITS=n)
-    errors.append(bad_rows.any())
-    # slot -> symbol lookup of every component (each table sums to M, so the sizes are fixed)
-    f_flat = freq.view(-1).long()
-    lut = torch.repeat_interleave(j.repeat(K + 1), f_flat, output_size=(K + 1) * M)
+    lut = torch.empty((K + 1) * M, dtype=torch.int32, device=dev)
     packed = n <= 11
-    if packed:  # symbol << 2n | (f - 1) << n | (slot - cum): the decoder's one load per step
-        f_slot = torch.repeat_interleave(f_flat, f_flat, output_size=(K + 1) * M)
-        c_slot = torch.repeat_interleave((tab.view(-1).long() >> 16), f_flat, output_size=(K + 1) * M)
-        slot = torch.arange((K + 1) * M, device=dev) % M
-        lut = (lut << (2 * n)) | ((f_slot - 1) << n) | (slot - c_slot)
-    lut = lut.to(torch.int32)
+    codes_section = payload[lay.codes:lay.codes + hdr.n_table] if hdr.n_table else payload[:1]
+    kern["decode_meta"][(K + 1,)](
+        payload[lay.lo:lay.wflag].view(_TORCH_INT[lay.lo_bytes]),
+        payload[lay.wflag:lay.wflag + lay.w_bytes * K].view(_TORCH_INT[lay.w_bytes]), codes_section,
+        payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32), sums, hdr.n_table, lay.k_coded,
+        lo, W, A, rank, tab, lut, err, K, HCAP=HCAP, PROB_BITS=n, BLOCK_K=_pow2(K), TOP=8 * lay.w_bytes - 1,
+        PACKED=packed)
     glen = payload[lay.group_words:lay.escapes].view(torch.int32)
-    errors.append(glen.long().sum() != hdr.stream_words)
-    goff = torch.cumsum(glen.long(), 0) - glen.long()
-    states = torch.full((lay.P, K), STATE_LOW, dtype=torch.int32, device=dev)
-    coded = (A > 1).nonzero().reshape(-1)
-    if len(coded) == lay.k_coded:  # (else the error above is raised after decoding)
-        states[:, coded] = payload[lay.states:lay.streams].view(torch.int32).view(lay.P, lay.k_coded)
-    states = states.view(-1)
+    gend = torch.cumsum(glen, 0, dtype=torch.int64)
     words = payload[lay.streams:].view(torch.int16) if hdr.stream_words else torch.zeros(1, dtype=torch.int16,
                                                                                          device=dev)
+    states = payload[lay.states:lay.streams].view(torch.int32) if lay.k_coded else err
     out = torch.empty((T, K), dtype=torch.int32, device=dev)
     n_esc = hdr.n_escapes
     esc_key = torch.empty(max(n_esc, 1), dtype=torch.int64, device=dev)
-    esc_count = torch.zeros(1, dtype=torch.int32, device=dev)
-    bad = torch.zeros(NL, dtype=torch.int32, device=dev)
     kern["decode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
-        words, goff, glen, states, lo, W, lut, tab, out, esc_key, esc_count, bad, T, K, NL, NG, S,
-        hdr.stream_words, n_esc, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM, HAS_ESC=n_esc > 0,
-        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G))
-    errors.append(bad.any())
-    errors.append(esc_count[0] != n_esc)
-    if bool(torch.stack([e.reshape(()) for e in errors]).any()):  # the one host sync after the header
+        words, gend, glen, states, lo, W, A, rank, lut, tab, out, esc_key, err, T, K, NL, NG, S,
+        hdr.stream_words, n_esc, lay.k_coded, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM,
+        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=DECODE_WARPS or _warps(G))
+    bad, n_decoded_esc = err.cpu().tolist()  # the one host synchronization after the header
+    if bad or n_decoded_esc != n_esc:
         raise BitstreamError("rANS payload is corrupt (checksum, tables or lane states do not check out)")
     if n_esc:
         vals = payload[lay.escapes:lay.states].view(torch.int32)
