@@ -120,7 +120,8 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, 
 
 
 # Slots of the encoder's scalar summary (int64), read by the host in its one synchronization.
-SCAL_N_TABLE, SCAL_K_CODED, SCAL_W_MAX, SCAL_LO_MIN, SCAL_LO_MAX, SCAL_WORDS, SCAL_ESCAPES, SCAL_OVERFLOW = range(8)
+(SCAL_N_TABLE, SCAL_K_CODED, SCAL_W_MAX, SCAL_LO_MIN, SCAL_LO_MAX, SCAL_WORDS, SCAL_ESCAPES,
+ SCAL_OVERFLOW) = (tl.constexpr(i) for i in range(8))
 
 
 @triton.jit
