@@ -177,13 +177,14 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
 
 
 @triton.jit
-def encode_kernel(sym_ptr, lo_ptr, w_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr, esc_key_ptr, esc_val_ptr,
+def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr, esc_key_ptr, esc_val_ptr,
                   scal_ptr, T, K, n_lanes, n_groups, S, cap, esc_cap,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  WIDE_INDEX: tl.constexpr):
+                  WIDE_INDEX: tl.constexpr, ESCAPES: tl.constexpr = True):
     """One thread per lane, G lanes per shared word stream, GPP streams per program. Walks its
     tokens last to first; escaped values go to (key = row * K + k, value) slots (the first esc_cap
-    of them; the count goes to the scalar summary either way), sorted later."""
+    of them; the count goes to the scalar summary either way), sorted later. Programs none of
+    whose components has an escape symbol skip that bookkeeping."""
     M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     lane = grp[:, None] * G + tl.arange(0, G)[None, :]
@@ -192,6 +193,7 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr,
     k = lane - p * K
     lo = tl.load(lo_ptr + k, mask=lane_ok, other=0)
     W = tl.load(w_ptr + k, mask=lane_ok, other=1)
+    may_escape = tl.max(tl.max((tl.load(a_ptr + k, mask=lane_ok, other=0) > W).to(tl.int32), 1), 0) > 0
     tab_row = tab_ptr + k * HCAP
     x = tl.full([GPP, G], 65536, tl.uint32)
     ptr = tl.zeros([GPP], tl.int32)
@@ -215,10 +217,11 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr,
         idx = v - lo
         outside = (idx < 0) | (idx >= W)
         idx = tl.where(outside, W, idx)
-        esc_now = active & outside
-        slot = tl.atomic_add(scal_ptr + SCAL_ESCAPES + k * 0, 1, mask=esc_now)
-        tl.store(esc_key_ptr + slot, off.to(tl.int64), mask=esc_now & (slot < esc_cap))
-        tl.store(esc_val_ptr + slot, v.to(tl.int32), mask=esc_now & (slot < esc_cap))
+        if ESCAPES and may_escape:
+            esc_now = active & outside
+            slot = tl.atomic_add(scal_ptr + SCAL_ESCAPES + k * 0, 1, mask=esc_now)
+            tl.store(esc_key_ptr + slot, off.to(tl.int64), mask=esc_now & (slot < esc_cap))
+            tl.store(esc_val_ptr + slot, v.to(tl.int32), mask=esc_now & (slot < esc_cap))
         e = tl.load(tab_row + idx.to(tl.int32), mask=active, other=M)
         f = (e & 0xFFFF).to(tl.uint32)
         c = (e >> 16).to(tl.uint32)
@@ -280,6 +283,7 @@ def checksum_kernel(ptr, n, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.constexp
                     ITERS: tl.constexpr):
     """Partial sums of rans.checksum over ITERS blocks of the payload; bytes [SKIP_LO, SKIP_HI)
     (the check fields themselves) are left out and do not count as positions."""
+    tl.static_assert(BLOCK * ITERS <= 65521)
     D: tl.constexpr = SKIP_HI - SKIP_LO
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
     base = ((start - tl.where(start >= SKIP_HI, D, 0)) % 65521).to(tl.int32)  # first byte's position mod 65521
@@ -291,7 +295,8 @@ def checksum_kernel(ptr, n, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.constexp
         b = tl.load(ptr + offs, mask=offs < n, other=0).to(tl.int32)
         b = tl.where((offs >= SKIP_LO) & (offs < SKIP_HI), 0, b)
         adj = tl.where((start < SKIP_HI) & (offs >= SKIP_HI), D, 0)  # only the first program straddles them
-        w = (base + local - adj) % 65521 + 1
+        w = base + local - adj  # < 2 * 65521: BLOCK * ITERS <= 65521
+        w = tl.where(w >= 65521, w - 65521, w) + 1
         s0 += b.to(tl.int64)
         s1 += (b * w).to(tl.int64)
     tl.atomic_add(out_ptr, tl.sum(s0, 0))
@@ -390,6 +395,7 @@ def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr
     A = tl.load(a_ptr + k, mask=lane_ok, other=0)
     rank = tl.load(rank_ptr + k, mask=lane_ok, other=0)
     coded = lane_ok & (A > 1) & (rank < k_coded)
+    may_escape = tl.max(tl.max((A > W).to(tl.int32), 1), 0) > 0
     x = tl.load(states_in + p.to(tl.int64) * k_coded + rank, mask=coded, other=65536).to(tl.uint32, bitcast=True)
     bad = (x < 65536).to(tl.int32)
     glen = tl.load(glen_ptr + grp, mask=grp_ok, other=0)
@@ -428,9 +434,10 @@ def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr
         wd = tl.load(words_ptr + rp, mask=need, other=0).to(tl.int32) & 0xFFFF
         x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
         tl.store(out_ptr + off, (lo + s).to(tl.int32), mask=active)
-        esc_now = active & (s == W) & (A > W)
-        slot_e = tl.atomic_add(err_ptr + 1 + k * 0, 1, mask=esc_now)
-        tl.store(esc_key_ptr + slot_e, off.to(tl.int64), mask=esc_now & (slot_e < n_esc))
+        if may_escape:
+            esc_now = active & (s == W) & (A > W)
+            slot_e = tl.atomic_add(err_ptr + 1 + k * 0, 1, mask=esc_now)
+            tl.store(esc_key_ptr + slot_e, off.to(tl.int64), mask=esc_now & (slot_e < n_esc))
         off += K
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= (ptr != 0).to(tl.int32)[:, None]

@@ -570,8 +570,8 @@ def _check_device(t, what: str):
 
 
 GROUPS_PER_PROGRAM = 4  # lane groups per Triton program: 4 x 32 lanes = 128 threads
-HIST_TOKENS, HIST_BLOCK = 256, 128  # histogram: sampled tokens per thread, threads per program
-CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 16  # checksum: bytes per step, steps per program
+HIST_TOKENS, HIST_BLOCK = 32, 128  # histogram: sampled tokens per thread, threads per program
+CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 ENCODE_WARPS = DECODE_WARPS = None  # warps per lane-kernel program; None: one thread per lane (fewer: several)
 
 
@@ -642,7 +642,7 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
         esc_key = torch.empty(max(esc_cap, 1), dtype=torch.int64, device=dev)
         esc_val = torch.empty(max(esc_cap, 1), dtype=torch.int32, device=dev)
         kern["encode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
-            t, lo, W, tab, buf, states, glen, esc_key, esc_val, scal, T, K, NL, NG, S, cap, esc_cap,
+            t, lo, W, A, tab, buf, states, glen, esc_key, esc_val, scal, T, K, NL, NG, S, cap, esc_cap,
             HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM, WIDE_INDEX=wide_index,
             num_warps=ENCODE_WARPS or _warps(G))
         return esc_key, esc_val, [int(v) for v in scal.cpu().tolist()]  # the host synchronization
