@@ -119,9 +119,10 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, 
     tl.atomic_add(counts_ptr + row_ptr + c0 + 7, n7, mask=n7 > 0)
 
 
-# Slots of the encoder's scalar summary (int64), read by the host in its one synchronization.
+# Slots of the encoder's scalar summary (int64), read by the host in its one synchronization
+# (rans.SUMMARY_FIELDS names them in this order).
 (SCAL_N_TABLE, SCAL_K_CODED, SCAL_W_MAX, SCAL_LO_MIN, SCAL_LO_MAX, SCAL_WORDS, SCAL_ESCAPES,
- SCAL_OVERFLOW) = (tl.constexpr(i) for i in range(8))
+ SCAL_OVERFLOW, SCAL_GROUP_ESC_MAX) = (tl.constexpr(i) for i in range(9))
 
 
 @triton.jit
@@ -177,14 +178,14 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
 
 
 @triton.jit
-def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr, esc_key_ptr, esc_val_ptr,
-                  scal_ptr, T, K, n_lanes, n_groups, S, cap, esc_cap,
+def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr, ebuf_ptr, gesc_ptr,
+                  scal_ptr, T, K, n_lanes, n_groups, S, cap, ecap,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, ESCAPES: tl.constexpr = True):
     """One thread per lane, G lanes per shared word stream, GPP streams per program. Walks its
-    tokens last to first; escaped values go to (key = row * K + k, value) slots (the first esc_cap
-    of them; the count goes to the scalar summary either way), sorted later. Programs none of
-    whose components has an escape symbol skip that bookkeeping."""
+    tokens last to first. Escaped values go to their group's escape buffer (ecap slots; the
+    count is kept either way) in the order the stored format wants; programs none of whose
+    components has an escape symbol skip that bookkeeping."""
     M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     lane = grp[:, None] * G + tl.arange(0, G)[None, :]
@@ -197,8 +198,10 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     tab_row = tab_ptr + k * HCAP
     x = tl.full([GPP, G], 65536, tl.uint32)
     ptr = tl.zeros([GPP], tl.int32)
+    eptr = tl.zeros([GPP], tl.int32)
     row0 = p * S
     out_row = buf_ptr + grp.to(tl.int64)[:, None] * cap
+    esc_row = ebuf_ptr + grp.to(tl.int64)[:, None] * ecap
     row = row0 + (S - 1)
     active = lane_ok & (row < T)
     if WIDE_INDEX:
@@ -219,9 +222,10 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
         idx = tl.where(outside, W, idx)
         if ESCAPES and may_escape:
             esc_now = active & outside
-            slot = tl.atomic_add(scal_ptr + SCAL_ESCAPES + k * 0, 1, mask=esc_now)
-            tl.store(esc_key_ptr + slot, off.to(tl.int64), mask=esc_now & (slot < esc_cap))
-            tl.store(esc_val_ptr + slot, v.to(tl.int32), mask=esc_now & (slot < esc_cap))
+            ee = esc_now.to(tl.int32)
+            epos = eptr[:, None] + (tl.cumsum(ee, 1) - ee)
+            tl.store(esc_row + epos, v.to(tl.int32), mask=esc_now & (epos < ecap))
+            eptr += tl.sum(ee, 1)
         e = tl.load(tab_row + idx.to(tl.int32), mask=active, other=M)
         f = (e & 0xFFFF).to(tl.uint32)
         c = (e >> 16).to(tl.uint32)
@@ -235,7 +239,10 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
         x = (q << PROB_BITS) + (x - q * f) + c
     tl.store(state_ptr + lane, x.to(tl.int32, bitcast=True), mask=lane_ok)
     tl.store(glen_ptr + grp, ptr, mask=grp < n_groups)
+    tl.store(gesc_ptr + grp, eptr, mask=grp < n_groups)
     tl.atomic_add(scal_ptr + SCAL_WORDS, tl.sum(ptr.to(tl.int64), 0))
+    tl.atomic_add(scal_ptr + SCAL_ESCAPES, tl.sum(eptr.to(tl.int64), 0))
+    tl.atomic_max(scal_ptr + SCAL_GROUP_ESC_MAX, tl.max(eptr, 0).to(tl.int64))
 
 
 @triton.jit
@@ -265,9 +272,10 @@ def pack_meta_kernel(lo_ptr, w_ptr, a_ptr, codes_ptr, states_ptr, lo_out, wflag_
 
 
 @triton.jit
-def gather_streams_kernel(buf_ptr, glen_ptr, gend_ptr, out_ptr, gw_out, cap, BLOCK: tl.constexpr):
-    """Group g's words to its place in the payload (gend: inclusive prefix sum of the lengths),
-    and its length to the group_words section."""
+def gather_streams_kernel(buf_ptr, glen_ptr, gend_ptr, out_ptr, gw_out, cap,
+                          ebuf_ptr, gesc_ptr, geend_ptr, eout_ptr, ge_out, ecap, BLOCK: tl.constexpr):
+    """Group g's words and escapes to their places in the payload (gend, geend: inclusive prefix
+    sums of the counts), and both counts to their sections."""
     g = tl.program_id(0).to(tl.int64)
     n = tl.load(glen_ptr + g)
     o = tl.load(gend_ptr + g) - n
@@ -276,6 +284,13 @@ def gather_streams_kernel(buf_ptr, glen_ptr, gend_ptr, out_ptr, gw_out, cap, BLO
         offs = s + tl.arange(0, BLOCK)
         m = offs < n
         tl.store(out_ptr + o + offs, tl.load(buf_ptr + g * cap + offs, mask=m), mask=m)
+    ne = tl.load(gesc_ptr + g)
+    oe = tl.load(geend_ptr + g) - ne
+    tl.store(ge_out + g, ne)
+    for s in range(0, ne, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        m = offs < ne
+        tl.store(eout_ptr + oe + offs, tl.load(ebuf_ptr + g * ecap + offs, mask=m), mask=m)
 
 
 @triton.jit
@@ -375,14 +390,13 @@ def decode_meta_kernel(lo_in, wflag_in, codes_in, check_in, sums_ptr, n_table, k
 
 @triton.jit
 def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr, rank_ptr, lut_ptr, tab_ptr,
-                  out_ptr, esc_key_ptr, err_ptr, T, K, n_lanes, n_groups, S, n_words, n_esc, k_coded,
+                  out_ptr, esc_in, gesc_ptr, geend_ptr, err_ptr, T, K, n_lanes, n_groups, S, n_words, n_esc, k_coded,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr):
     """The encoder's mirror: lanes walk their tokens first to last, reading each group's words
     from the end of its stream. PACKED: lut holds symbol | f-1 | slot-cum in one int32 (n <= 11);
-    else lut holds the symbol and tab the (cum << 16 | f) entry. Escapes leave their position
-    (row * K + k) in esc_key and are counted in err[1]; the caller sorts them and scatters the
-    stored values. Any inconsistency sets err[0]."""
+    else lut holds the symbol and tab the (cum << 16 | f) entry. Escaped values are read from
+    the end of each group's escapes, as its words. Any inconsistency sets err[0]."""
     M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     grp_ok = grp < n_groups
@@ -401,8 +415,13 @@ def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr
     glen = tl.load(glen_ptr + grp, mask=grp_ok, other=0)
     ptr = glen
     base = tl.load(gend_ptr + grp, mask=grp_ok, other=0) - glen
-    if tl.program_id(0) == 0:  # the groups' lengths must add up to the stream
-        bad |= (tl.load(gend_ptr + n_groups - 1) != n_words).to(tl.int32)
+    gesc = tl.load(gesc_ptr + grp, mask=grp_ok, other=0)
+    eptr = gesc
+    ebase = tl.load(geend_ptr + grp, mask=grp_ok, other=0) - gesc
+    last_esc = tl.maximum(n_esc - 1, 0)
+    if tl.program_id(0) == 0:  # the groups' counts must add up to the stream's and the escapes'
+        bad |= ((tl.load(gend_ptr + n_groups - 1) != n_words) | (tl.load(geend_ptr + n_groups - 1) != n_esc)).to(
+            tl.int32)
     row0 = p * S
     last_word = tl.maximum(n_words - 1, 0)
     if WIDE_INDEX:
@@ -433,14 +452,18 @@ def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr
         rp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] + rank_w), 0), last_word)
         wd = tl.load(words_ptr + rp, mask=need, other=0).to(tl.int32) & 0xFFFF
         x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
-        tl.store(out_ptr + off, (lo + s).to(tl.int32), mask=active)
+        val = lo + s
         if may_escape:
             esc_now = active & (s == W) & (A > W)
-            slot_e = tl.atomic_add(err_ptr + 1 + k * 0, 1, mask=esc_now)
-            tl.store(esc_key_ptr + slot_e, off.to(tl.int64), mask=esc_now & (slot_e < n_esc))
+            ee = esc_now.to(tl.int32)
+            eptr -= tl.sum(ee, 1)
+            bad |= (eptr < 0).to(tl.int32)[:, None]
+            ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr[:, None] + (tl.cumsum(ee, 1) - ee)), 0), last_esc)
+            val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0).to(tl.int64), val)
+        tl.store(out_ptr + off, val.to(tl.int32), mask=active)
         off += K
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
-    bad |= (ptr != 0).to(tl.int32)[:, None]
+    bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)[:, None]
     tl.atomic_or(err_ptr, tl.max(tl.max(tl.where(lane_ok, bad, 0), 1), 0))
 
 

@@ -19,7 +19,7 @@ Importing this module needs neither a GPU nor Triton.
 
 Bitstream (all little-endian; offsets follow from the header):
 
-    header, 52 bytes: magic b"TRNS", u8 version=1, u8 prob_bits n, u16 group_lanes G,
+    header, 52 bytes: magic b"TRNS", u8 version=2, u8 prob_bits n, u16 group_lanes G,
         u32 T, u32 K, u32 lane_tokens S, u32 n_table, u32 n_escapes, u32 k_coded,
         u8 lo_bytes, u8 w_bytes, u16 reserved=0, u64 stream_words, u32 check0, u32 check1
     lo        int{8,16,32}[K]  first symbol value of each component's window (lo_bytes wide)
@@ -29,7 +29,10 @@ Bitstream (all little-endian; offsets follow from the header):
     codes     uint8[n_table]  per-component weights, A entries per component, 8-bit minifloat
     (zero padding to a multiple of 4 bytes)
     group_words uint32[n_groups]   words in each group's stream
-    escapes   int32[n_escapes]     values outside their component's window, row-major order
+    group_escapes uint32[n_groups] escaped values of each group
+    escapes   int32[n_escapes]     values outside their component's window, group after group; within
+                                   a group in the order the encoder meets them (tokens last to first,
+                                   lanes in order), so the decoder reads them from the group's end
     states    uint32[P * k_coded]  final rANS state of each lane of a component with A > 1
                                    (a component of one symbol codes nothing: its state stays 2^16)
     streams   uint16[stream_words] the groups' word streams, group after group
@@ -40,7 +43,7 @@ Bitstream (all little-endian; offsets follow from the header):
 check0/check1 are a Fletcher-like checksum of the whole payload except these 8 bytes (sum of
 bytes, and sum of bytes times (position mod 65521 + 1), both mod 2^32; positions count the bytes
 checked). Decoding verifies it, and also that every lane ends in the initial state 2^16 and every
-group consumes exactly its words, so a corrupt or truncated payload raises BitstreamError rather
+group consumes exactly its words and escapes, so a corrupt or truncated payload raises BitstreamError rather
 than returning wrong symbols (rANS resynchronizes after a corrupt word, so the state check alone
 would miss some corruption).
 
@@ -70,7 +73,7 @@ import numpy as np
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
 
 MAGIC = b"TRNS"
-VERSION = 1
+VERSION = 2  # 2: escapes stored per group in coding order (1: row-major, needed a sort)
 HEADER = struct.Struct("<4sBBHIIIIIIBBHQII")  # 52 bytes
 CHECKED_HEADER_BYTES = 44  # the header bytes before check0
 STATE_LOW = 1 << 16  # rANS state lower bound L; states live in [L, 2^32)
@@ -239,7 +242,8 @@ class Layout:
         self.wflag = self.lo + lo_bytes * K + (lo_bytes * K) % w_bytes  # aligned for its width
         self.codes = _pad4(self.wflag + w_bytes * K)
         self.group_words = _pad4(self.codes + n_table)
-        self.escapes = self.group_words + 4 * self.n_groups
+        self.group_escapes = self.group_words + 4 * self.n_groups
+        self.escapes = self.group_escapes + 4 * self.n_groups
         self.states = self.escapes + 4 * n_escapes
         self.streams = self.states + 4 * self.P * k_coded
         self.total = self.streams + 2 * stream_words
@@ -314,9 +318,8 @@ def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes:
 
     idx = sym.astype(np.int64) - lo
     outside = (idx < 0) | (idx >= W)
-    escapes = sym[outside]  # row-major order
     idx = np.where(outside, W, idx)
-    lay = Layout(T, K, S, G, int(A.sum()), len(escapes), 0)
+    lay = Layout(T, K, S, G, int(A.sum()), int(outside.sum()), 0)
     P, NL, NG = lay.P, lay.n_lanes, lay.n_groups
 
     # Per-step, per-lane (f, c): rows [P*S] padded with the no-op symbol (f = M, c = 0).
@@ -327,6 +330,11 @@ def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes:
     C[:T] = cum[rows_k, idx]
     F = _steps_by_lane(F, P, S, K, NG * G, M)
     C = _steps_by_lane(C, P, S, K, NG * G, 0)
+    # escaped values, group after group, each group's in coding order (tokens last to first)
+    esc_flag = _in_coding_order(_steps_by_lane(_pad_rows(outside, P * S, False), P, S, K, NG * G, False), NG, G)
+    esc_vals = _in_coding_order(_steps_by_lane(_pad_rows(sym, P * S, 0), P, S, K, NG * G, 0), NG, G)
+    escapes = esc_vals[esc_flag]
+    group_escapes = esc_flag.sum((1, 2))
 
     x = np.full(NG * G, STATE_LOW, np.int64)
     ptr = np.zeros(NG, np.int64)
@@ -350,8 +358,20 @@ def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes:
     words = buf.reshape(NG, cap)
     streams = np.concatenate([words[g, :ptr[g]] for g in range(NG)]) if NG else np.zeros(0, np.uint16)
     coded = np.tile(A > 1, P)  # lanes of components with more than one symbol
-    return _assemble(lay, n, lo, W, esc, codes, A, ptr.astype(np.uint32), escapes,
+    return _assemble(lay, n, lo, W, esc, codes, A, ptr.astype(np.uint32), group_escapes, escapes,
                      x[:NL][coded].astype(np.uint32), streams)
+
+
+def _pad_rows(a: np.ndarray, rows: int, fill) -> np.ndarray:
+    out = np.full((rows,) + a.shape[1:], fill, a.dtype)
+    out[:len(a)] = a
+    return out
+
+
+def _in_coding_order(a: np.ndarray, NG: int, G: int) -> np.ndarray:
+    """[S, lanes] -> [groups, S, G] with steps last to first: the order escapes are stored in."""
+    S = a.shape[0]
+    return a[::-1].reshape(S, NG, G).transpose(1, 0, 2)
 
 
 def _steps_by_lane(a: np.ndarray, P, S, K, n_lanes_padded, fill) -> np.ndarray:
@@ -361,7 +381,8 @@ def _steps_by_lane(a: np.ndarray, P, S, K, n_lanes_padded, fill) -> np.ndarray:
     return out
 
 
-def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, A, group_words, escapes, states, streams) -> bytes:
+def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, A, group_words, group_escapes, escapes, states,
+              streams) -> bytes:
     stream_words = int(group_words.astype(np.int64).sum())
     lo_bytes, w_bytes = _widths(lo, W)
     k_coded = int((A > 1).sum())
@@ -376,6 +397,7 @@ def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, A, group_words, escapes
     put(lay.wflag, (W | (esc << (8 * w_bytes - 1))).astype(_UINT[w_bytes]))
     put(lay.codes, np.concatenate([codes[k, :A[k]] for k in range(lay.K)]))
     put(lay.group_words, group_words.astype(np.uint32))
+    put(lay.group_escapes, np.asarray(group_escapes, np.uint32))
     put(lay.escapes, np.asarray(escapes, np.int32))
     head = HEADER.pack(MAGIC, VERSION, prob_bits, lay.G, lay.T, lay.K, lay.S, int(A.sum()), len(escapes),
                        k_coded, lo_bytes, w_bytes, 0, stream_words, 0, 0)
@@ -412,6 +434,9 @@ class Parsed:
         self.group_words = get(lay.group_words, "<u4", lay.n_groups).astype(np.int64)
         if int(self.group_words.sum()) != stream_words:
             raise BitstreamError("rANS payload group lengths do not add up to its stream length")
+        self.group_escapes = get(lay.group_escapes, "<u4", lay.n_groups).astype(np.int64)
+        if int(self.group_escapes.sum()) != n_esc:
+            raise BitstreamError("rANS payload group escape counts do not add up to its escape count")
         self.escapes = get(lay.escapes, "<i4", n_esc)
 
     def dense_codes(self) -> np.ndarray:
@@ -483,19 +508,19 @@ def decode(payload) -> np.ndarray:
             x = np.where(need, (x << 16) | words[pos], x)
     if bad or (ptr != 0).any() or (x != STATE_LOW).any():
         raise BitstreamError("rANS payload streams are corrupt (lane states do not return to their start)")
-    idx = out[:, :NL].reshape(S, P, K).transpose(1, 0, 2).reshape(P * S, K)[:T]
-    return _symbols_from_indices(idx, hdr)
-
-
-def _symbols_from_indices(idx: np.ndarray, hdr: Parsed) -> np.ndarray:
-    is_esc = (idx == hdr.W) & (hdr.esc > 0)
-    vals = (idx + hdr.lo).astype(np.int32)  # escaped entries are overwritten below
-    n_esc = int(is_esc.sum())
-    if n_esc != hdr.n_escapes:
-        raise BitstreamError(f"rANS payload escape count mismatch ({n_esc} decoded, {hdr.n_escapes} stored)")
-    if n_esc:
-        vals[is_esc] = hdr.escapes
-    return vals
+    # the escape symbol of each lane's component (-1: none), per step (the last chunk ends early)
+    esc_sym = np.append(np.where(hdr.esc > 0, hdr.W, -1), -1)
+    lo_ext = np.append(hdr.lo, 0)
+    comp = np.where((np.arange(S) < last_len)[:, None], lane_k[None, :], lane_k_last[None, :])
+    is_esc = out == esc_sym[comp]
+    flags = _in_coding_order(is_esc, NG, G)
+    if (flags.sum((1, 2)) != hdr.group_escapes).any():
+        raise BitstreamError("rANS payload escape counts do not match the decoded escape symbols")
+    vals = np.zeros(flags.shape, np.int64)
+    vals[flags] = hdr.escapes
+    vals = vals.transpose(1, 0, 2).reshape(S, NG * G)[::-1]
+    vals = np.where(is_esc, vals, out + lo_ext[comp])
+    return vals[:, :NL].reshape(S, P, K).transpose(1, 0, 2).reshape(P * S, K)[:T].astype(np.int32)
 
 
 def entropy_bound_bytes(symbols) -> float:
@@ -572,6 +597,10 @@ def _check_device(t, what: str):
 GROUPS_PER_PROGRAM = 4  # lane groups per Triton program: 4 x 32 lanes = 128 threads
 HIST_TOKENS, HIST_BLOCK = 32, 128  # histogram: sampled tokens per thread, threads per program
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
+# the GPU encoder's scalar summary, in the slot order of _rans_triton.SCAL_*
+SUMMARY_FIELDS = ("n_table", "k_coded", "w_max", "lo_min", "lo_max", "stream_words", "n_escapes", "overflow",
+                  "group_escapes_max")
+ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 ENCODE_WARPS = DECODE_WARPS = None  # warps per lane-kernel program; None: one thread per lane (fewer: several)
 
 
@@ -626,36 +655,41 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
     W, A = torch.empty_like(lo), torch.empty_like(lo)
     codes = torch.empty((K, HCAP), dtype=torch.uint8, device=dev)
     tab = torch.empty((K, HCAP), dtype=torch.int32, device=dev)
-    scal = torch.tensor([0, 0, 0, 2**62, -2**62, 0, 0, 0], dtype=torch.int64).to(dev, non_blocking=True)
+    scal = torch.tensor([0, 0, 0, 2**62, -2**62, 0, 0, 0, 0], dtype=torch.int64).to(dev, non_blocking=True)
     kern["tables"][(K,)](counts, mn, mx, sm, guard if guard is not None else scal, lo, W, A, codes, tab, scal,
                          T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
                          ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=guard is not None)
 
-    # 3. the lanes; escaped values land in (position, value) slots, put in row-major order below
+    # 3. the lanes: words and escaped values into per-group buffers
     lay = Layout(T, K, S, G, 0, 0, 0)
     NL, NG, cap = lay.n_lanes, lay.n_groups, G * S
     buf = torch.empty(NG * cap, dtype=torch.int16, device=dev)
     states = torch.empty(NL, dtype=torch.int32, device=dev)
     glen = torch.empty(NG, dtype=torch.int32, device=dev)
+    gesc = torch.empty(NG, dtype=torch.int32, device=dev)
+    sums = torch.zeros(2, dtype=torch.int64, device=dev)
 
-    def code_lanes(esc_cap):
-        esc_key = torch.empty(max(esc_cap, 1), dtype=torch.int64, device=dev)
-        esc_val = torch.empty(max(esc_cap, 1), dtype=torch.int32, device=dev)
+    def code_lanes(ecap):
+        ebuf = torch.empty(NG * ecap, dtype=torch.int32, device=dev)
         kern["encode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
-            t, lo, W, A, tab, buf, states, glen, esc_key, esc_val, scal, T, K, NL, NG, S, cap, esc_cap,
+            t, lo, W, A, tab, buf, states, glen, ebuf, gesc, scal, T, K, NL, NG, S, cap, ecap,
             HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM, WIDE_INDEX=wide_index,
             num_warps=ENCODE_WARPS or _warps(G))
-        return esc_key, esc_val, [int(v) for v in scal.cpu().tolist()]  # the host synchronization
+        gend, geend = torch.cumsum(torch.stack([glen, gesc]), 1, dtype=torch.int64)
+        return ebuf, gend, geend, dict(zip(SUMMARY_FIELDS, scal.cpu().tolist()))  # the host synchronization
 
-    esc_cap = min(T * K, max(4096, T * K // 256))
-    esc_key, esc_val, summary = code_lanes(esc_cap)
-    n_table, k_coded, w_max, lo_min, lo_max, stream_words, n_escapes, overflow = summary
-    if overflow:
+    ecap = min(cap, ESCAPES_PER_GROUP)
+    ebuf, gend, geend, summary = code_lanes(ecap)
+    if summary["group_escapes_max"] > ecap:  # a group escaped more values than its buffer holds: again, with room
+        scal[SUMMARY_FIELDS.index("stream_words")] = scal[SUMMARY_FIELDS.index("n_escapes")] = 0
+        ecap = cap
+        ebuf, gend, geend, summary = code_lanes(ecap)
+    n_table, k_coded, stream_words, n_escapes = (summary[f] for f in ("n_table", "k_coded", "stream_words",
+                                                                       "n_escapes"))
+    w_max, lo_min, lo_max = summary["w_max"], summary["lo_min"], summary["lo_max"]
+    if summary["overflow"]:
         raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
                                  "use a larger step or fix the producer")
-    if n_escapes > esc_cap:  # more escapes than slots (rare): code the lanes again with room for all
-        scal[5:7] = 0
-        esc_key, esc_val, summary = code_lanes(n_escapes)
 
     # 4. the payload: header, meta, escapes, states and streams, then the checksum
     lo_bytes = next(b for b in (1, 2, 4) if lo_min >= -(1 << (8 * b - 1)) and lo_max < (1 << (8 * b - 1)))
@@ -664,20 +698,20 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
     payload = torch.empty(lay.total, dtype=torch.uint8, device=dev)
     payload[:lay.group_words].zero_()  # header and the padding between meta sections
     head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, n_table, n_escapes, k_coded, lo_bytes, w_bytes, 0,
-                       stream_words, 0, 0)
-    payload[:CHECKED_HEADER_BYTES].copy_(torch.frombuffer(bytearray(head[:CHECKED_HEADER_BYTES]), dtype=torch.uint8))
+                       stream_words, 0, 0)[:CHECKED_HEADER_BYTES]
+    head = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    payload[:CHECKED_HEADER_BYTES].copy_(head.pin_memory() if dev.type == "cuda" else head, non_blocking=True)
     kern["pack_meta"][(K,)](lo, W, A, codes, states, payload[lay.lo:lay.wflag].view(_TORCH_INT[lo_bytes]),
                             payload[lay.wflag:lay.wflag + w_bytes * K].view(_TORCH_INT[w_bytes]),
                             payload[lay.codes:lay.group_words], payload[lay.states:lay.streams].view(torch.int32),
                             K, lay.P, k_coded, HCAP=HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
                             FLAG_SHIFT=8 * w_bytes - 1)
-    if n_escapes:
-        order = torch.argsort(esc_key[:n_escapes])
-        payload[lay.escapes:lay.states].view(torch.int32).copy_(esc_val[:n_escapes][order])
-    gend = torch.cumsum(glen, 0, dtype=torch.int64)
+    esc_out = payload[lay.escapes:lay.states].view(torch.int32) if n_escapes else gesc
     kern["gather"][(NG,)](buf, glen, gend, payload[lay.streams:].view(torch.int16),
-                          payload[lay.group_words:lay.escapes].view(torch.int32), cap, BLOCK=1024)
-    sums = _checksum_torch(torch, payload)
+                          payload[lay.group_words:lay.group_escapes].view(torch.int32), cap,
+                          ebuf, gesc, geend, esc_out, payload[lay.group_escapes:lay.escapes].view(torch.int32), ecap,
+                          BLOCK=1024)
+    _checksum_torch(torch, payload, sums)
     kern["finish"][(1,)](sums, payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32))
     return payload
 
@@ -704,22 +738,20 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _checksum_torch(torch, payload):
-    """Sums of checksum() over the whole payload but its check fields, on the payload's device:
-    int64 [2], before the mod 2^32."""
-    sums = torch.zeros(2, dtype=torch.int64, device=payload.device)
+def _checksum_torch(torch, payload, sums):
+    """Adds the sums of checksum() over the whole payload but its check fields (before the
+    mod 2^32) to sums, int64 [2] zeros on the payload's device."""
     n = len(payload)
     _kernels()["checksum"][(triton_cdiv(n, CHECKSUM_BLOCK * CHECKSUM_ITERS),)](
         payload, n, sums, SKIP_LO=CHECKED_HEADER_BYTES, SKIP_HI=HEADER.size, BLOCK=CHECKSUM_BLOCK,
         ITERS=CHECKSUM_ITERS)
-    return sums
 
 
 def decode_cuda(payload):
     """decode() on the GPU: uint8 CUDA tensor (a payload from encode or encode_cuda) -> int32 CUDA [T, K].
 
     The header is read on the host (it sizes every allocation); checksum, tables, lookup and
-    lanes run as four kernels whose errors meet in one flag, read in one synchronization."""
+    lanes run as kernels whose errors meet in one flag, read in one synchronization."""
     torch = _torch()
     if not isinstance(payload, torch.Tensor):
         raise InvalidTensorError(f"decode_cuda takes a torch uint8 tensor, got {type(payload).__name__}; "
@@ -735,9 +767,9 @@ def decode_cuda(payload):
     M, HCAP = 1 << n, max_alphabet(n)
     NL, NG = lay.n_lanes, lay.n_groups
     kern = _kernels()
-    err = torch.zeros(2, dtype=torch.int32, device=dev)  # [any error, escapes decoded]
-
-    sums = _checksum_torch(torch, payload)
+    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    sums = torch.zeros(2, dtype=torch.int64, device=dev)
+    _checksum_torch(torch, payload, sums)
     lo = torch.empty(K, dtype=torch.int64, device=dev)
     W, A, rank = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
     tab = torch.empty((K + 1, HCAP), dtype=torch.int32, device=dev)
@@ -750,24 +782,21 @@ def decode_cuda(payload):
         payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32), sums, hdr.n_table, lay.k_coded,
         lo, W, A, rank, tab, lut, err, K, HCAP=HCAP, PROB_BITS=n, BLOCK_K=_pow2(K), TOP=8 * lay.w_bytes - 1,
         PACKED=packed)
-    glen = payload[lay.group_words:lay.escapes].view(torch.int32)
-    gend = torch.cumsum(glen, 0, dtype=torch.int64)
+    glen = payload[lay.group_words:lay.group_escapes].view(torch.int32)
+    gesc = payload[lay.group_escapes:lay.escapes].view(torch.int32)
+    gend, geend = torch.cumsum(torch.stack([glen, gesc]), 1, dtype=torch.int64)
     words = payload[lay.streams:].view(torch.int16) if hdr.stream_words else torch.zeros(1, dtype=torch.int16,
                                                                                          device=dev)
     states = payload[lay.states:lay.streams].view(torch.int32) if lay.k_coded else err
     out = torch.empty((T, K), dtype=torch.int32, device=dev)
     n_esc = hdr.n_escapes
-    esc_key = torch.empty(max(n_esc, 1), dtype=torch.int64, device=dev)
+    esc_in = payload[lay.escapes:lay.states].view(torch.int32) if n_esc else err
     kern["decode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
-        words, gend, glen, states, lo, W, A, rank, lut, tab, out, esc_key, err, T, K, NL, NG, S,
+        words, gend, glen, states, lo, W, A, rank, lut, tab, out, esc_in, gesc, geend, err, T, K, NL, NG, S,
         hdr.stream_words, n_esc, lay.k_coded, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM,
         WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=DECODE_WARPS or _warps(G))
-    bad, n_decoded_esc = err.cpu().tolist()  # the one host synchronization after the header
-    if bad or n_decoded_esc != n_esc:
+    if err.item():  # the one host synchronization after the header
         raise BitstreamError("rANS payload is corrupt (checksum, tables or lane states do not check out)")
-    if n_esc:
-        vals = payload[lay.escapes:lay.states].view(torch.int32)
-        out.view(-1)[torch.sort(esc_key).values] = vals
     return out
 
 
