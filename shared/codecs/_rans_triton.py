@@ -139,7 +139,9 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     mx = tl.load(mx_ptr + k).to(tl.int64)
     sm = tl.load(sm_ptr + k).to(tl.int64)
     lo0, h0, centre = first_window(mn, mx, sm, T, HCAP)
-    cnt = tl.load(counts_ptr + k * HCAP + j).to(tl.int64)
+    raw = tl.load(counts_ptr + k * HCAP + j).to(tl.int64)
+    outside0 = n_sampled - tl.sum(raw, 0)
+    cnt = tl.where((j64 < h0) & (R > 1), raw + 1, raw)  # a sampled histogram counts each value at least once
     n_in = tl.sum(cnt, 0)
     mode = tl.argmax(cnt, 0, tie_break_left=True)
     incl = tl.cumsum(cnt, 0)
@@ -150,12 +152,12 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     a = tl.argmin(cost_l, 0, tie_break_left=True)
     cost_r = tl.where((j >= mode) & (j64 < h0), ENTRY_COST * j64 + ESC_COST * R * right_out, big)
     b = tl.argmin(cost_r, 0, tie_break_left=True)
-    n_esc = (n_sampled - n_in) + tl.sum(tl.where(j == a, left_out, 0), 0) + tl.sum(tl.where(j == b, right_out, 0), 0)
+    n_esc = outside0 + tl.sum(tl.where(j == a, left_out, 0), 0) + tl.sum(tl.where(j == b, right_out, 0), 0)
     W = (b - a + 1).to(tl.int64)
     lo = lo0 + a
     has_esc = (lo > mn) | (lo + W - 1 < mx)
     kept = tl.load(counts_ptr + k * HCAP + a + j, mask=j < W, other=0).to(tl.int64)
-    kept = tl.where((j < W) & (R > 1), kept + 1, kept)  # a sample may miss values that occur
+    kept = tl.where((j < W) & (R > 1), kept + 1, kept)
     kept = tl.where((j == W) & has_esc, tl.maximum(n_esc, 1), kept)
     shift = tl.maximum(bitlen(tl.max(kept, 0)) - 18, 0)
     wts = tl.where(kept > 0, tl.maximum(kept >> shift, 1), 0)

@@ -157,12 +157,16 @@ def choose_tables(counts: np.ndarray, h0, lo0, mn, mx, n_sampled: int, stride: i
 
     Tails are trimmed where escaping their values (ESCAPE_COST bytes each, counted as stride
     values per sampled one) is cheaper than their table entries (TABLE_ENTRY_COST each); the
-    window always keeps the mode. With a sample (stride > 1) every value of the window gets a
-    weight of at least 1, because values the sample missed may still occur."""
+    window always keeps the mode. With a sample (stride > 1) every value of the first window
+    counts at least once (for trimming and weights alike), because values the sample missed may
+    still occur: a rare tail value is then kept rather than escaped at a cost the sample hides."""
     counts = np.asarray(counts, np.int64)
     h0, lo0, mn, mx = (np.asarray(v, np.int64) for v in (h0, lo0, mn, mx))
     K, H = counts.shape
     j = np.arange(H, dtype=np.int64)[None, :]
+    outside0 = n_sampled - counts.sum(1)  # sampled values outside the first window
+    if stride > 1:  # the sample may miss a value that occurs: count each one at least once
+        counts = counts + (j < h0[:, None])
     n_in = counts.sum(1)
     mode = counts.argmax(1)[:, None]
     incl = np.cumsum(counts, 1)
@@ -174,12 +178,12 @@ def choose_tables(counts: np.ndarray, h0, lo0, mn, mx, n_sampled: int, stride: i
     a = cost_l.argmin(1)
     b = cost_r.argmin(1)
     rows = np.arange(K)
-    n_esc = (n_sampled - n_in) + left_out[rows, a] + right_out[rows, b]
+    n_esc = outside0 + left_out[rows, a] + right_out[rows, b]
     W = b - a + 1
     lo = lo0 + a
     esc = ((lo > mn) | (lo + W - 1 < mx)).astype(np.int64)
     src = a[:, None] + j
-    kept = np.where(j < W[:, None], counts[rows[:, None], np.minimum(src, H - 1)] + (stride > 1), 0)
+    kept = np.where(j < W[:, None], counts[rows[:, None], np.minimum(src, H - 1)], 0)
     kept = np.concatenate([kept, np.zeros((K, 1), np.int64)], 1)
     kept[rows, W] = np.where(esc > 0, np.maximum(n_esc, 1), 0)
     shift = np.maximum(_bitlen(kept.max(1)) - 18, 0)[:, None]
