@@ -435,7 +435,7 @@ def benchmark_cuda(T: int, D: int, K: int, target_cos: float = BENCH_TARGET_COS,
             for _ in range(3):
                 decode(encode())
             torch.cuda.synchronize()
-        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18))
+        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=24))
     return out
 
 
