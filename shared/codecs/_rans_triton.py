@@ -122,16 +122,28 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, 
 # Slots of the encoder's scalar summary (int64), read by the host in its one synchronization
 # (rans.SUMMARY_FIELDS names them in this order).
 (SCAL_N_TABLE, SCAL_K_CODED, SCAL_W_MAX, SCAL_LO_MIN, SCAL_LO_MAX, SCAL_WORDS, SCAL_ESCAPES,
- SCAL_OVERFLOW, SCAL_GROUP_ESC_MAX) = (tl.constexpr(i) for i in range(9))
+ SCAL_OVERFLOW, SCAL_GROUP_ESC_MAX, SCAL_N_PARAM) = (tl.constexpr(i) for i in range(10))
+
+
+@triton.jit
+def model_row(shapes_ptr, inv_ptr, shape, code, mu16, W, has_esc, j64, SHAPE_STEPS: tl.constexpr):
+    """rans.model_weights() for one component: the parametric weights of its HCAP symbols."""
+    inv = tl.load(inv_ptr + code)
+    idx = tl.minimum((tl.abs(16 * j64 - mu16) * inv) >> 24, SHAPE_STEPS - 1)
+    w = tl.maximum(tl.load(shapes_ptr + shape * SHAPE_STEPS + idx).to(tl.int64), 1)
+    return tl.where(j64 < W, w, tl.where((j64 == W) & has_esc, 1, 0))
 
 
 @triton.jit
 def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, a_ptr, codes_ptr, tab_ptr,
+                  model_ptr, scale_ptr, mu16_ptr, shapes_ptr, inv_ptr, sig2_ptr, nlog_ptr,
                   scal_ptr, T, R, n_sampled, HCAP: tl.constexpr, PROB_BITS: tl.constexpr,
-                  ESC_COST: tl.constexpr, ENTRY_COST: tl.constexpr, HAS_GUARD: tl.constexpr):
-    """choose_tables() of rans.py for one component, then its rANS table; sums, counts and
-    extremes of the results go to the scalar summary. guard (optional): a float the producer
-    wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too)."""
+                  ESC_COST: tl.constexpr, ENTRY_COST: tl.constexpr, HAS_GUARD: tl.constexpr,
+                  N_SHAPES: tl.constexpr, SEARCH: tl.constexpr, SHAPE_STEPS: tl.constexpr,
+                  PARAM_BYTES: tl.constexpr):
+    """choose_tables() and fit_models() of rans.py for one component, then its rANS table; sums,
+    counts and extremes of the results go to the scalar summary. guard (optional): a float the
+    producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too)."""
     k = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HCAP)
     j64 = j.to(tl.int64)
@@ -164,12 +176,38 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     code = mf_encode(wts)
     f, c, good = normalize_row(mf_decode(code), j, PROB_BITS)
     A = W + has_esc.to(tl.int64)
+    # fit_models(): the parametric model that codes the counts in the fewest bits, if it beats the table
+    best = tl.sum(kept * tl.load(nlog_ptr + f), 0) * R + 8 * 65536 * A
+    inside = tl.where(j64 < W, kept, 0)
+    n_in_w = tl.maximum(tl.sum(inside, 0), 1)
+    mu16 = tl.sum(inside * 16 * j64, 0) // n_in_w
+    var16 = tl.sum(inside * (16 * j64 - mu16) * (16 * j64 - mu16), 0) // n_in_w
+    c256 = tl.arange(0, 256)
+    code0 = tl.sum((tl.load(sig2_ptr + c256) < var16).to(tl.int64), 0)
+    model = best * 0
+    best_code = best * 0
+    for t in range(N_SHAPES * (2 * SEARCH + 1)):
+        shape = t // (2 * SEARCH + 1)
+        scode = tl.minimum(tl.maximum(code0 + (t % (2 * SEARCH + 1)) - SEARCH, 0), 255)
+        fp, cp, okp = normalize_row(model_row(shapes_ptr, inv_ptr, shape, scode, mu16, W, has_esc, j64, SHAPE_STEPS),
+                                    j, PROB_BITS)
+        cost = tl.sum(kept * tl.load(nlog_ptr + fp), 0) * R + 8 * 65536 * PARAM_BYTES
+        better = cost < best
+        best = tl.where(better, cost, best)
+        model = tl.where(better, 1 + shape, model)
+        best_code = tl.where(better, scode, best_code)
+        f = tl.where(better, fp, f)
+        c = tl.where(better, cp, c)
     tl.store(codes_ptr + k * HCAP + j, code.to(tl.uint8))
     tl.store(tab_ptr + k * HCAP + j, ((c << 16) | f).to(tl.int32))
     tl.store(lo_ptr + k, lo)
     tl.store(w_ptr + k, W)
     tl.store(a_ptr + k, A)
-    tl.atomic_add(scal_ptr + SCAL_N_TABLE, A)
+    tl.store(model_ptr + k, model)
+    tl.store(scale_ptr + k, best_code)
+    tl.store(mu16_ptr + k, tl.where(model > 0, mu16, 0))
+    tl.atomic_add(scal_ptr + SCAL_N_TABLE, tl.where(model > 0, 0, A))
+    tl.atomic_add(scal_ptr + SCAL_N_PARAM, (model > 0).to(tl.int64))
     tl.atomic_add(scal_ptr + SCAL_K_CODED, (A > 1).to(tl.int64))
     tl.atomic_max(scal_ptr + SCAL_W_MAX, W)
     tl.atomic_min(scal_ptr + SCAL_LO_MIN, lo)
@@ -248,23 +286,32 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
 
 
 @triton.jit
-def pack_meta_kernel(lo_ptr, w_ptr, a_ptr, codes_ptr, states_ptr, lo_out, wflag_out, codes_out, states_out,
+def pack_meta_kernel(lo_ptr, w_ptr, a_ptr, codes_ptr, states_ptr, model_ptr, scale_ptr, mu16_ptr,
+                     lo_out, wflag_out, model_out, mu16_out, scale_out, codes_out, states_out,
                      K, P, k_coded, HCAP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                      FLAG_SHIFT: tl.constexpr):
-    """One component's meta into the payload: lo, W | escape flag, its A weight codes (at the
-    sum of the A before it), and its lanes' final states when it codes anything (A > 1)."""
+    """One component's meta into the payload: lo, W | escape flag, its model, then its
+    parameters (after those of the parametric components before it) or its A weight codes
+    (after those of the explicit ones before it), and its lanes' final states when it codes
+    anything (A > 1)."""
     k = tl.program_id(0)
     jk = tl.arange(0, BLOCK_K)
     A_all = tl.load(a_ptr + jk, mask=jk < K, other=0)
+    par_all = tl.load(model_ptr + jk, mask=jk < K, other=0) > 0
     before = jk < k
-    off = tl.sum(tl.where(before, A_all, 0), 0)
+    off = tl.sum(tl.where(before & ~par_all, A_all, 0), 0)
+    poff = tl.sum(tl.where(before & par_all, 1, 0), 0)
     rank = tl.sum(tl.where(before & (A_all > 1), 1, 0), 0)
     A = tl.load(a_ptr + k)
     W = tl.load(w_ptr + k)
+    model = tl.load(model_ptr + k)
     tl.store(lo_out + k, tl.load(lo_ptr + k).to(lo_out.dtype.element_ty))
     tl.store(wflag_out + k, (W | ((A - W) << FLAG_SHIFT)).to(wflag_out.dtype.element_ty))
+    tl.store(model_out + k, model.to(tl.uint8))
+    tl.store(mu16_out + poff, tl.load(mu16_ptr + k).to(tl.int16), mask=model > 0)
+    tl.store(scale_out + poff, tl.load(scale_ptr + k).to(tl.uint8), mask=model > 0)
     j = tl.arange(0, HCAP)
-    tl.store(codes_out + off + j, tl.load(codes_ptr + k * HCAP + j), mask=j < A)
+    tl.store(codes_out + off + j, tl.load(codes_ptr + k * HCAP + j), mask=(j < A) & (model == 0))
     if A > 1:
         for p0 in range(0, P, BLOCK_P):
             pp = (p0 + tl.arange(0, BLOCK_P)).to(tl.int64)
@@ -333,14 +380,15 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def decode_meta_kernel(lo_in, wflag_in, codes_in, check_in, sums_ptr, n_table, k_coded,
-                       lo_ptr, w_ptr, a_ptr, rank_ptr, tab_ptr, lut_ptr, err_ptr, K,
+def decode_meta_kernel(lo_in, wflag_in, model_in, mu16_in, scale_in, codes_in, check_in, sums_ptr, n_table, k_coded,
+                       n_param, shapes_ptr, inv_ptr, lo_ptr, w_ptr, a_ptr, rank_ptr, tab_ptr, lut_ptr, err_ptr, K,
                        HCAP: tl.constexpr, PROB_BITS: tl.constexpr, BLOCK_K: tl.constexpr, TOP: tl.constexpr,
-                       PACKED: tl.constexpr):
-    """Program k < K: component k's window and weight codes from the payload -> its rANS table
-    and its slot -> symbol lookup (PACKED: symbol << 2n | f - 1 << n | slot - cum); program K: the
-    virtual no-op component (one symbol of frequency 2^n). Anything out of range, and (program 0)
-    a checksum or table-size mismatch, sets the error flag."""
+                       PACKED: tl.constexpr, N_SHAPES: tl.constexpr, SHAPE_STEPS: tl.constexpr):
+    """Program k < K: component k's window and weights (explicit codes or its parametric model)
+    from the payload -> its rANS table and its slot -> symbol lookup (PACKED: symbol << 2n |
+    f - 1 << n | slot - cum); program K: the virtual no-op component (one symbol of frequency
+    2^n). Anything out of range, and (program 0) a checksum or table-size mismatch, sets the
+    error flag."""
     M: tl.constexpr = 1 << PROB_BITS
     k = tl.program_id(0)
     real = k < K
@@ -348,22 +396,33 @@ def decode_meta_kernel(lo_in, wflag_in, codes_in, check_in, sums_ptr, n_table, k
     mk = jk < K
     wf_all = tl.load(wflag_in + jk, mask=mk, other=0).to(tl.int64) & ((2 << TOP) - 1)
     A_all = (wf_all & ((1 << TOP) - 1)) + (wf_all >> TOP)
-    off = tl.sum(tl.where(jk < k, A_all, 0), 0)
+    par_all = tl.load(model_in + jk, mask=mk, other=0).to(tl.int64) > 0
+    off = tl.sum(tl.where((jk < k) & ~par_all, A_all, 0), 0)
+    poff = tl.sum(tl.where((jk < k) & par_all, 1, 0), 0)
     rank = tl.sum(tl.where((jk < k) & (A_all > 1), 1, 0), 0)
     wf = tl.load(wflag_in + k, mask=real, other=1).to(tl.int64) & ((2 << TOP) - 1)
     W = wf & ((1 << TOP) - 1)
+    has_esc = (wf >> TOP) > 0
     A = W + (wf >> TOP)
     lo = tl.load(lo_in + k, mask=real, other=0).to(tl.int64)
-    bad = real & ((W < 1) | (A > HCAP) | (lo + W - 1 > 2147483647))
+    model = tl.load(model_in + k, mask=real, other=0).to(tl.int64)
+    bad = real & ((W < 1) | (A > HCAP) | (lo + W - 1 > 2147483647) | (model > N_SHAPES))
     sums = tl.load(sums_ptr + tl.arange(0, 2)) & 0xFFFFFFFF
     check = tl.load(check_in + tl.arange(0, 2)).to(tl.int64) & 0xFFFFFFFF
-    bad_global = (tl.sum((sums != check).to(tl.int32), 0) > 0) | (tl.sum(A_all, 0) != n_table) \
-        | (tl.sum((A_all > 1).to(tl.int64), 0) != k_coded)
+    bad_global = (tl.sum((sums != check).to(tl.int32), 0) > 0) | (tl.sum(tl.where(par_all, 0, A_all), 0) != n_table) \
+        | (tl.sum((A_all > 1).to(tl.int64), 0) != k_coded) | (tl.sum(par_all.to(tl.int64), 0) != n_param)
     bad = bad | ((k == 0) & bad_global)
     j = tl.arange(0, HCAP)
-    code = tl.load(codes_in + off + j, mask=real & (j < A) & (off + j < n_table), other=0).to(tl.int64)
-    code = tl.where((~real) & (j == 0), 1, code)
-    f, c, good = normalize_row(mf_decode(code), j, PROB_BITS)
+    j64 = j.to(tl.int64)
+    code = tl.load(codes_in + off + j, mask=real & (model == 0) & (j < A) & (off + j < n_table), other=0)
+    w = mf_decode(code.to(tl.int64))
+    par = real & (model > 0) & (poff < n_param)
+    mu16 = tl.load(mu16_in + poff, mask=par, other=0).to(tl.int64)
+    scode = tl.load(scale_in + poff, mask=par, other=0).to(tl.int64)
+    shape = tl.minimum(tl.maximum(model - 1, 0), N_SHAPES - 1)
+    w = tl.where(par, model_row(shapes_ptr, inv_ptr, shape, scode, mu16, W, has_esc, j64, SHAPE_STEPS), w)
+    w = tl.where((~real) & (j == 0), 1, w)
+    f, c, good = normalize_row(w, j, PROB_BITS)
     bad = bad | (real & ~good)
     tl.store(lo_ptr + k, lo, mask=real)
     tl.store(w_ptr + k, W, mask=real)

@@ -73,9 +73,9 @@ import numpy as np
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
 
 MAGIC = b"TRNS"
-VERSION = 2  # 2: escapes stored per group in coding order (1: row-major, needed a sort)
-HEADER = struct.Struct("<4sBBHIIIIIIBBHQII")  # 52 bytes
-CHECKED_HEADER_BYTES = 44  # the header bytes before check0
+VERSION = 3  # 3: parametric tables; 2: escapes per group in coding order (1: row-major, needed a sort)
+HEADER = struct.Struct("<4sBBHIIIIIIIBBHQII")  # 56 bytes
+CHECKED_HEADER_BYTES = 48  # the header bytes before check0
 STATE_LOW = 1 << 16  # rANS state lower bound L; states live in [L, 2^32)
 
 DEFAULT_PROB_BITS = 11  # frequency precision n: tables sum to 2^n (<= 11: one-load GPU decode)
@@ -152,8 +152,9 @@ def choose_tables(counts: np.ndarray, h0, lo0, mn, mx, n_sampled: int, stride: i
 
     counts: [K, H] int64 histogram of the sampled values (every stride-th token, n_sampled of
     them) inside the first window [lo0, lo0 + h0); mn, mx: the component's exact extremes.
-    Returns (lo, W, esc, codes [K, H+1] uint8): the kept window is [lo, lo + W); esc is 1 when
-    the window does not cover [mn, mx], and codes then hold an escape symbol after the W others.
+    Returns (lo, W, esc, codes [K, H+1] uint8, kept [K, H+1]): the kept window is [lo, lo + W);
+    esc is 1 when the window does not cover [mn, mx], and codes then hold an escape symbol after
+    the W others; kept holds the counts the codes were made from (escapes at column W).
 
     Tails are trimmed where escaping their values (ESCAPE_COST bytes each, counted as stride
     values per sampled one) is cheaper than their table entries (TABLE_ENTRY_COST each); the
@@ -188,13 +189,99 @@ def choose_tables(counts: np.ndarray, h0, lo0, mn, mx, n_sampled: int, stride: i
     kept[rows, W] = np.where(esc > 0, np.maximum(n_esc, 1), 0)
     shift = np.maximum(_bitlen(kept.max(1)) - 18, 0)[:, None]
     weights = np.where(kept > 0, np.maximum(kept >> shift, 1), 0)
-    return lo, W, esc, minifloat_encode(weights)
+    return lo, W, esc, minifloat_encode(weights), kept
 
 
-def normalize(codes: np.ndarray, prob_bits: int):
-    """Frequencies summing to 2^prob_bits from weight codes [K, A]: returns (freq, cum) int64."""
+# --------------------------------------------------------------------------------------------
+# Parametric tables. A component's weights can come from 3 bytes instead of one byte per symbol:
+# a shape (Gaussian, exp(-|x|^1.5), Laplace, Student-t with 3 degrees of freedom), a centre mu16
+# (1/16 symbol, from the window's start) and a scale code (sigma = 2^(code/8 - 2) symbols). The
+# weight of symbol j is SHAPES[shape][min(|16 j - mu16| * INV_SIGMA[code] >> 24, 1023)] (at
+# least 1), i.e. the shape at x = |j - mu| / sigma sampled every 1/64; an escape symbol weighs 1.
+# The integer tables are data (rans_models.npz, made by make_model_tables()), so every machine
+# computes the same frequencies. The encoder keeps a component's explicit table unless the model
+# codes its (sampled) values in fewer bytes, tables included.
+
+N_SHAPES, SHAPE_STEPS = 4, 1024  # shapes; samples per shape, every 1/64 of sigma
+MODEL_SEARCH = 4  # scale codes tried on each side of the moment estimate
+PARAM_BYTES = 3  # mu16 (int16) + scale code (uint8)
+_MODEL_TABLES = None
+
+
+def make_model_tables() -> dict:
+    """The integer tables of the parametric model, from their formulas (float64, rounded)."""
+    x = np.arange(SHAPE_STEPS) / 64.0
+    shapes = [np.exp(-x ** 2 / 2), np.exp(-1.2 * x ** 1.5), np.exp(-np.sqrt(2) * x), (1 + x ** 2 / 3) ** -2.0]
+    code = np.arange(256)
+    return dict(shapes=np.rint(65535 * np.stack(shapes)).astype(np.int64),
+                inv_sigma=np.rint(2.0 ** (28 - code / 8)).astype(np.int64),  # 2^26 / sigma
+                sigma16_sq=np.minimum(np.rint(2.0 ** (code / 4 + 4)), 2.0 ** 62).astype(np.int64))  # (16 sigma)^2
+
+
+def model_tables() -> dict:
+    global _MODEL_TABLES
+    if _MODEL_TABLES is None:
+        with np.load(os.path.join(os.path.dirname(__file__), "rans_models.npz")) as f:
+            _MODEL_TABLES = {k: f[k].astype(np.int64) for k in f.files}
+    return _MODEL_TABLES
+
+
+def model_weights(shape, code, mu16, W, esc, H: int) -> np.ndarray:
+    """Weights [K, H] of parametric components (shape 0..3, scale code, centre mu16, window W,
+    escape flag): what both coders normalize."""
+    tab = model_tables()
+    j = np.arange(H, dtype=np.int64)[None, :]
+    shape, code, mu16, W, esc = (np.asarray(v, np.int64)[:, None] for v in (shape, code, mu16, W, esc))
+    idx = np.minimum((np.abs(16 * j - mu16) * tab["inv_sigma"][code]) >> 24, SHAPE_STEPS - 1)
+    w = np.maximum(tab["shapes"][shape, idx], 1)
+    return np.where(j < W, w, np.where((j == W) & (esc > 0), 1, 0))
+
+
+def _neg_log2_table(prob_bits: int) -> np.ndarray:
+    """-log2(f / 2^n) in units of 2^-16 bit, for f = 0..2^n (f = 0 never occurs in a table)."""
     M = 1 << prob_bits
-    w = minifloat_decode(codes)
+    f = np.arange(M + 1, dtype=np.float64)
+    out = np.rint(65536 * (prob_bits - np.log2(np.maximum(f, 1)))).astype(np.int64)
+    out[0] = 1 << 40
+    return out
+
+
+def fit_models(kept: np.ndarray, W, esc, A, codes, prob_bits: int, stride: int):
+    """Per component: the parametric model that codes its counts (kept [K, H], escape count at
+    column W) in the fewest bits, and whether it beats the explicit table (codes).
+    Returns (model [K] 0 = explicit / 1 + shape, scale code [K], mu16 [K]). Integer only, the
+    same rule as the GPU tables kernel."""
+    kept = np.asarray(kept, np.int64)
+    W, esc, A = (np.asarray(v, np.int64) for v in (W, esc, A))
+    K, H = kept.shape
+    tab = model_tables()
+    nlog = _neg_log2_table(prob_bits)
+    j = np.arange(H, dtype=np.int64)[None, :]
+    inside = np.where(j < W[:, None], kept, 0)
+    n = np.maximum(inside.sum(1), 1)
+    mu16 = (inside * 16 * j).sum(1) // n
+    var16 = (inside * (16 * j - mu16[:, None]) ** 2).sum(1) // n
+    code0 = (tab["sigma16_sq"][None, :] < var16[:, None]).sum(1)
+    f_exp = normalize_weights(minifloat_decode(codes[:, :H]), prob_bits)[0]
+    best = (kept * nlog[f_exp]).sum(1) * stride + 8 * 65536 * A  # explicit: its stream and its table
+    model = np.zeros(K, np.int64)
+    best_code = np.zeros(K, np.int64)
+    for shape in range(N_SHAPES):
+        for d in range(-MODEL_SEARCH, MODEL_SEARCH + 1):
+            code = np.clip(code0 + d, 0, 255)
+            f = normalize_weights(model_weights(np.full(K, shape), code, mu16, W, esc, H), prob_bits)[0]
+            cost = (kept * nlog[f]).sum(1) * stride + 8 * 65536 * PARAM_BYTES
+            better = cost < best
+            best = np.where(better, cost, best)
+            model = np.where(better, 1 + shape, model)
+            best_code = np.where(better, code, best_code)
+    return model, best_code, np.where(model > 0, mu16, 0)
+
+
+def normalize_weights(w: np.ndarray, prob_bits: int):
+    """Frequencies summing to 2^prob_bits from integer weights [K, A] (0 = absent): (freq, cum) int64."""
+    M = 1 << prob_bits
+    w = np.asarray(w, np.int64)
     total = w.sum(1, keepdims=True)
     if (total <= 0).any():
         raise BitstreamError("a component's frequency table is empty; the payload is corrupt")
@@ -236,15 +323,18 @@ def _pad4(n: int) -> int:
 class Layout:
     """Byte offsets of every section, computed from the header fields alone."""
 
-    def __init__(self, T, K, S, G, n_table, n_escapes, stream_words, k_coded=0, lo_bytes=4, w_bytes=2):
+    def __init__(self, T, K, S, G, n_table, n_escapes, stream_words, k_coded=0, lo_bytes=4, w_bytes=2, n_param=0):
         self.T, self.K, self.S, self.G = T, K, S, G
-        self.lo_bytes, self.w_bytes, self.k_coded = lo_bytes, w_bytes, k_coded
+        self.lo_bytes, self.w_bytes, self.k_coded, self.n_param = lo_bytes, w_bytes, k_coded, n_param
         self.P = -(-T // S)
         self.n_lanes = self.P * K
         self.n_groups = -(-self.n_lanes // G)
         self.lo = HEADER.size
         self.wflag = self.lo + lo_bytes * K + (lo_bytes * K) % w_bytes  # aligned for its width
-        self.codes = _pad4(self.wflag + w_bytes * K)
+        self.model = self.wflag + w_bytes * K
+        self.mu16 = (self.model + K + 1) & ~1  # aligned for int16
+        self.scale = self.mu16 + 2 * n_param
+        self.codes = _pad4(self.scale + n_param)
         self.group_words = _pad4(self.codes + n_table)
         self.group_escapes = self.group_words + 4 * self.n_groups
         self.escapes = self.group_escapes + 4 * self.n_groups
@@ -306,7 +396,9 @@ def _tables_cpu(sym: np.ndarray, prob_bits: int):
     inwin = (idx >= 0) & (idx < h0)
     key = (np.arange(K, dtype=np.int64)[None, :] * H + idx)[inwin]
     counts = np.bincount(key, minlength=K * H).reshape(K, H)
-    return choose_tables(counts, h0, lo0, mn, mx, len(sample), stride)
+    lo, W, esc, codes, kept = choose_tables(counts, h0, lo0, mn, mx, len(sample), stride)
+    model, scale, mu16 = fit_models(kept, W, esc, W + esc, codes, prob_bits, stride)
+    return lo, W, esc, codes, model, scale, mu16
 
 
 def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
@@ -316,14 +408,14 @@ def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes:
     T, K = sym.shape
     S = _check_settings(prob_bits, group_lanes, lane_tokens or default_lane_tokens(T, K), T)
     n, M, G = prob_bits, 1 << prob_bits, group_lanes
-    lo, W, esc, codes = _tables_cpu(sym, prob_bits)
+    lo, W, esc, codes, model, scale, mu16 = _tables_cpu(sym, prob_bits)
     A = W + esc
-    freq, cum = normalize(codes, prob_bits)
+    freq, cum = normalize_weights(_component_weights(codes, model, scale, mu16, W, esc), prob_bits)
 
     idx = sym.astype(np.int64) - lo
     outside = (idx < 0) | (idx >= W)
     idx = np.where(outside, W, idx)
-    lay = Layout(T, K, S, G, int(A.sum()), int(outside.sum()), 0)
+    lay = Layout(T, K, S, G, 0, int(outside.sum()), 0)
     P, NL, NG = lay.P, lay.n_lanes, lay.n_groups
 
     # Per-step, per-lane (f, c): rows [P*S] padded with the no-op symbol (f = M, c = 0).
@@ -362,8 +454,15 @@ def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes:
     words = buf.reshape(NG, cap)
     streams = np.concatenate([words[g, :ptr[g]] for g in range(NG)]) if NG else np.zeros(0, np.uint16)
     coded = np.tile(A > 1, P)  # lanes of components with more than one symbol
-    return _assemble(lay, n, lo, W, esc, codes, A, ptr.astype(np.uint32), group_escapes, escapes,
+    return _assemble(lay, n, lo, W, esc, codes, model, scale, mu16, ptr.astype(np.uint32), group_escapes, escapes,
                      x[:NL][coded].astype(np.uint32), streams)
+
+
+def _component_weights(codes, model, scale, mu16, W, esc) -> np.ndarray:
+    """Each component's weights: its explicit codes, or its parametric model."""
+    explicit = minifloat_decode(codes)
+    par = model_weights(np.maximum(model - 1, 0), scale, mu16, W, esc, codes.shape[1])
+    return np.where(np.asarray(model)[:, None] > 0, par, explicit)
 
 
 def _pad_rows(a: np.ndarray, rows: int, fill) -> np.ndarray:
@@ -385,12 +484,16 @@ def _steps_by_lane(a: np.ndarray, P, S, K, n_lanes_padded, fill) -> np.ndarray:
     return out
 
 
-def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, A, group_words, group_escapes, escapes, states,
-              streams) -> bytes:
+def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, model, scale, mu16, group_words, group_escapes, escapes,
+              states, streams) -> bytes:
     stream_words = int(group_words.astype(np.int64).sum())
     lo_bytes, w_bytes = _widths(lo, W)
+    A = W + esc
     k_coded = int((A > 1).sum())
-    lay = Layout(lay.T, lay.K, lay.S, lay.G, int(A.sum()), len(escapes), stream_words, k_coded, lo_bytes, w_bytes)
+    explicit = model == 0
+    n_table, n_param = int(A[explicit].sum()), int((~explicit).sum())
+    lay = Layout(lay.T, lay.K, lay.S, lay.G, n_table, len(escapes), stream_words, k_coded, lo_bytes, w_bytes,
+                 n_param)
     meta = bytearray(lay.states - HEADER.size)
 
     def put(offset, arr):
@@ -399,12 +502,15 @@ def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, A, group_words, group_e
 
     put(lay.lo, lo.astype(_INT[lo_bytes]))
     put(lay.wflag, (W | (esc << (8 * w_bytes - 1))).astype(_UINT[w_bytes]))
-    put(lay.codes, np.concatenate([codes[k, :A[k]] for k in range(lay.K)]))
+    put(lay.model, model.astype(np.uint8))
+    put(lay.mu16, mu16[~explicit].astype("<i2"))
+    put(lay.scale, scale[~explicit].astype(np.uint8))
+    put(lay.codes, np.concatenate([codes[k, :A[k]] for k in range(lay.K) if explicit[k]] + [np.zeros(0, np.uint8)]))
     put(lay.group_words, group_words.astype(np.uint32))
     put(lay.group_escapes, np.asarray(group_escapes, np.uint32))
     put(lay.escapes, np.asarray(escapes, np.int32))
-    head = HEADER.pack(MAGIC, VERSION, prob_bits, lay.G, lay.T, lay.K, lay.S, int(A.sum()), len(escapes),
-                       k_coded, lo_bytes, w_bytes, 0, stream_words, 0, 0)
+    head = HEADER.pack(MAGIC, VERSION, prob_bits, lay.G, lay.T, lay.K, lay.S, n_table, len(escapes),
+                       k_coded, n_param, lo_bytes, w_bytes, 0, stream_words, 0, 0)
     tail = [bytes(meta), states.astype("<u4").tobytes(), streams.astype("<u2").tobytes()]
     c0, c1 = checksum(head[:CHECKED_HEADER_BYTES], *tail)
     return b"".join([head[:CHECKED_HEADER_BYTES], struct.pack("<II", c0, c1)] + tail)
@@ -431,9 +537,16 @@ class Parsed:
         top = 8 * lay.w_bytes - 1
         self.W, self.esc = wflag & ((1 << top) - 1), wflag >> top
         self.A = self.W + self.esc
-        if (self.W < 1).any() or (self.A > max_alphabet(n)).any() or int(self.A.sum()) != n_table \
-                or (self.lo + self.W - 1 > 2**31 - 1).any() or int((self.A > 1).sum()) != lay.k_coded:
-            raise BitstreamError("rANS payload tables are corrupt (alphabet sizes out of range)")
+        self.model = get(lay.model, "u1", K).astype(np.int64)
+        explicit = self.model == 0
+        if (self.W < 1).any() or (self.A > max_alphabet(n)).any() or int(self.A[explicit].sum()) != n_table \
+                or (self.lo + self.W - 1 > 2**31 - 1).any() or int((self.A > 1).sum()) != lay.k_coded \
+                or (self.model > N_SHAPES).any() or int((~explicit).sum()) != lay.n_param:
+            raise BitstreamError("rANS payload tables are corrupt (alphabet sizes or models out of range)")
+        self.mu16 = np.zeros(K, np.int64)
+        self.scale = np.zeros(K, np.int64)
+        self.mu16[~explicit] = get(lay.mu16, "<i2", lay.n_param)
+        self.scale[~explicit] = get(lay.scale, "u1", lay.n_param)
         self.codes_flat = get(lay.codes, "u1", n_table)
         self.group_words = get(lay.group_words, "<u4", lay.n_groups).astype(np.int64)
         if int(self.group_words.sum()) != stream_words:
@@ -443,12 +556,13 @@ class Parsed:
             raise BitstreamError("rANS payload group escape counts do not add up to its escape count")
         self.escapes = get(lay.escapes, "<i4", n_esc)
 
-    def dense_codes(self) -> np.ndarray:
-        A = self.A
-        out = np.zeros((self.K, int(A.max())), np.uint8)
-        mask = np.arange(out.shape[1])[None, :] < A[:, None]
-        out[mask] = self.codes_flat
-        return out
+    def weights(self) -> np.ndarray:
+        """Every component's weights [K, max A]: explicit codes or its parametric model."""
+        A, explicit = self.A, self.model == 0
+        codes = np.zeros((self.K, int(A.max())), np.uint8)
+        mask = (np.arange(codes.shape[1])[None, :] < A[:, None]) & explicit[:, None]
+        codes[mask] = self.codes_flat
+        return _component_weights(codes, self.model, self.scale, self.mu16, self.W, self.esc)
 
 
 def parse(payload) -> Parsed:
@@ -465,7 +579,7 @@ def decode(payload) -> np.ndarray:
     hdr = parse(payload)
     lay, n, G, S, K, T = hdr.layout, hdr.prob_bits, hdr.G, hdr.S, hdr.K, hdr.T
     M, P, NL, NG = 1 << n, lay.P, lay.n_lanes, lay.n_groups
-    freq, cum = normalize(hdr.dense_codes(), n)
+    freq, cum = normalize_weights(hdr.weights(), n)
     A1 = freq.shape[1]
     # A virtual component K with one symbol of frequency M: decoding it leaves the state unchanged.
     freq = np.concatenate([freq, np.zeros((1, A1), np.int64)])
@@ -603,7 +717,7 @@ HIST_TOKENS, HIST_BLOCK = 32, 128  # histogram: sampled tokens per thread, threa
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 # the GPU encoder's scalar summary, in the slot order of _rans_triton.SCAL_*
 SUMMARY_FIELDS = ("n_table", "k_coded", "w_max", "lo_min", "lo_max", "stream_words", "n_escapes", "overflow",
-                  "group_escapes_max")
+                  "group_escapes_max", "n_param")
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 ENCODE_WARPS = DECODE_WARPS = None  # warps per lane-kernel program; None: one thread per lane (fewer: several)
 
@@ -659,10 +773,14 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
     W, A = torch.empty_like(lo), torch.empty_like(lo)
     codes = torch.empty((K, HCAP), dtype=torch.uint8, device=dev)
     tab = torch.empty((K, HCAP), dtype=torch.int32, device=dev)
-    scal = torch.tensor([0, 0, 0, 2**62, -2**62, 0, 0, 0, 0], dtype=torch.int64).to(dev, non_blocking=True)
-    kern["tables"][(K,)](counts, mn, mx, sm, guard if guard is not None else scal, lo, W, A, codes, tab, scal,
+    model, scale, mu16 = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
+    scal = torch.tensor([0, 0, 0, 2**62, -2**62, 0, 0, 0, 0, 0], dtype=torch.int64).to(dev, non_blocking=True)
+    mt = _model_tables_on(torch, dev, n)
+    kern["tables"][(K,)](counts, mn, mx, sm, guard if guard is not None else scal, lo, W, A, codes, tab,
+                         model, scale, mu16, mt["shapes"], mt["inv_sigma"], mt["sigma16_sq"], mt["nlog"], scal,
                          T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
-                         ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=guard is not None)
+                         ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=guard is not None, N_SHAPES=N_SHAPES,
+                         SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES)
 
     # 3. the lanes: words and escaped values into per-group buffers
     lay = Layout(T, K, S, G, 0, 0, 0)
@@ -690,7 +808,7 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
         ebuf, gend, geend, summary = code_lanes(ecap)
     n_table, k_coded, stream_words, n_escapes = (summary[f] for f in ("n_table", "k_coded", "stream_words",
                                                                        "n_escapes"))
-    w_max, lo_min, lo_max = summary["w_max"], summary["lo_min"], summary["lo_max"]
+    w_max, lo_min, lo_max, n_param = summary["w_max"], summary["lo_min"], summary["lo_max"], summary["n_param"]
     if summary["overflow"]:
         raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
                                  "use a larger step or fix the producer")
@@ -698,15 +816,19 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
     # 4. the payload: header, meta, escapes, states and streams, then the checksum
     lo_bytes = next(b for b in (1, 2, 4) if lo_min >= -(1 << (8 * b - 1)) and lo_max < (1 << (8 * b - 1)))
     w_bytes = 1 if w_max < 128 else 2
-    lay = Layout(T, K, S, G, n_table, n_escapes, stream_words, k_coded, lo_bytes, w_bytes)
+    lay = Layout(T, K, S, G, n_table, n_escapes, stream_words, k_coded, lo_bytes, w_bytes, n_param)
     payload = torch.empty(lay.total, dtype=torch.uint8, device=dev)
     payload[:lay.group_words].zero_()  # header and the padding between meta sections
-    head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, n_table, n_escapes, k_coded, lo_bytes, w_bytes, 0,
+    head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, n_table, n_escapes, k_coded, n_param, lo_bytes, w_bytes, 0,
                        stream_words, 0, 0)[:CHECKED_HEADER_BYTES]
     head = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     payload[:CHECKED_HEADER_BYTES].copy_(head.pin_memory() if dev.type == "cuda" else head, non_blocking=True)
-    kern["pack_meta"][(K,)](lo, W, A, codes, states, payload[lay.lo:lay.wflag].view(_TORCH_INT[lo_bytes]),
+    kern["pack_meta"][(K,)](lo, W, A, codes, states, model, scale, mu16,
+                            payload[lay.lo:lay.wflag].view(_TORCH_INT[lo_bytes]),
                             payload[lay.wflag:lay.wflag + w_bytes * K].view(_TORCH_INT[w_bytes]),
+                            payload[lay.model:lay.model + K],
+                            payload[lay.mu16:lay.scale].view(torch.int16) if n_param else mu16,
+                            payload[lay.scale:lay.scale + n_param] if n_param else mu16,
                             payload[lay.codes:lay.group_words], payload[lay.states:lay.streams].view(torch.int32),
                             K, lay.P, k_coded, HCAP=HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
                             FLAG_SHIFT=8 * w_bytes - 1)
@@ -718,6 +840,18 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
     _checksum_torch(torch, payload, sums)
     kern["finish"][(1,)](sums, payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32))
     return payload
+
+
+_MODEL_TABLES_ON = {}
+
+
+def _model_tables_on(torch, dev, prob_bits: int) -> dict:
+    """The parametric model's integer tables (and -log2 f for the encoder's costs) on a device, cached."""
+    key = (str(dev), prob_bits)
+    if key not in _MODEL_TABLES_ON:
+        t = dict(model_tables(), nlog=_neg_log2_table(prob_bits))
+        _MODEL_TABLES_ON[key] = {name: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for name, v in t.items()}
+    return _MODEL_TABLES_ON[key]
 
 
 class _TorchInt(dict):
@@ -780,12 +914,16 @@ def decode_cuda(payload):
     lut = torch.empty((K + 1) * M, dtype=torch.int32, device=dev)
     packed = n <= 11
     codes_section = payload[lay.codes:lay.codes + hdr.n_table] if hdr.n_table else payload[:1]
+    mt = _model_tables_on(torch, dev, n)
+    n_param = lay.n_param
     kern["decode_meta"][(K + 1,)](
         payload[lay.lo:lay.wflag].view(_TORCH_INT[lay.lo_bytes]),
-        payload[lay.wflag:lay.wflag + lay.w_bytes * K].view(_TORCH_INT[lay.w_bytes]), codes_section,
-        payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32), sums, hdr.n_table, lay.k_coded,
-        lo, W, A, rank, tab, lut, err, K, HCAP=HCAP, PROB_BITS=n, BLOCK_K=_pow2(K), TOP=8 * lay.w_bytes - 1,
-        PACKED=packed)
+        payload[lay.wflag:lay.wflag + lay.w_bytes * K].view(_TORCH_INT[lay.w_bytes]),
+        payload[lay.model:lay.model + K], payload[lay.mu16:lay.scale].view(torch.int16) if n_param else sums,
+        payload[lay.scale:lay.scale + n_param] if n_param else codes_section, codes_section,
+        payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32), sums, hdr.n_table, lay.k_coded, n_param,
+        mt["shapes"], mt["inv_sigma"], lo, W, A, rank, tab, lut, err, K, HCAP=HCAP, PROB_BITS=n,
+        BLOCK_K=_pow2(K), TOP=8 * lay.w_bytes - 1, PACKED=packed, N_SHAPES=N_SHAPES, SHAPE_STEPS=SHAPE_STEPS)
     glen = payload[lay.group_words:lay.group_escapes].view(torch.int32)
     gesc = payload[lay.group_escapes:lay.escapes].view(torch.int32)
     gend, geend = torch.cumsum(torch.stack([glen, gesc]), 1, dtype=torch.int64)
@@ -807,19 +945,20 @@ def decode_cuda(payload):
 def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int) -> None:
     if len(head) < HEADER.size:
         raise BitstreamError(f"rANS payload truncated: {len(head)} bytes, the header alone is {HEADER.size}")
-    (magic, version, n, G, T, K, S, n_table, n_esc, k_coded, lo_bytes, w_bytes, reserved, stream_words, c0,
-     c1) = HEADER.unpack(head)
+    (magic, version, n, G, T, K, S, n_table, n_esc, k_coded, n_param, lo_bytes, w_bytes, reserved, stream_words,
+     c0, c1) = HEADER.unpack(head)
     if magic != MAGIC:
         raise BitstreamError(f"not an rANS payload (magic {magic!r}, expected {MAGIC!r})")
     if version != VERSION:
         raise BitstreamError(f"rANS payload version {version}; this build reads version {VERSION}")
     if not (10 <= n <= 15 and 1 <= G <= 1024 and G & (G - 1) == 0 and T >= 1 and K >= 1
-            and 1 <= S <= T and reserved == 0 and n_esc <= T * K and k_coded <= K and lo_bytes in (1, 2, 4)
+            and 1 <= S <= T and reserved == 0 and n_esc <= T * K and k_coded <= K and n_param <= K
+            and lo_bytes in (1, 2, 4)
             and w_bytes in (1, 2)):
         raise BitstreamError("rANS payload header is corrupt (settings out of range)")
     hdr.prob_bits, hdr.G, hdr.T, hdr.K, hdr.S = n, G, T, K, S
     hdr.n_table, hdr.n_escapes, hdr.stream_words = n_table, n_esc, stream_words
     hdr.check0, hdr.check1 = c0, c1
-    hdr.layout = Layout(T, K, S, G, n_table, n_esc, stream_words, k_coded, lo_bytes, w_bytes)
+    hdr.layout = Layout(T, K, S, G, n_table, n_esc, stream_words, k_coded, lo_bytes, w_bytes, n_param)
     if hdr.layout.total != total_len:
         raise BitstreamError("rANS payload truncated or its header is corrupt (section sizes do not add up)")
