@@ -140,7 +140,7 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
                   scal_ptr, T, R, n_sampled, HCAP: tl.constexpr, PROB_BITS: tl.constexpr,
                   ESC_COST: tl.constexpr, ENTRY_COST: tl.constexpr, HAS_GUARD: tl.constexpr,
                   N_SHAPES: tl.constexpr, SEARCH: tl.constexpr, SHAPE_STEPS: tl.constexpr,
-                  PARAM_BYTES: tl.constexpr):
+                  PARAM_BYTES: tl.constexpr, MIN_SHARE: tl.constexpr):
     """choose_tables() and fit_models() of rans.py for one component, then its rANS table; sums,
     counts and extremes of the results go to the scalar summary. guard (optional): a float the
     producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too)."""
@@ -186,7 +186,8 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     code0 = tl.sum((tl.load(sig2_ptr + c256) < var16).to(tl.int64), 0)
     model = best * 0
     best_code = best * 0
-    for t in range(N_SHAPES * (2 * SEARCH + 1)):
+    n_try = tl.where(MIN_SHARE * 8 * 65536 * A >= best, N_SHAPES * (2 * SEARCH + 1), 0)  # else it cannot pay
+    for t in range(0, n_try):
         shape = t // (2 * SEARCH + 1)
         scode = tl.minimum(tl.maximum(code0 + (t % (2 * SEARCH + 1)) - SEARCH, 0), 255)
         fp, cp, okp = normalize_row(model_row(shapes_ptr, inv_ptr, shape, scode, mu16, W, has_esc, j64, SHAPE_STEPS),

@@ -205,6 +205,7 @@ def choose_tables(counts: np.ndarray, h0, lo0, mn, mx, n_sampled: int, stride: i
 N_SHAPES, SHAPE_STEPS = 4, 1024  # shapes; samples per shape, every 1/64 of sigma
 MODEL_SEARCH = 4  # scale codes tried on each side of the moment estimate
 PARAM_BYTES = 3  # mu16 (int16) + scale code (uint8)
+MODEL_MIN_SHARE = 64  # models are tried where the explicit table is at least 1/64 of a component's bytes
 _MODEL_TABLES = None
 
 
@@ -264,6 +265,8 @@ def fit_models(kept: np.ndarray, W, esc, A, codes, prob_bits: int, stride: int):
     code0 = (tab["sigma16_sq"][None, :] < var16[:, None]).sum(1)
     f_exp = normalize_weights(minifloat_decode(codes[:, :H]), prob_bits)[0]
     best = (kept * nlog[f_exp]).sum(1) * stride + 8 * 65536 * A  # explicit: its stream and its table
+    # a model saves at most the table; where that is under 1/64 of the cost, it is not searched for
+    eligible = MODEL_MIN_SHARE * 8 * 65536 * A >= best
     model = np.zeros(K, np.int64)
     best_code = np.zeros(K, np.int64)
     for shape in range(N_SHAPES):
@@ -271,7 +274,7 @@ def fit_models(kept: np.ndarray, W, esc, A, codes, prob_bits: int, stride: int):
             code = np.clip(code0 + d, 0, 255)
             f = normalize_weights(model_weights(np.full(K, shape), code, mu16, W, esc, H), prob_bits)[0]
             cost = (kept * nlog[f]).sum(1) * stride + 8 * 65536 * PARAM_BYTES
-            better = cost < best
+            better = eligible & (cost < best)
             best = np.where(better, cost, best)
             model = np.where(better, 1 + shape, model)
             best_code = np.where(better, code, best_code)
@@ -780,7 +783,8 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
                          model, scale, mu16, mt["shapes"], mt["inv_sigma"], mt["sigma16_sq"], mt["nlog"], scal,
                          T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
                          ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=guard is not None, N_SHAPES=N_SHAPES,
-                         SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES)
+                         SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
+                         MIN_SHARE=MODEL_MIN_SHARE)
 
     # 3. the lanes: words and escaped values into per-group buffers
     lay = Layout(T, K, S, G, 0, 0, 0)
