@@ -71,6 +71,7 @@ BENCH_TARGET_COS = 0.999  # quality the shared step is searched for
 BENCH_SPECTRUM_POWER = 1.0  # synthetic eigenvalues lambda_i = i^-power
 BENCH_REPEATS = 10  # timed repeats (median)
 BENCH_WARMUP = 3
+GPU_CAPTURE_REPEATS = 10  # timed repeats of the GPU coder per capture (median)
 
 
 
@@ -88,10 +89,25 @@ def synthetic_captures(n: int, tokens: int, channels: int, power: float, seed: i
     return [((rng.standard_normal((tokens, channels)) * scale) @ q.T + mean).astype(np.float32) for _ in range(n)]
 
 
+def exported_captures(name: str, n: int):
+    """The PoC's captures from the exported activations (`make planes`), split into n, or None."""
+    from shared.sources import real_planes
+
+    found = real_planes(name)
+    return None if found is None else [as_float_matrix(a) for a in np.split(found[0], n)]
+
+
 def llm_captures(quick: bool):
     from shared import llm
 
-    model, tokenizer = llm.load_smollm2()
+    try:
+        model, tokenizer = llm.load_smollm2()
+    except (ImportError, OSError) as e:  # e.g. a GPU machine without the GGUF: the same tensors, exported
+        k, v = exported_captures("act_llm_k15", LLM["chunks"]), exported_captures("act_llm_v15", LLM["chunks"])
+        if quick or k is None or v is None or LLM["layer"] != 15:
+            raise
+        print(f"SmolLM2 unavailable ({e}); using its exported layer-15 K/V (data/planes, `make planes`)")
+        return {"k": k, "v": v}
     n, tokens = (3, 256) if quick else (LLM["chunks"], LLM["tokens"])
     store = llm.capture_kv(model, llm.text_chunks(tokenizer, n, tokens), f"smollm2_kv_{n}x{tokens}")
     return {kind: [as_float_matrix(t) for t in store.stack(f"layer{LLM['layer']}.{kind}")] for kind in ("k", "v")}
@@ -102,7 +118,14 @@ def diffusion_captures(quick: bool):
     from shared import diffusion
 
     seeds, steps, step = (3, 4, 2) if quick else (DIFFUSION["seeds"], DIFFUSION["steps"], DIFFUSION["step"])
-    store = diffusion.capture_tiny_flux(seeds=range(seeds), classes=range(10), steps=steps)
+    try:
+        store = diffusion.capture_tiny_flux(seeds=range(seeds), classes=range(10), steps=steps)
+    except (ImportError, OSError) as e:  # e.g. a GPU machine without diffusers: the same tensors, exported
+        caps = None if quick else exported_captures("act_diffusion", seeds)
+        if caps is None:
+            raise
+        print(f"tiny FLUX unavailable ({e}); using its exported activations (data/planes, `make planes`)")
+        return caps
     return [as_float_matrix(torch.cat([store.load(f"seed{s}_class{c}_step{step:02d}")["act"] for c in range(10)]))
             for s in range(seeds)]
 
@@ -212,7 +235,9 @@ def interp_ratio_at(points, target):
     return None
 
 
-def ablate_source(res: ResultsWriter, source: str, caps: list, quick: bool, gpu: bool):
+def ablate_source(res: ResultsWriter, source: str, caps: list, quick: bool, gpu: bool, cpu_coders: bool = True):
+    """Every coder on this source's coefficients. cpu_coders=False: only the GPU coders' rows
+    (a GPU run whose CPU rows come from a CPU machine)."""
     D = caps[0].shape[1]
     n_bf16 = sum(x.size for x in caps) * 2
     bases = [b for _, b in leave_one_out(caps, D)]
@@ -246,7 +271,7 @@ def ablate_source(res: ResultsWriter, source: str, caps: list, quick: bool, gpu:
     frame = 64 if quick else FRAME
     preset = "ultrafast" if quick else PRESET  # (x265 'lossless' at preset medium is not bit-exact on 64x64 frames)
     x265_points = []
-    for qp in ([None, 18] if quick else QPS):
+    for qp in ([None, 18] if quick else QPS) if cpu_coders else []:
         settings = {"qp": qp, "preset": preset}
         enc = frame_coder("x265", settings, frame)
         if qp is None:
@@ -264,12 +289,13 @@ def ablate_source(res: ResultsWriter, source: str, caps: list, quick: bool, gpu:
         r = report("x265", "per_channel_8bit", qq, dict(bytes=total, encode_gbps=n_bf16 / t_enc / 1e9,
                                                            decode_gbps=n_bf16 / t_dec / 1e9), qpar, qp=qp)
         x265_points.append((qq["cos_mean"], r))
-    for name in LOSSLESS_PLANE_CODERS:
+    for name in LOSSLESS_PLANE_CODERS if cpu_coders else []:
         report(name, "per_channel_8bit", q8, run_coder(name, frame_coder(name, {}, frame), planes, True, n_bf16),
                qpar)
-    report("rans", "per_channel_8bit", q8, run_coder("rans", rans_coder, planes, True, n_bf16), qpar)
-    report("entropy_bound", "per_channel_8bit", q8,
-           dict(bytes=sum(rans.entropy_bound_bytes(p.astype(np.int32)) for p in planes)), qpar)
+    if cpu_coders:
+        report("rans", "per_channel_8bit", q8, run_coder("rans", rans_coder, planes, True, n_bf16), qpar)
+        report("entropy_bound", "per_channel_8bit", q8,
+               dict(bytes=sum(rans.entropy_bound_bytes(p.astype(np.int32)) for p in planes)), qpar)
     if gpu:
         gpu_plane_rows(report, planes, q8, qpar, n_bf16)
 
@@ -282,25 +308,28 @@ def ablate_source(res: ResultsWriter, source: str, caps: list, quick: bool, gpu:
             qrd = recon_quality([q.dequantize(s) for q, s in zip(rdq, symbols)])
             rpar = sum(len(q.to_bytes()) for q in rdq)
             quant = "rd_water_fill" if water_fill else "rd_shared_step"
-            report("rans", quant, qrd, run_coder("rans", rans_coder, symbols, True, n_bf16), rpar, target=target)
-            report("entropy_bound", quant, qrd,
-                   dict(bytes=sum(rans.entropy_bound_bytes(s) for s in symbols)), rpar, target=target)
+            if cpu_coders:
+                report("rans", quant, qrd, run_coder("rans", rans_coder, symbols, True, n_bf16), rpar, target=target)
+                report("entropy_bound", quant, qrd,
+                       dict(bytes=sum(rans.entropy_bound_bytes(s) for s in symbols)), rpar, target=target)
             if water_fill or target not in TARGETS:
                 continue
-            report("zstd", quant, qrd, run_coder("zstd", zstd_symbols_coder, symbols, True, n_bf16), rpar,
-                   target=target)
+            if cpu_coders:
+                report("zstd", quant, qrd, run_coder("zstd", zstd_symbols_coder, symbols, True, n_bf16), rpar,
+                       target=target)
             offsets = [s.min(0) for s in symbols]
             if all(int((s - o).max()) < 256 for s, o in zip(symbols, offsets)):
                 as_planes = [(s - o).astype(np.uint8) for s, o in zip(symbols, offsets)]
                 obytes = sum(o.size * 4 for o in offsets)
-                report("x265", quant, qrd, run_coder("x265", frame_coder("x265", {"qp": None, "preset": preset},
-                                                                         frame), as_planes, True, n_bf16),
-                       rpar + obytes, target=target, qp="lossless")
+                if cpu_coders:
+                    report("x265", quant, qrd, run_coder("x265", frame_coder("x265", {"qp": None, "preset": preset},
+                                                                             frame), as_planes, True, n_bf16),
+                           rpar + obytes, target=target, qp="lossless")
                 if gpu:
                     gpu_plane_rows(report, as_planes, qrd, rpar + obytes, n_bf16, target=target, quant=quant,
                                    only=["nvcomp-ans"])
             if gpu:
-                gpu_rans_rows(res, symbols, common, target)
+                report("rans-cuda", quant, qrd, gpu_rans_sizes(symbols, n_bf16), rpar, target=target)
         for_target = interp_ratio_at(x265_points, target)
         if for_target is not None:
             res.add(backend="x265", metric="ratio_at_target", value=for_target, unit="x", quant="per_channel_8bit",
@@ -320,18 +349,22 @@ def gpu_plane_rows(report, planes, q, extra, n_bf16, only=None, **settings):
         report(name, settings.pop("quant", "per_channel_8bit"), q, sizes, extra, **settings)
 
 
-def gpu_rans_rows(res, symbols, common, target):
-    """The GPU coder writes the CPU coder's bytes on real symbols (checked), both ways."""
+def gpu_rans_sizes(symbols, n_bf16: int) -> dict:
+    """The GPU coder on real symbols: it must write the CPU coder's bytes and decode them back
+    (checked), then encode_cuda/decode_cuda are timed per capture (CUDA events, median)."""
     import torch
 
+    stream = torch.cuda.current_stream()
+    total, t_enc, t_dec = 0, 0.0, 0.0
     for s in symbols:
-        p_gpu = rans.encode_cuda(torch.from_numpy(s).cuda())
-        same = bytes(p_gpu.cpu().numpy()) == rans.encode(s)
-        back = rans.decode_cuda(p_gpu).cpu().numpy()
-        if not (same and np.array_equal(back, s)):
+        t = torch.from_numpy(s).cuda()
+        payload = rans.encode_cuda(t)
+        if bytes(payload.cpu().numpy()) != rans.encode(s) or not torch.equal(rans.decode_cuda(payload), t):
             raise AssertionError("GPU rANS does not match the CPU coder on real symbols")
-    res.add(backend="rans-cuda", metric="matches_cpu_bitstream", value=1, unit="bool", target=target,
-            quant="rd_shared_step", **common)
+        total += len(payload)
+        t_enc += cuda_ms(lambda i: rans.encode_cuda(t), GPU_CAPTURE_REPEATS, 2, stream)
+        t_dec += cuda_ms(lambda i: rans.decode_cuda(payload), GPU_CAPTURE_REPEATS, 2, stream)
+    return dict(bytes=total, encode_gbps=n_bf16 / (t_enc * 1e-3) / 1e9, decode_gbps=n_bf16 / (t_dec * 1e-3) / 1e9)
 
 
 def synthetic_gpu_tensor(T: int, D: int, power: float, seed: int = 0):
@@ -521,7 +554,10 @@ def main():
     ap.add_argument("--shapes", type=str, default=None, help="GPU benchmark shapes 'T,D,K;T,D,K'")
     ap.add_argument("--bench-source", default="synthetic", choices=["synthetic", "llm_k15"],
                     help="GPU benchmark tensor: synthetic, or the exported real SmolLM2 layer-15 K (make planes)")
-    ap.add_argument("--merge", action="store_true", help="add this run's rows to the CSV instead of replacing it")
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only the CSV rows of this run's device (CPU rows and GPU rows come from two machines)")
+    ap.add_argument("--gpu-rows-only", action="store_true",
+                    help="on a GPU machine: the GPU coders' rows and the benchmark only (the CPU rows come from a CPU run)")
     args = ap.parse_args()
     csv = Path(__file__).resolve().parent.parent / "results" / "06_coder_ablation.csv"
     if args.plot_only:
@@ -555,11 +591,20 @@ def main():
     print(f"{'source':<11}{'coder':<16}{'quant':<18}{'target':>7}{'ratio':>8}{'cos':>10}{'enc GB/s':>10}"
           f"{'dec GB/s':>10}")
     for source, caps in load_sources(args.sources, args.quick).items():
-        for coder, quant, target, ratio, cos, enc, dec in ablate_source(res, source, caps, args.quick, gpu):
+        for coder, quant, target, ratio, cos, enc, dec in ablate_source(res, source, caps, args.quick, gpu,
+                                                                        cpu_coders=not args.gpu_rows_only):
             fmt = lambda v: f"{v:10.4f}" if v is not None else f"{'':>10}"  # noqa: E731
             print(f"{source:<11}{coder:<16}{quant:<18}{target!s:>7}{ratio:8.2f}{cos:10.5f}{fmt(enc)}{fmt(dec)}",
                   flush=True)
-    res.save(csv)
+    if args.merge and csv.exists():
+        import pandas as pd
+
+        new = res.frame()
+        old = pd.read_csv(csv, dtype={"poc": str})
+        pd.concat([old[~old.device.isin(set(new.device))], new]).to_csv(csv, index=False)
+        print(f"replaced the {', '.join(sorted(set(new.device)))} rows of {csv.name} ({len(new)} rows)")
+    else:
+        res.save(csv)
     plot(csv, csv.parent.parent / "figures" / "06_coder_ablation.png")
 
 

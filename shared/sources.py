@@ -28,6 +28,7 @@ REAL_PLANES = ROOT / "data" / "planes" / "real_planes.safetensors"
 REAL_K = 128                          # components kept per tensor (divides every frame side 256..2048)
 LLM_LAYERS = (5, 15, 25)  # SmolLM2 layers exported (K and V of each)
 DIFF_SEEDS = range(4)     # diffusion seeds exported (10 classes x 20 steps each)
+ACT_DIFF_SEEDS, ACT_DIFF_STEP = range(6), 10  # diffusion activations exported for PoC 06 (as its captures)
 
 
 def synthetic_activation(tokens: int, channels: int, seed: int, spectrum_power: float = 1.0,
@@ -72,6 +73,8 @@ def export_real_planes(path: Path = REAL_PLANES) -> Path:
 
     from safetensors.numpy import save_file
 
+    import torch
+
     from . import diffusion, llm
 
     model, tokenizer = llm.load_smollm2()
@@ -79,13 +82,20 @@ def export_real_planes(path: Path = REAL_PLANES) -> Path:
     llm_planes = [_pca_planes(store.stack(f"layer{layer}.{kind}"), REAL_K) for layer in LLM_LAYERS for kind in "kv"]
     dstore = diffusion.capture_tiny_flux(seeds=range(8), classes=range(10), steps=20)
     diff = [dstore.load(k)["act"] for k in dstore.keys() if int(k.split("_")[0][4:]) in DIFF_SEEDS]
+    step_acts = [torch.cat([dstore.load(f"seed{s}_class{c}_step{ACT_DIFF_STEP:02d}")["act"].float() for c in range(10)])
+                 for s in ACT_DIFF_SEEDS]
     tensors = {"llm_kv": np.concatenate(llm_planes), "diffusion": _pca_planes(diff, min(REAL_K, diff[0].shape[1])),
-               "act_llm_k15": np.concatenate([x.float().numpy() for x in store.stack("layer15.k")])}
+               "act_llm_k15": np.concatenate([x.float().numpy() for x in store.stack("layer15.k")]),
+               "act_llm_v15": np.concatenate([x.float().numpy() for x in store.stack("layer15.v")]),
+               "act_diffusion": torch.cat(step_acts).numpy()}
     meta = {"llm_kv": f"SmolLM2-135M-Instruct layers {list(LLM_LAYERS)} K and V, 6 chunks x 1024 tokens, "
                       f"PCA K={REAL_K} per tensor, per-channel uint8",
             "diffusion": f"tiny_flux block {dstore.meta()['block']}, {len(DIFF_SEEDS)} seeds x 10 classes x 20 steps, "
                          "PCA, uint8",
-            "act_llm_k15": "SmolLM2-135M-Instruct layer-15 K cache, 6 chunks x 1024 tokens, float32"}
+            "act_llm_k15": "SmolLM2-135M-Instruct layer-15 K cache, 6 chunks x 1024 tokens, float32",
+            "act_llm_v15": "SmolLM2-135M-Instruct layer-15 V cache, 6 chunks x 1024 tokens, float32",
+            "act_diffusion": f"tiny_flux block {dstore.meta()['block']} image stream, seeds {list(ACT_DIFF_SEEDS)}, "
+                             f"sampler step {ACT_DIFF_STEP} of 20, 10 classes per seed, float32"}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"sources": json.dumps(meta)})
     for name, t in tensors.items():
@@ -96,7 +106,8 @@ def export_real_planes(path: Path = REAL_PLANES) -> Path:
 
 def real_planes(name: str) -> tuple[np.ndarray, str] | None:
     """(array, description) from the exported file: planes "llm_kv" / "diffusion" ([T, 128] uint8) or the
-    activation "act_llm_k15" ([T, 192] float32); None when the file is absent."""
+    activations "act_llm_k15" / "act_llm_v15" ([6 x 1024, 192] float32) and "act_diffusion" (6 seeds' image
+    stream at one sampler step, [6 x 640, 128] float32); None when the file or the entry is absent."""
     if not REAL_PLANES.exists():
         return None
     import json
@@ -104,6 +115,8 @@ def real_planes(name: str) -> tuple[np.ndarray, str] | None:
     from safetensors import safe_open
 
     with safe_open(str(REAL_PLANES), "numpy") as f:
+        if name not in f.keys():
+            return None
         return f.get_tensor(name), json.loads(f.metadata()["sources"])[name]
 
 
