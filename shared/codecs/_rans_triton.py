@@ -190,15 +190,18 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     for t in range(0, n_try):
         shape = t // (2 * SEARCH + 1)
         scode = tl.minimum(tl.maximum(code0 + (t % (2 * SEARCH + 1)) - SEARCH, 0), 255)
-        fp, cp, okp = normalize_row(model_row(shapes_ptr, inv_ptr, shape, scode, mu16, W, has_esc, j64, SHAPE_STEPS),
-                                    j, PROB_BITS)
+        wp = model_row(shapes_ptr, inv_ptr, shape, scode, mu16, W, has_esc, j64, SHAPE_STEPS)
+        fp = tl.where(wp > 0, tl.maximum(wp * (1 << PROB_BITS) // tl.sum(wp, 0), 1), 0)  # cost proxy
         cost = tl.sum(kept * tl.load(nlog_ptr + fp), 0) * R + 8 * 65536 * PARAM_BYTES
         better = cost < best
         best = tl.where(better, cost, best)
         model = tl.where(better, 1 + shape, model)
         best_code = tl.where(better, scode, best_code)
-        f = tl.where(better, fp, f)
-        c = tl.where(better, cp, c)
+    if model > 0:  # the chosen model's exact table
+        fm, cm, okm = normalize_row(model_row(shapes_ptr, inv_ptr, model - 1, best_code, mu16, W, has_esc, j64,
+                                              SHAPE_STEPS), j, PROB_BITS)
+        f = fm
+        c = cm
     tl.store(codes_ptr + k * HCAP + j, code.to(tl.uint8))
     tl.store(tab_ptr + k * HCAP + j, ((c << 16) | f).to(tl.int32))
     tl.store(lo_ptr + k, lo)

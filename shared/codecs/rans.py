@@ -249,7 +249,9 @@ def _neg_log2_table(prob_bits: int) -> np.ndarray:
 
 def fit_models(kept: np.ndarray, W, esc, A, codes, prob_bits: int, stride: int):
     """Per component: the parametric model that codes its counts (kept [K, H], escape count at
-    column W) in the fewest bits, and whether it beats the explicit table (codes).
+    column W) in the fewest bits, and whether it beats the explicit table (codes). A model's
+    cost uses its unnormalized frequencies max(1, w * 2^n // sum(w)), one pass instead of the
+    bisection; the chosen model's table is then normalized exactly.
     Returns (model [K] 0 = explicit / 1 + shape, scale code [K], mu16 [K]). Integer only, the
     same rule as the GPU tables kernel."""
     kept = np.asarray(kept, np.int64)
@@ -272,7 +274,8 @@ def fit_models(kept: np.ndarray, W, esc, A, codes, prob_bits: int, stride: int):
     for shape in range(N_SHAPES):
         for d in range(-MODEL_SEARCH, MODEL_SEARCH + 1):
             code = np.clip(code0 + d, 0, 255)
-            f = normalize_weights(model_weights(np.full(K, shape), code, mu16, W, esc, H), prob_bits)[0]
+            w = model_weights(np.full(K, shape), code, mu16, W, esc, H)
+            f = np.where(w > 0, np.maximum(1, w * (1 << prob_bits) // w.sum(1, keepdims=True)), 0)  # cost proxy
             cost = (kept * nlog[f]).sum(1) * stride + 8 * 65536 * PARAM_BYTES
             better = eligible & (cost < best)
             best = np.where(better, cost, best)
