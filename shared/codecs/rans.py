@@ -19,14 +19,18 @@ Importing this module needs neither a GPU nor Triton.
 
 Bitstream (all little-endian; offsets follow from the header):
 
-    header, 52 bytes: magic b"TRNS", u8 version=2, u8 prob_bits n, u16 group_lanes G,
-        u32 T, u32 K, u32 lane_tokens S, u32 n_table, u32 n_escapes, u32 k_coded,
+    header, 56 bytes: magic b"TRNS", u8 version=3, u8 prob_bits n, u16 group_lanes G,
+        u32 T, u32 K, u32 lane_tokens S, u32 n_table, u32 n_escapes, u32 k_coded, u32 n_param,
         u8 lo_bytes, u8 w_bytes, u16 reserved=0, u64 stream_words, u32 check0, u32 check1
     lo        int{8,16,32}[K]  first symbol value of each component's window (lo_bytes wide)
     wflag     uint{8,16}[K]    window width W | escape flag in the top bit (w_bytes wide);
                                alphabet A = W + flag
+    model     uint8[K]         0: explicit weight codes; 1..4: parametric (shape 0..3, see below)
+    (zero padding to a multiple of 2 bytes)
+    mu16      int16[n_param]   centre of each parametric component, 1/16 symbol from lo
+    scale     uint8[n_param]   its scale code: sigma = 2^(code/8 - 2) symbols
     (zero padding to a multiple of 4 bytes)
-    codes     uint8[n_table]  per-component weights, A entries per component, 8-bit minifloat
+    codes     uint8[n_table]   weights of each explicit component, A entries each, 8-bit minifloat
     (zero padding to a multiple of 4 bytes)
     group_words uint32[n_groups]   words in each group's stream
     group_escapes uint32[n_groups] escaped values of each group
@@ -43,8 +47,8 @@ Bitstream (all little-endian; offsets follow from the header):
 check0/check1 are a Fletcher-like checksum of the whole payload except these 8 bytes (sum of
 bytes, and sum of bytes times (position mod 65521 + 1), both mod 2^32; positions count the bytes
 checked). Decoding verifies it, and also that every lane ends in the initial state 2^16 and every
-group consumes exactly its words and escapes, so a corrupt or truncated payload raises BitstreamError rather
-than returning wrong symbols (rANS resynchronizes after a corrupt word, so the state check alone
+group consumes exactly its words and escapes, so a corrupt or truncated payload raises
+BitstreamError rather than returning wrong symbols (rANS resynchronizes after a corrupt word, so the state check alone
 would miss some corruption).
 
 Windows (the encoder's choice; the decoder reads them from the payload): a component whose values
@@ -55,9 +59,13 @@ the window are coded as the escape symbol (the last one of the alphabet) and sto
 `escapes`. The histogram behind these choices counts every token, or every R-th token of a long
 tensor (hist_row_stride).
 
-Frequencies: from the 8-bit weight codes w (0 = absent), both coders compute the same table summing
-to 2^n: f = max(1, floor(w * s / sum(w))) for w > 0 with the largest integer s <= 2^(n+1) that keeps
-the sum <= 2^n (bisection), the remainder added to the heaviest symbol. The rANS state is 32 bits in [2^16, 2^32),
+Frequencies: from integer weights w (0 = absent) -- the decoded 8-bit codes of an explicit
+component, or a parametric component's model (model_weights: a shape sampled at |j - mu| / sigma,
+from integer tables stored in rans_models.npz) -- both coders compute the same table summing to
+2^n: f = max(1, floor(w * s / sum(w))) for w > 0 with the largest integer s <= 2^(n+1) that keeps
+the sum <= 2^n (bisection), the remainder added to the heaviest symbol. The encoder gives a
+component a model where that codes it in fewer bytes than its explicit table (fit_models); on
+short tensors (1024 tokens) most components take one. The rANS state is 32 bits in [2^16, 2^32),
 renormalized 16 bits at a time; encoding runs from the last token of a lane to the first, and each
 step's emitted words are appended to the group stream in lane order; the decoder reads them back
 from the end of the stream.
