@@ -25,13 +25,15 @@ Command:   make poc-06            (or: python pocs/06_coder_ablation.py [--quick
 Writes:    results/06_coder_ablation.csv, figures/06_coder_ablation.png
 Sample output (a 2-core CPU machine, full run; speeds are this machine's Python/numpy coders):
     source     coder           quant              target   ratio       cos  enc GB/s  dec GB/s
-    llm_k      x265            per_channel_8bit        18    3.00   0.99966    0.0011    0.0192
-    llm_k      zstd            per_channel_8bit             2.12   0.99999    0.0033    0.2774
+    llm_k      x265            per_channel_8bit        18    3.00   0.99966    0.0019    0.0181
+    llm_k      zstd            per_channel_8bit             2.12   0.99999    0.0040    0.2764
     llm_k      entropy_bound   per_channel_8bit             2.22   0.99999
-    llm_k      rans            rd_shared_step      0.999    4.44   0.99900    0.0061    0.0056
+    llm_k      rans            rd_shared_step      0.999    4.58   0.99900    0.0047    0.0044
     llm_k      entropy_bound   rd_shared_step      0.999    4.71   0.99900
-    llm_k      zstd            rd_shared_step      0.999    4.21   0.99900    0.0045    0.4321
-    llm_k      x265            rd_shared_step      0.999    4.00   0.99900    0.0015    0.0259
+    llm_k      zstd            rd_shared_step      0.999    4.21   0.99900    0.0044    0.3541
+    llm_k      x265            rd_shared_step      0.999    4.00   0.99900    0.0023    0.0248
+On the GPU machine, `--gpu-rows-only --merge` adds the GPU coders' rows (nvCOMP, the GPU rANS coder
+on the same symbols) and the whole-pipeline benchmark; the captures come from `make planes` there.
 """
 from __future__ import annotations
 
