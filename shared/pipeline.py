@@ -162,10 +162,67 @@ class TensorCodec:
         }
         return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": rans.encode(symbols)})
 
+    def _cuda_basis(self, D: int, device):
+        """(mean [D], components [D, K]) float32 on the device, cached; the identity without a basis."""
+        import torch
+
+        key = str(device)
+        if getattr(self, "_cuda_cache", (None,))[0] != key:
+            if self.basis is not None:
+                if self.basis.dim != D:
+                    raise BasisMismatchError(f"basis is for D={self.basis.dim}, tensor has D={D}")
+                mean, comps = self.basis.mean, self.basis.components
+            else:
+                mean, comps = np.zeros(D, np.float32), np.eye(D, dtype=np.float32)
+            self._cuda_cache = (key, torch.as_tensor(np.asarray(mean, np.float32), device=device),
+                                torch.as_tensor(np.asarray(comps, np.float32), device=device).contiguous())
+        return self._cuda_cache[1], self._cuda_cache[2]
+
+    def _encode_symbols_cuda(self, x, dtype: str) -> bytes:
+        """The compute codec on a CUDA tensor: projection and quantization in one Triton kernel,
+        the rANS coder's kernels, and one copy of the payload to the host."""
+        import torch
+
+        from .codecs import rans
+        from .rdquant import CudaProjection, RDQuantizer, find_step
+
+        if x.dim() != 2 or x.numel() == 0:
+            raise InvalidTensorError(f"tensor must be a non-empty 2-D [tokens, channels] tensor, got {tuple(x.shape)}")
+        if not bool(torch.isfinite(x).all()):
+            raise InvalidTensorError("tensor holds NaN/Inf; fix the producer, nothing is clipped here")
+        mean, comps = self._cuda_basis(x.shape[1], x.device)
+        if self.step is not None:
+            quantizer = RDQuantizer(self.step)
+        else:
+            xf = x.float()
+            quantizer = find_step((xf - mean) @ comps, self.target_cos, "cos", reconstruct=lambda c: c @ comps.T + mean,
+                                  reference=xf, water_fill=self.water_fill)
+        proj = CudaProjection(mean, comps, device=x.device)
+        symbols, stats, amax = proj.quantize_unchecked(x, quantizer.step)
+        if quantizer.keep is not None and not quantizer.keep.all():  # water-filling dropped components
+            symbols[:, torch.as_tensor(~quantizer.keep, device=x.device)] = 0
+            stats = None
+        payload = rans.encode_cuda(symbols, stats=stats, guard=amax)
+        header = {
+            "shape": [x.shape[0], x.shape[1]],
+            "dtype": dtype,
+            "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
+            "quant": {"kind": "rd_shared_step", "step": quantizer.step},
+            "codec": {"id": SYMBOL_CODER, "settings": {}},
+            "frames": None,
+            "fallback": None,
+        }
+        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload.cpu().numpy().tobytes()})
+
     # -- whole tensor --------------------------------------------------------------------------
     def encode(self, x) -> bytes:
+        """x: [T, D] float tensor (numpy or torch). backend "rans" codes a CUDA tensor on its GPU
+        (same container, same rANS bitstream; the GPU quantizer multiplies in bf16, so its symbols
+        can differ from the CPU's in the last bit of a few values)."""
         dtype = _dtype_name(x)
         if self.symbols:
+            if getattr(x, "is_cuda", False):
+                return self._encode_symbols_cuda(x, dtype)
             return self._encode_symbols(x, dtype)
         planes, quantizer = self.to_planes(x)
         layout = framing.layout_for(*planes.shape, height=self.frame_size)
@@ -188,11 +245,33 @@ class TensorCodec:
         }
         return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
 
-    def decode(self, blob: bytes):
+    def decode(self, blob: bytes, device=None):
+        """The tensor, as a torch tensor of the encoded dtype. device="cuda": a compute-codec
+        payload is decoded and reconstructed on that GPU; other payloads are decoded here and moved."""
         header, chunks = unpack(blob)
-        return _to_output(self.decode_values(header, chunks), header["dtype"])
+        if device is not None and str(device).startswith("cuda") and header["quant"]["kind"] == "rd_shared_step":
+            return self._decode_symbols_cuda(header, chunks, device)
+        out = _to_output(self.decode_values(header, chunks), header["dtype"])
+        return out if device is None else out.to(device)
 
-    def decode_values(self, header: dict, chunks: dict[str, bytes]) -> np.ndarray:
+    def _decode_symbols_cuda(self, header: dict, chunks: dict[str, bytes], device):
+        import torch
+
+        from .codecs import rans
+        from .rdquant import RDQuantizer
+
+        self._check_basis(header)
+        quantizer = RDQuantizer.from_bytes(chunks["QPAR"])
+        symbols = rans.decode_cuda(torch.frombuffer(bytearray(chunks["DATA"]), dtype=torch.uint8).to(device))
+        mean, comps = self._cuda_basis(header["shape"][1], symbols.device)
+        if symbols.shape[1] != comps.shape[1]:
+            raise BitstreamError(f"payload holds {symbols.shape[1]} components, the basis has {comps.shape[1]}")
+        values = (symbols.float() * quantizer.step) @ comps.T + mean
+        if list(values.shape) != header["shape"]:
+            raise BitstreamError(f"decoded shape {tuple(values.shape)} differs from header shape {header['shape']}")
+        return values.to(getattr(torch, header["dtype"]))
+
+    def _check_basis(self, header: dict):
         expected = header["basis"]
         if expected is not None:
             if self.basis is None:
@@ -203,6 +282,9 @@ class TensorCodec:
                     f"bitstream was coded with basis {expected['hash']} (K={expected['k']}), this codec holds "
                     f"{self.basis.content_hash} (K={self.basis.k}); load the sender's basis file"
                 )
+
+    def decode_values(self, header: dict, chunks: dict[str, bytes]) -> np.ndarray:
+        self._check_basis(header)
         if header["quant"]["kind"] == "rd_shared_step":
             from .codecs import rans
             from .rdquant import RDQuantizer

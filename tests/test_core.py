@@ -347,6 +347,29 @@ def test_compute_codec_path_meets_target_and_round_trips():
         TensorCodec(basis, backend="rans")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_basis", [True, False])
+def test_compute_codec_on_a_cuda_tensor(with_basis):
+    """TensorCodec(backend="rans") on a CUDA tensor: coded on the GPU, the same container; the
+    CPU and the GPU decode it to the same values, at the target quality."""
+    x = make_tensor(tokens=4096).cuda()
+    basis = fit_basis([make_tensor(tokens=2048)], k=64) if with_basis else None
+    codec = TensorCodec(basis, backend="rans", target_cos=0.999)
+    blob = codec.encode(x)
+    header = read_header(blob)
+    assert header["codec"]["id"] == "rans" and header["shape"] == list(x.shape)
+    on_gpu = codec.decode(blob, device="cuda")
+    on_cpu = codec.decode(blob)
+    assert on_gpu.is_cuda and on_gpu.dtype == x.dtype and on_gpu.shape == x.shape
+    torch.testing.assert_close(on_gpu.cpu().float(), on_cpu.float(), rtol=0.02, atol=0.02)
+    assert quality(x.float().cpu().numpy(), on_gpu.float().cpu().numpy())["cos_mean"] >= 0.998
+    assert TensorCodec(basis, backend="rans", step=header["quant"]["step"]).decode(blob, device="cuda").is_cuda
+    bad = x.clone()
+    bad[3, 5] = float("nan")
+    with pytest.raises(InvalidTensorError, match="NaN"):
+        codec.encode(bad)
+
+
 def test_results_writer_never_replaces_gpu_rows_with_a_cpu_run(tmp_path, monkeypatch):
     import pandas as pd
 
