@@ -357,10 +357,10 @@ class Layout:
         self.total = self.streams + 2 * stream_words
 
 
-def _widths(lo: np.ndarray, W: np.ndarray) -> tuple[int, int]:
+def _widths(lo_min: int, lo_max: int, w_max: int) -> tuple[int, int]:
     """Narrowest lo and wflag widths (bytes) that hold every component's values."""
-    lo_bytes = next(b for b in (1, 2, 4) if lo.min() >= -(1 << (8 * b - 1)) and lo.max() < (1 << (8 * b - 1)))
-    return lo_bytes, (1 if W.max() < 128 else 2)
+    lo_bytes = next(b for b in (1, 2, 4) if lo_min >= -(1 << (8 * b - 1)) and lo_max < (1 << (8 * b - 1)))
+    return lo_bytes, (1 if w_max < 128 else 2)
 
 
 _INT = {1: "<i1", 2: "<i2", 4: "<i4"}
@@ -501,7 +501,7 @@ def _steps_by_lane(a: np.ndarray, P, S, K, n_lanes_padded, fill) -> np.ndarray:
 def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, model, scale, mu16, group_words, group_escapes, escapes,
               states, streams) -> bytes:
     stream_words = int(group_words.astype(np.int64).sum())
-    lo_bytes, w_bytes = _widths(lo, W)
+    lo_bytes, w_bytes = _widths(int(lo.min()), int(lo.max()), int(W.max()))
     A = W + esc
     k_coded = int((A > 1).sum())
     explicit = model == 0
@@ -829,8 +829,7 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
                                  "use a larger step or fix the producer")
 
     # 4. the payload: header, meta, escapes, states and streams, then the checksum
-    lo_bytes = next(b for b in (1, 2, 4) if lo_min >= -(1 << (8 * b - 1)) and lo_max < (1 << (8 * b - 1)))
-    w_bytes = 1 if w_max < 128 else 2
+    lo_bytes, w_bytes = _widths(lo_min, lo_max, w_max)
     lay = Layout(T, K, S, G, n_table, n_escapes, stream_words, k_coded, lo_bytes, w_bytes, n_param)
     payload = torch.empty(lay.total, dtype=torch.uint8, device=dev)
     payload[:lay.group_words].zero_()  # header and the padding between meta sections
