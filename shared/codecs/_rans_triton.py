@@ -236,9 +236,14 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     lane_ok = lane < n_lanes
     p = lane // K
     k = lane - p * K
-    lo = tl.load(lo_ptr + k, mask=lane_ok, other=0)
-    W = tl.load(w_ptr + k, mask=lane_ok, other=1)
-    may_escape = tl.max(tl.max((tl.load(a_ptr + k, mask=lane_ok, other=0) > W).to(tl.int32), 1), 0) > 0
+    lo64 = tl.load(lo_ptr + k, mask=lane_ok, other=0)
+    W64 = tl.load(w_ptr + k, mask=lane_ok, other=1)
+    may_escape = tl.max(tl.max((tl.load(a_ptr + k, mask=lane_ok, other=0) > W64).to(tl.int32), 1), 0) > 0
+    # int32 arithmetic: the window [lo, hi] lies in int32 (the format requires it), so comparing
+    # against both ends is exact; v - lo can wrap only for values outside it, which are replaced
+    lo = lo64.to(tl.int32)
+    hi = (lo64 + W64 - 1).to(tl.int32)
+    W = W64.to(tl.int32)
     tab_row = tab_ptr + k * HCAP
     x = tl.full([GPP, G], 65536, tl.uint32)
     ptr = tl.zeros([GPP], tl.int32)
@@ -257,20 +262,19 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
         row = row0 + (S - 1 - jj)
         active = lane_ok & (row < T)
         off = off_next
-        v = v_next.to(tl.int64)
+        v = v_next.to(tl.int32)
         # fetch the next step's symbols now, so their latency overlaps this step's arithmetic
         off_next = off - K
         v_next = tl.load(sym_ptr + off_next, mask=lane_ok & (row - 1 < T) & (jj + 1 < S), other=0)
-        idx = v - lo
-        outside = (idx < 0) | (idx >= W)
-        idx = tl.where(outside, W, idx)
+        outside = (v < lo) | (v > hi)
+        idx = tl.where(outside, W, v - lo)
         if ESCAPES and may_escape:
             esc_now = active & outside
             ee = esc_now.to(tl.int32)
             epos = eptr[:, None] + (tl.cumsum(ee, 1) - ee)
-            tl.store(esc_row + epos, v.to(tl.int32), mask=esc_now & (epos < ecap))
+            tl.store(esc_row + epos, v, mask=esc_now & (epos < ecap))
             eptr += tl.sum(ee, 1)
-        e = tl.load(tab_row + idx.to(tl.int32), mask=active, other=M)
+        e = tl.load(tab_row + idx, mask=active, other=M)
         f = (e & 0xFFFF).to(tl.uint32)
         c = (e >> 16).to(tl.uint32)
         emit = (x >> (32 - PROB_BITS)) >= f
@@ -473,6 +477,7 @@ def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr
     W = tl.load(w_ptr + k, mask=lane_ok, other=0)
     A = tl.load(a_ptr + k, mask=lane_ok, other=0)
     rank = tl.load(rank_ptr + k, mask=lane_ok, other=0)
+    lo32 = lo.to(tl.int32)
     coded = lane_ok & (A > 1) & (rank < k_coded)
     may_escape = tl.max(tl.max((A > W).to(tl.int32), 1), 0) > 0
     x = tl.load(states_in + p.to(tl.int64) * k_coded + rank, mask=coded, other=65536).to(tl.uint32, bitcast=True)
@@ -517,15 +522,15 @@ def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr
         rp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] + rank_w), 0), last_word)
         wd = tl.load(words_ptr + rp, mask=need, other=0).to(tl.int32) & 0xFFFF
         x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
-        val = lo + s
+        val = lo32 + s  # wraps only for an escape symbol, whose value is replaced
         if may_escape:
             esc_now = active & (s == W) & (A > W)
             ee = esc_now.to(tl.int32)
             eptr -= tl.sum(ee, 1)
             bad |= (eptr < 0).to(tl.int32)[:, None]
             ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr[:, None] + (tl.cumsum(ee, 1) - ee)), 0), last_esc)
-            val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0).to(tl.int64), val)
-        tl.store(out_ptr + off, val.to(tl.int32), mask=active)
+            val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
+        tl.store(out_ptr + off, val, mask=active)
         off += K
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)[:, None]
