@@ -65,7 +65,8 @@ LOSSLESS_PLANE_CODERS = ["ffv1", "zstd"]  # CPU lossless coders of the 8-bit pla
 NVCOMP_CODERS = ["nvcomp-ans", "nvcomp-cascaded", "nvcomp-bitcomp", "nvcomp-gdeflate", "nvcomp-zstd", "nvcomp-lz4"]
 SYNTHETIC = dict(captures=6, tokens=1024, channels=192, power=1.0)  # Gaussian, eigenvalues i^-power
 LLM = dict(layer=15, chunks=6, tokens=1024)  # SmolLM2 KV, as PoC 04
-DIFFUSION = dict(seeds=6, step=10, steps=20)  # embedded diffusion transformer, one sampler step, as PoC 03
+DIFFUSION = dict(seeds=6, step=10, steps=20, grid=8)  # embedded diffusion transformer, one sampler step, as PoC 03;
+# grid: its tokens are 8 x 8 patches per image, row-major, images one after another
 
 # GPU pipeline benchmark (bf16 CUDA tensor -> projection -> quantization -> rANS -> payload, and back)
 BENCH_SHAPES = [(131072, 1024, 1024), (655360, 192, 192)]  # (T tokens, D channels, K components): 256/240 MiB bf16
@@ -203,6 +204,25 @@ def zstd_symbols_coder(symbols):
     return payload, decode
 
 
+def predicted_bound_bytes(symbols: np.ndarray, grid: int | None = None) -> float:
+    """What prediction along the tokens could add to a memoryless coder: per component, the
+    smallest empirical entropy (bytes) of its symbols or of their residual after a predictor.
+    Predictors: the previous token; on a grid x grid patch layout (diffusion) also the patch
+    above, the mean of left and above, and the median of left, above and left + above - upper-left.
+    A bound for a per-component choice of predictor, not a coder."""
+    s = symbols.astype(np.int64)
+    residuals = [s, s - np.concatenate([np.zeros_like(s[:1]), s[:-1]])]
+    if grid is not None and len(s) % (grid * grid) == 0:
+        g = s.reshape(-1, grid, grid, s.shape[1])
+        left, up, upleft = (np.zeros_like(g) for _ in range(3))
+        left[:, :, 1:], up[:, 1:], upleft[:, 1:, 1:] = g[:, :, :-1], g[:, :-1], g[:, :-1, :-1]
+        med = np.median(np.stack([left, up, left + up - upleft]), axis=0).astype(np.int64)
+        residuals += [(g - p).reshape(s.shape) for p in (left, up, (left + up) // 2, med)]
+    per = np.array([[rans.entropy_bound_bytes(r[:, [k]].astype(np.int32)) for k in range(s.shape[1])]
+                    for r in residuals])
+    return float(per.min(0).sum())
+
+
 def timed(fn, *args):
     t0 = time.perf_counter()
     out = fn(*args)
@@ -240,6 +260,7 @@ def interp_ratio_at(points, target):
 def ablate_source(res: ResultsWriter, source: str, caps: list, quick: bool, gpu: bool, cpu_coders: bool = True):
     """Every coder on this source's coefficients. cpu_coders=False: only the GPU coders' rows
     (a GPU run whose CPU rows come from a CPU machine)."""
+    grid = DIFFUSION["grid"] if source == "diffusion" else None
     D = caps[0].shape[1]
     n_bf16 = sum(x.size for x in caps) * 2
     bases = [b for _, b in leave_one_out(caps, D)]
@@ -314,6 +335,9 @@ def ablate_source(res: ResultsWriter, source: str, caps: list, quick: bool, gpu:
                 report("rans", quant, qrd, run_coder("rans", rans_coder, symbols, True, n_bf16), rpar, target=target)
                 report("entropy_bound", quant, qrd,
                        dict(bytes=sum(rans.entropy_bound_bytes(s) for s in symbols)), rpar, target=target)
+                if not water_fill:
+                    report("predicted_bound", quant, qrd,
+                           dict(bytes=sum(predicted_bound_bytes(s, grid) for s in symbols)), rpar, target=target)
             if water_fill or target not in TARGETS:
                 continue
             if cpu_coders:
