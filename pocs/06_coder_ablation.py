@@ -525,6 +525,7 @@ def plot(csv, png):
     keys = ["backend", "quant", "qp", "target"]
     groups = [("rans", "rd_shared_step", "-o", "compute codec: shared step + rANS"),
               ("entropy_bound", "rd_shared_step", ":", "entropy bound of the shared-step symbols"),
+              ("predicted_bound", "rd_shared_step", "-.", "the same with a predictor along tokens (per component)"),
               ("rans", "rd_water_fill", "--", "shared step + water-filling + rANS"),
               ("zstd", "rd_shared_step", "-^", "zstd-19 on the shared-step symbols"),
               ("x265", "rd_shared_step", "-v", "x265 lossless on the shared-step symbols"),
