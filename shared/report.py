@@ -149,13 +149,15 @@ def coder_ablation() -> str | None:
         wf = pick("rans", "rd_water_fill")
         x265 = pick("x265", "per_channel_8bit", "ratio_at_target")
         bound = pick("entropy_bound", "rd_shared_step")
+        predicted = pick("predicted_bound", "rd_shared_step")
         zstd = pick("zstd", "rd_shared_step")
         fmt = (lambda v: "n/a" if v is None else f"{v:.2f}x")
         gain = "n/a" if (x265 is None or rans_ is None) else f"{max(rans_, wf or 0) / x265:.2f}"
-        rows.append([source, f"{target:g}", fmt(rans_), fmt(wf), fmt(zstd), fmt(x265), gain, fmt(bound)])
+        rows.append([source, f"{target:g}", fmt(rans_), fmt(wf), fmt(zstd), fmt(x265), gain, fmt(bound),
+                     fmt(predicted)])
     text = _table(rows, ["source", "cos target", "compute codec (shared step + rANS)", "same + water-filling",
                          "zstd-19 on the same symbols", "libx265 const-QP (interpolated)", "best compute / x265",
-                         "entropy bound"])
+                         "entropy bound (memoryless)", "bound with a predictor along tokens"])
     gpu = df[(df.backend == "compute-codec-cuda")]
     if len(gpu):
         g = gpu.pivot_table(index=["source", "tokens", "channels"], columns="metric", values="value").reset_index()
