@@ -225,7 +225,7 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
 def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr, ebuf_ptr, gesc_ptr,
                   scal_ptr, T, K, n_lanes, n_groups, S, cap, ecap,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  WIDE_INDEX: tl.constexpr, ESCAPES: tl.constexpr = True):
+                  WIDE_INDEX: tl.constexpr):
     """One thread per lane, G lanes per shared word stream, GPP streams per program. Walks its
     tokens last to first. Escaped values go to their group's escape buffer (ecap slots; the
     count is kept either way) in the order the stored format wants; programs none of whose
@@ -268,7 +268,7 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
         v_next = tl.load(sym_ptr + off_next, mask=lane_ok & (row - 1 < T) & (jj + 1 < S), other=0)
         outside = (v < lo) | (v > hi)
         idx = tl.where(outside, W, v - lo)
-        if ESCAPES and may_escape:
+        if may_escape:
             esc_now = active & outside
             ee = esc_now.to(tl.int32)
             epos = eptr[:, None] + (tl.cumsum(ee, 1) - ee)

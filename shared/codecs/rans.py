@@ -733,7 +733,6 @@ CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per
 SUMMARY_FIELDS = ("n_table", "k_coded", "w_max", "lo_min", "lo_max", "stream_words", "n_escapes", "overflow",
                   "group_escapes_max", "n_param")
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
-ENCODE_WARPS = DECODE_WARPS = None  # warps per lane-kernel program; None: one thread per lane (fewer: several)
 
 
 def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
@@ -811,7 +810,7 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
         kern["encode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
             t, lo, W, A, tab, buf, states, glen, ebuf, gesc, scal, T, K, NL, NG, S, cap, ecap,
             HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM, WIDE_INDEX=wide_index,
-            num_warps=ENCODE_WARPS or _warps(G))
+            num_warps=_warps(G))
         gend, geend = torch.cumsum(torch.stack([glen, gesc]), 1, dtype=torch.int64)
         return ebuf, gend, geend, dict(zip(SUMMARY_FIELDS, scal.cpu().tolist()))  # the host synchronization
 
@@ -950,7 +949,7 @@ def decode_cuda(payload):
     kern["decode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
         words, gend, glen, states, lo, W, A, rank, lut, tab, out, esc_in, gesc, geend, err, T, K, NL, NG, S,
         hdr.stream_words, n_esc, lay.k_coded, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM,
-        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=DECODE_WARPS or _warps(G))
+        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G))
     if err.item():  # the one host synchronization after the header
         raise BitstreamError("rANS payload is corrupt (checksum, tables or lane states do not check out)")
     return out
