@@ -151,8 +151,12 @@ class TensorCodec:
             coeffs, self.target_cos, "cos", reconstruct=self._reconstruct, reference=values,
             water_fill=self.water_fill)
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
+        return self._pack_symbols(values.shape, dtype, quantizer, rans.encode(symbols))
+
+    def _pack_symbols(self, shape, dtype: str, quantizer, payload: bytes) -> bytes:
+        """The container of a compute-codec payload (the CPU and GPU encoders write the same header)."""
         header = {
-            "shape": [values.shape[0], values.shape[1]],
+            "shape": [int(shape[0]), int(shape[1])],
             "dtype": dtype,
             "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
             "quant": {"kind": "rd_shared_step", "step": quantizer.step},
@@ -160,7 +164,7 @@ class TensorCodec:
             "frames": None,
             "fallback": None,
         }
-        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": rans.encode(symbols)})
+        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
 
     def _cuda_basis(self, D: int, device):
         """(mean [D], components [D, K]) float32 on the device, cached; the identity without a basis."""
@@ -203,16 +207,7 @@ class TensorCodec:
             symbols[:, torch.as_tensor(~quantizer.keep, device=x.device)] = 0
             stats = None
         payload = rans.encode_cuda(symbols, stats=stats, guard=amax)
-        header = {
-            "shape": [x.shape[0], x.shape[1]],
-            "dtype": dtype,
-            "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
-            "quant": {"kind": "rd_shared_step", "step": quantizer.step},
-            "codec": {"id": SYMBOL_CODER, "settings": {}},
-            "frames": None,
-            "fallback": None,
-        }
-        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload.cpu().numpy().tobytes()})
+        return self._pack_symbols(x.shape, dtype, quantizer, payload.cpu().numpy().tobytes())
 
     # -- whole tensor --------------------------------------------------------------------------
     def encode(self, x) -> bytes:
