@@ -310,20 +310,20 @@ def run(args) -> ResultsWriter:
 def bench_rans(bench: Bench, torch, planes, stream, repeats, warmup, bf16_bytes):
     """The compute codec's entropy coder (shared/codecs/rans.py, Triton) on the same planes as symbols:
     per-component tables, so it sees the [T, K] matrix, not frames."""
-    from shared.codecs import rans
+    from shared.codecs import rans, rans_cuda
 
     symbols = torch.from_numpy(planes.astype(np.int32)).cuda()
     with torch.cuda.stream(stream):
-        payload = rans.encode_cuda(symbols)
-        back = rans.decode_cuda(payload)
+        payload = rans_cuda.encode_cuda(symbols)
+        back = rans_cuda.decode_cuda(payload)
     stream.synchronize()
     head = symbols[:16384]  # the numpy decoder is slow: cross-check the formats on a slice
-    same_format = np.array_equal(rans.decode(rans.encode_cuda(head).cpu().numpy().tobytes()), head.cpu().numpy())
+    same_format = np.array_equal(rans.decode(rans_cuda.encode_cuda(head).cpu().numpy().tobytes()), head.cpu().numpy())
     exact = bool(torch.equal(back, symbols)) and same_format
     if not exact:
         raise AssertionError("rans: GPU round trip (or the CPU decode of a GPU payload) is not bit-exact")
-    enc_ms = cuda_ms(lambda i=0: rans.encode_cuda(symbols), repeats, warmup, stream)
-    dec_ms = cuda_ms(lambda i=0: rans.decode_cuda(payload), repeats, warmup, stream)
+    enc_ms = cuda_ms(lambda i=0: rans_cuda.encode_cuda(symbols), repeats, warmup, stream)
+    dec_ms = cuda_ms(lambda i=0: rans_cuda.decode_cuda(payload), repeats, warmup, stream)
     bench.add("rans", "per-component tables", 0, "gpu_planes", 1, planes.nbytes, enc_ms, dec_ms, payload.numel(),
               exact, bf16_bytes=bf16_bytes, timing="cuda_events", repeats=repeats, layout="token_major_symbols")
 

@@ -9,6 +9,12 @@ Bitstream layout (all integers little-endian):
     b"TNSC" | version u8 | header_len u32 | header JSON (UTF-8) | header CRC32 u32
     then one chunk per entry of header["chunks"]:  tag 4 bytes | length u64 | payload | CRC32 u32
 
+Version 2 (this build writes it and reads 1 and 2): the header JSON is padded with spaces so the
+last chunk's payload starts at a multiple of 16 bytes (a GPU encoder writes its payload in place
+behind the header), and a chunk named in header["checks"] as "payload" carries its own checksum
+instead of a CRC32 (its trailer is 0): the rANS payload does (a Fletcher-style sum over every
+byte, plus its lanes' final states), which the GPU checks where the payload lies, without a copy.
+
 The header names everything the receiver needs: shape, dtype, basis content hash and K,
 quantizer kind and bits, codec id and settings, frame layout, and whether the codec's output
 was replaced by the raw planes because it would have been larger ("fallback"). The quantizer's
@@ -26,12 +32,15 @@ import numpy as np
 from . import frames as framing
 from .basis import PCABasis, as_float_matrix
 from .codecs import get_backend
-from .errors import BasisMismatchError, BitstreamError, InvalidTensorError
+from .errors import BackendUnavailable, BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from .quant import PerChannelQuantizer
 
 SYMBOL_CODER = "rans"  # the compute codec: integer symbols, not frames
 MAGIC = b"TNSC"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+SELF_CHECKED = "payload"  # header["checks"][tag]: the chunk's payload verifies itself (no CRC32)
+PAYLOAD_ALIGN = 16  # the last chunk's payload starts at a multiple of this many bytes
 DTYPES = {"bfloat16", "float16", "float32", "float64"}
 
 
@@ -48,28 +57,54 @@ def _to_output(values: np.ndarray, dtype: str):
     return torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(getattr(torch, dtype))
 
 
-def pack(header: dict, chunks: dict[str, bytes]) -> bytes:
-    header = dict(header, chunks=list(chunks))
+def _chunk_head(tag: str, n: int) -> bytes:
+    tag_b = tag.encode()
+    if len(tag_b) != 4:
+        raise ValueError(f"chunk tag must be 4 ASCII bytes, got {tag!r}")
+    return tag_b + struct.pack("<Q", n)
+
+
+def container_prefix(header: dict, chunks: dict, last_tag: str, last_len: int) -> bytes:
+    """Every byte of a container before its last chunk's payload (which starts 16-byte aligned):
+    the fixed header, the header JSON and its CRC, the other chunks, the last chunk's tag and length.
+    A GPU encoder writes this in front of a payload it made in place; pack() uses it too."""
+    header = dict(header, chunks=list(chunks) + [last_tag])
     head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    checks = header.get("checks") or {}
+    body = b"".join(_chunk_head(tag, len(payload)) + bytes(payload)
+                    + struct.pack("<I", 0 if checks.get(tag) == SELF_CHECKED else zlib.crc32(payload))
+                    for tag, payload in chunks.items()) + _chunk_head(last_tag, last_len)
+    head += b" " * (-(9 + len(head) + 4 + len(body)) % PAYLOAD_ALIGN)  # JSON allows trailing spaces
     prefix = MAGIC + struct.pack("<BI", VERSION, len(head)) + head
-    out = [prefix, struct.pack("<I", zlib.crc32(prefix))]
-    for tag, payload in chunks.items():
-        tag_b = tag.encode()
-        if len(tag_b) != 4:
-            raise ValueError(f"chunk tag must be 4 ASCII bytes, got {tag!r}")
-        out += [tag_b, struct.pack("<Q", len(payload)), payload, struct.pack("<I", zlib.crc32(payload))]
-    return b"".join(out)
+    return prefix + struct.pack("<I", zlib.crc32(prefix)) + body
+
+
+def pack(header: dict, chunks: dict[str, bytes]) -> bytes:
+    *first, last = chunks
+    payload = bytes(chunks[last])
+    trailer = 0 if (header.get("checks") or {}).get(last) == SELF_CHECKED else zlib.crc32(payload)
+    return (container_prefix(header, {t: chunks[t] for t in first}, last, len(payload)) + payload
+            + struct.pack("<I", trailer))
 
 
 def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
     blob = bytes(blob)
+    header, spans = _parse(blob, len(blob))
+    return header, {tag: blob[a:b] for tag, (a, b) in spans.items()}
+
+
+def _parse(blob: bytes, total: int, lazy_last: bool = False) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """Header and chunk spans (start, end) of a container of `total` bytes whose first len(blob)
+    bytes are given; CRCs checked. lazy_last: the last chunk may lie beyond `blob` when it checks
+    itself (a GPU-resident container read from its prefix only)."""
     if len(blob) < 9:
         raise BitstreamError(f"bitstream truncated: {len(blob)} bytes is shorter than the fixed header")
     if blob[:4] != MAGIC:
         raise BitstreamError(f"not a tensor-codec bitstream: magic {blob[:4]!r}, expected {MAGIC!r}")
     version, head_len = struct.unpack_from("<BI", blob, 4)
-    if version != VERSION:
-        raise BitstreamError(f"bitstream version {version}; this build reads version {VERSION}: upgrade the reader")
+    if version not in READABLE_VERSIONS:
+        raise BitstreamError(f"bitstream version {version}; this build reads versions {READABLE_VERSIONS}: "
+                             "the blob is corrupt, or was written by a newer build")
     end = 9 + head_len
     if len(blob) < end + 4:
         raise BitstreamError("bitstream truncated inside its header")
@@ -77,8 +112,9 @@ def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
     if crc != zlib.crc32(blob[:end]):
         raise BitstreamError("header CRC32 mismatch: the bitstream is corrupt")
     header = json.loads(blob[9:end])
-    offset, chunks = end + 4, {}
-    for tag in header["chunks"]:
+    checks = header.get("checks") or {}
+    offset, spans = end + 4, {}
+    for i, tag in enumerate(header["chunks"]):
         if offset + 12 > len(blob):
             raise BitstreamError(f"bitstream truncated before chunk {tag!r}")
         got_tag = blob[offset: offset + 4].decode(errors="replace")
@@ -86,46 +122,92 @@ def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
             raise BitstreamError(f"expected chunk {tag!r}, found {got_tag!r}: the bitstream is corrupt")
         (n,) = struct.unpack_from("<Q", blob, offset + 4)
         start = offset + 12
-        if start + n + 4 > len(blob):
-            raise BitstreamError(f"chunk {tag!r} truncated: needs {n} bytes, {len(blob) - start - 4} left")
-        payload = blob[start: start + n]
-        (crc,) = struct.unpack_from("<I", blob, start + n)
-        if crc != zlib.crc32(payload):
-            raise BitstreamError(f"chunk {tag!r} CRC32 mismatch: the bitstream is corrupt")
-        chunks[tag] = payload
+        if start + n + 4 > total:
+            raise BitstreamError(f"chunk {tag!r} truncated: needs {n} bytes, {total - start - 4} left")
+        self_checked = checks.get(tag) == SELF_CHECKED
+        if self_checked and tag != "DATA":
+            raise BitstreamError(f"chunk {tag!r} claims to check itself; only a DATA payload can")
+        if not (lazy_last and self_checked and i == len(header["chunks"]) - 1):
+            if start + n + 4 > len(blob):
+                raise BitstreamError(f"chunk {tag!r} truncated: needs {n} bytes, {len(blob) - start - 4} left")
+            (crc,) = struct.unpack_from("<I", blob, start + n)
+            if crc != (0 if self_checked else zlib.crc32(blob[start: start + n])):
+                raise BitstreamError(f"chunk {tag!r} CRC32 mismatch: the bitstream is corrupt")
+        spans[tag] = (start, start + n)
         offset = start + n + 4
-    if offset != len(blob):
-        raise BitstreamError(f"{len(blob) - offset} unexpected bytes after the last chunk")
-    return header, chunks
+    if offset != total:
+        raise BitstreamError(f"{total - offset} unexpected bytes after the last chunk")
+    return header, spans
+
+
+SAMPLE_TOKENS = 4096  # tokens a target_cos search looks at (evenly spaced rows of the first tensor coded)
+PREFIX_READ = 4096  # bytes of a GPU-resident container read to the host to parse its header
+
+
+def _is_tensor(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _require_cuda(device) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(f"device={device!r} asks for CUDA, but this machine has no CUDA GPU (or torch was "
+                                 "built without CUDA); decode with device=None (the CPU), or run on a GPU machine")
 
 
 class TensorCodec:
-    """basis (or None for the raw channels) -> per-channel uint8 quantizer -> frames -> codec backend."""
+    """basis (or None for the raw channels) -> quantizer -> codec -> a self-describing bitstream.
+
+    Two paths behind one interface, chosen by `backend` when the codec is made:
+      frame path ("x265", "ffv1", "zstd", "nvdec-hevc", ...): per-channel uint8 planes tiled into
+        YUV 4:4:4 frames for a video codec or a byte coder;
+      compute codec ("rans"): one quantization step shared by every component (shared.rdquant),
+        integer symbols coded by shared.codecs.rans on the CPU, or on the GPU for CUDA tensors.
+    """
 
     def __init__(self, basis: PCABasis | None = None, backend: str = "x265", frame_size: int = framing.DEFAULT_FRAME,
                  bits: int = 8, decoder: str | None = None, target_cos: float | None = None,
-                 step: float | None = None, water_fill: bool = True, **codec_settings):
+                 step: float | None = None, water_fill: bool = False, **codec_settings):
         """decoder: decode with this backend instead of the one that encoded (e.g. "nvdec-hevc" for
         streams made by "x265"); it must read the same stream format.
 
-        backend="rans" selects the compute codec instead of the frame path: one quantization step
-        shared by all components (shared.rdquant; given as `step`, or searched per tensor for
-        `target_cos`, measured against the original tensor), coded by shared.codecs.rans."""
+        backend="rans": the step is `step`, or the one stored in a basis calibrated by
+        shared.rdquant.calibrate_step (a property of the layer, fitted on calibration captures),
+        or, for `target_cos`, the largest step meeting it on up to SAMPLE_TOKENS rows of the first
+        tensor this codec codes, kept for the tensors after it (one codec per layer). Guarantee:
+        the target holds on the data the step was fitted on; `measure(x)` reports what a tensor gets.
+        water_fill drops components whose variance is below step^2 / 12 (helps diffusion activations)."""
         self.basis = basis
         self.symbols = backend == SYMBOL_CODER
+        get_backend(backend)  # an unknown name is a ConfigurationError listing the known ones
         if self.symbols:
-            if (step is None) == (target_cos is None):
-                raise InvalidTensorError("backend 'rans' needs exactly one of step= or target_cos=")
-            self.step, self.target_cos, self.water_fill = step, target_cos, water_fill
+            if codec_settings:
+                raise ConfigurationError(f"backend 'rans' does not know the setting(s) {', '.join(sorted(codec_settings))}; "
+                                         "it takes step=, target_cos= and water_fill=")
+            if step is not None and target_cos is not None:
+                raise ConfigurationError("backend 'rans' takes exactly one of step= or target_cos=")
+            calibrated = None if basis is None else basis.meta.get("rans_step")
+            if step is None and target_cos is None and calibrated is None:
+                raise ConfigurationError("backend 'rans' needs exactly one of step= or target_cos=, or a basis calibrated "
+                                         "with shared.rdquant.calibrate_step (which stores the step in the basis)")
+            if target_cos is not None and not 0 < target_cos < 1:
+                raise ConfigurationError(f"target_cos must lie in (0, 1), got {target_cos}")
+            from .rdquant import RDQuantizer
+
+            step = float(calibrated) if step is None and target_cos is None else step
+            self.quantizer = None if step is None else RDQuantizer(step)
+            self.target_cos, self.water_fill = target_cos, water_fill
             self.backend = None
         else:
             self.backend = get_backend(backend)
         self.decoder = get_backend(decoder) if decoder else None
         if bits != 8:
-            raise InvalidTensorError(f"the frame path carries 8-bit planes; got bits={bits}")
+            raise ConfigurationError(f"the frame path carries 8-bit planes; got bits={bits}")
         self.bits = bits
         self.frame_size = frame_size
         self.codec_settings = codec_settings
+        self._proj = None
 
     # -- the stages, exposed so benchmarks can time them separately ---------------------------
     def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
@@ -141,20 +223,30 @@ class TensorCodec:
     def _reconstruct(self, coeffs):
         return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
 
+    # -- the compute codec's step ---------------------------------------------------------------
+    def _step_quantizer(self, values, coeffs, reconstruct):
+        """The codec's quantizer; with target_cos, found once on a row sample of the first tensor."""
+        if self.quantizer is None:
+            from .rdquant import find_step
+
+            rows = slice(None, None, max(1, -(-values.shape[0] // SAMPLE_TOKENS)))
+            self.quantizer = find_step(coeffs[rows], self.target_cos, "cos", reconstruct=reconstruct,
+                                       reference=values[rows], water_fill=self.water_fill)
+        return self.quantizer
+
     def _encode_symbols(self, x, dtype: str) -> bytes:
         from .codecs import rans
-        from .rdquant import RDQuantizer, find_step
 
         values = as_float_matrix(x)
         coeffs = self.basis.project(values) if self.basis is not None else values
-        quantizer = RDQuantizer(self.step) if self.step is not None else find_step(
-            coeffs, self.target_cos, "cos", reconstruct=self._reconstruct, reference=values,
-            water_fill=self.water_fill)
+        quantizer = self._step_quantizer(values, coeffs, self._reconstruct)
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
-        return self._pack_symbols(values.shape, dtype, quantizer, rans.encode(symbols))
+        header, qpar = self._symbols_header(values.shape, dtype, quantizer)
+        return pack(header, {"QPAR": qpar, "DATA": rans.encode(symbols)})
 
-    def _pack_symbols(self, shape, dtype: str, quantizer, payload: bytes) -> bytes:
-        """The container of a compute-codec payload (the CPU and GPU encoders write the same header)."""
+    def _symbols_header(self, shape, dtype: str, quantizer) -> tuple[dict, bytes]:
+        """The container header of a compute-codec payload and its QPAR chunk (the CPU and GPU
+        encoders write the same container)."""
         header = {
             "shape": [int(shape[0]), int(shape[1])],
             "dtype": dtype,
@@ -163,61 +255,56 @@ class TensorCodec:
             "codec": {"id": SYMBOL_CODER, "settings": {}},
             "frames": None,
             "fallback": None,
+            "checks": {"DATA": SELF_CHECKED},
         }
-        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
+        return header, quantizer.to_bytes()
 
-    def _cuda_basis(self, D: int, device):
-        """(mean [D], components [D, K]) float32 on the device, cached; the identity without a basis."""
-        import torch
+    def _projection(self, D: int, device):
+        """The fused GPU projection/quantizer/reconstruction of this codec's basis (the identity
+        without one), made once per device."""
+        from .rdquant import CudaProjection
 
-        key = str(device)
-        if getattr(self, "_cuda_cache", (None,))[0] != key:
+        if self._proj is None or self._proj[0] != str(device):
             if self.basis is not None:
                 if self.basis.dim != D:
                     raise BasisMismatchError(f"basis is for D={self.basis.dim}, tensor has D={D}")
                 mean, comps = self.basis.mean, self.basis.components
             else:
                 mean, comps = np.zeros(D, np.float32), np.eye(D, dtype=np.float32)
-            self._cuda_cache = (key, torch.as_tensor(np.asarray(mean, np.float32), device=device),
-                                torch.as_tensor(np.asarray(comps, np.float32), device=device).contiguous())
-        return self._cuda_cache[1], self._cuda_cache[2]
+            self._proj = (str(device), CudaProjection(mean, comps, device=device))
+        if self._proj[1].D != D:
+            raise BasisMismatchError(f"this codec's basis is for D={self._proj[1].D}, tensor has D={D}")
+        return self._proj[1]
 
-    def _encode_symbols_cuda(self, x, dtype: str) -> bytes:
-        """The compute codec on a CUDA tensor: projection and quantization in one Triton kernel,
-        the rANS coder's kernels, and one copy of the payload to the host."""
+    def _encode_cuda_start(self, x):
+        """Projection and quantization of a CUDA tensor, queued: (symbols, stats, guard, header, qpar)."""
         import torch
 
-        from .codecs import rans
-        from .rdquant import CudaProjection, RDQuantizer, find_step
-
+        dtype = _dtype_name(x)
         if x.dim() != 2 or x.numel() == 0:
             raise InvalidTensorError(f"tensor must be a non-empty 2-D [tokens, channels] tensor, got {tuple(x.shape)}")
-        if not bool(torch.isfinite(x).all()):
-            raise InvalidTensorError("tensor holds NaN/Inf; fix the producer, nothing is clipped here")
-        mean, comps = self._cuda_basis(x.shape[1], x.device)
-        if self.step is not None:
-            quantizer = RDQuantizer(self.step)
-        else:
-            xf = x.float()
-            quantizer = find_step((xf - mean) @ comps, self.target_cos, "cos", reconstruct=lambda c: c @ comps.T + mean,
-                                  reference=xf, water_fill=self.water_fill)
-        proj = CudaProjection(mean, comps, device=x.device)
-        symbols, stats, amax = proj.quantize_unchecked(x, quantizer.step)
+        proj = self._projection(x.shape[1], x.device)
+        if self.quantizer is None:
+            mean, comps = proj.mean, proj.components.float()
+            self._step_quantizer(x.float(), (x.float() - mean) @ comps, lambda c: c @ comps.T + mean)
+        quantizer = self.quantizer
+        symbols, stats, amax = proj.quantize_unchecked(x, quantizer.step)  # amax is NaN where x holds NaN/Inf
         if quantizer.keep is not None and not quantizer.keep.all():  # water-filling dropped components
             symbols[:, torch.as_tensor(~quantizer.keep, device=x.device)] = 0
             stats = None
-        payload = rans.encode_cuda(symbols, stats=stats, guard=amax)
-        return self._pack_symbols(x.shape, dtype, quantizer, payload.cpu().numpy().tobytes())
+        header, qpar = self._symbols_header(x.shape, dtype, quantizer)
+        return symbols, stats, amax, header, qpar
 
     # -- whole tensor --------------------------------------------------------------------------
-    def encode(self, x) -> bytes:
-        """x: [T, D] float tensor (numpy or torch). backend "rans" codes a CUDA tensor on its GPU
-        (same container, same rANS bitstream; the GPU quantizer multiplies in bf16, so its symbols
-        can differ from the CPU's in the last bit of a few values)."""
+    def encode(self, x):
+        """x: [T, D] float tensor (numpy or torch) -> the container: bytes, or for a CUDA tensor
+        with backend "rans" a uint8 CUDA tensor holding the same container bytes, coded on its GPU
+        with one host synchronization (the GPU quantizer multiplies in bf16, so its symbols can
+        differ from the CPU's in the last bit of a few values)."""
+        if self.symbols and getattr(x, "is_cuda", False):
+            return encode_many([self], [x])[0]
         dtype = _dtype_name(x)
         if self.symbols:
-            if getattr(x, "is_cuda", False):
-                return self._encode_symbols_cuda(x, dtype)
             return self._encode_symbols(x, dtype)
         planes, quantizer = self.to_planes(x)
         layout = framing.layout_for(*planes.shape, height=self.frame_size)
@@ -240,31 +327,45 @@ class TensorCodec:
         }
         return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
 
-    def decode(self, blob: bytes, device=None):
-        """The tensor, as a torch tensor of the encoded dtype. device="cuda": a compute-codec
-        payload is decoded and reconstructed on that GPU; other payloads are decoded here and moved."""
-        header, chunks = unpack(blob)
-        if device is not None and str(device).startswith("cuda") and header["quant"]["kind"] == "rd_shared_step":
-            return self._decode_symbols_cuda(header, chunks, device)
-        out = _to_output(self.decode_values(header, chunks), header["dtype"])
-        return out if device is None else out.to(device)
+    def decode(self, blob, device=None):
+        """The tensor, as a torch tensor of the encoded dtype. blob: bytes-like, or a uint8 tensor
+        (CPU or CUDA) holding a container. device="cuda": a compute-codec payload is decoded and
+        reconstructed on that GPU (a container already there is read in place); other payloads are
+        decoded here and moved."""
+        return decode_many([self], [blob], device=device)[0]
 
-    def _decode_symbols_cuda(self, header: dict, chunks: dict[str, bytes], device):
+    def measure(self, x) -> dict:
+        """Encode and decode x; the ratio vs bf16 and the quality this tensor gets (shared.metrics)."""
+        from .metrics import quality
+
+        blob = self.encode(x)
+        y = self.decode(blob, device="cuda" if getattr(x, "is_cuda", False) else None)
+        ref = x.float().cpu().numpy() if _is_tensor(x) else np.asarray(x, np.float32)
+        return dict(quality(ref, y.float().cpu().numpy()), ratio=2 * ref.size / len(blob), bytes=len(blob))
+
+    def _decode_symbols_cuda(self, header: dict, qpar: bytes, payload, head: bytes, device, check: bool = True):
+        """A compute-codec payload (uint8 CUDA tensor; its first bytes `head` on the host) -> the
+        tensor on its GPU; check=False returns (tensor, error flag) for the caller to read."""
         import torch
 
-        from .codecs import rans
+        from .codecs import rans_cuda
         from .rdquant import RDQuantizer
 
         self._check_basis(header)
-        quantizer = RDQuantizer.from_bytes(chunks["QPAR"])
-        symbols = rans.decode_cuda(torch.frombuffer(bytearray(chunks["DATA"]), dtype=torch.uint8).to(device))
-        mean, comps = self._cuda_basis(header["shape"][1], symbols.device)
-        if symbols.shape[1] != comps.shape[1]:
-            raise BitstreamError(f"payload holds {symbols.shape[1]} components, the basis has {comps.shape[1]}")
-        values = (symbols.float() * quantizer.step) @ comps.T + mean
-        if list(values.shape) != header["shape"]:
-            raise BitstreamError(f"decoded shape {tuple(values.shape)} differs from header shape {header['shape']}")
-        return values.to(getattr(torch, header["dtype"]))
+        quantizer = RDQuantizer.from_bytes(qpar)
+        symbols, err = rans_cuda.decode_cuda(payload, head=head, check=False)
+        proj = self._projection(header["shape"][1], payload.device)
+        if symbols.shape[1] != proj.K or [symbols.shape[0], proj.D] != header["shape"]:
+            raise BitstreamError(f"payload holds [{symbols.shape[0]}, {symbols.shape[1]}] symbols; the header's shape "
+                                 f"{header['shape']} and the basis (K={proj.K}) need [{header['shape'][0]}, {proj.K}]")
+        if header["dtype"] == "bfloat16":
+            values = proj.reconstruct(symbols, quantizer.step)  # fused: symbols * step @ basis.T + mean, in bf16
+        else:
+            values = ((symbols.float() * quantizer.step) @ proj.components_t.float() + proj.mean).to(
+                getattr(torch, header["dtype"]))
+        if check and err.item():  # the one host synchronization after the header
+            raise BitstreamError(rans_cuda.CORRUPT)
+        return values if check else (values, err)
 
     def _check_basis(self, header: dict):
         expected = header["basis"]
@@ -289,7 +390,7 @@ class TensorCodec:
             if list(values.shape) != header["shape"]:
                 raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
             return values
-        backend = get_backend(header["codec"]["id"])
+        backend = get_backend(header["codec"]["id"], from_bitstream=True)
         if self.decoder is not None and backend.name != "raw":
             if self.decoder.stream_format is None or self.decoder.stream_format != backend.stream_format:
                 raise BitstreamError(f"decoder '{self.decoder.name}' cannot read '{backend.name}' payloads "
@@ -308,6 +409,114 @@ class TensorCodec:
         return values
 
 
-def read_header(blob: bytes) -> dict:
-    """The header of a bitstream, after checking every CRC in it."""
-    return unpack(blob)[0]
+def encode_many(codecs, tensors) -> list:
+    """Code tensors[i] with codecs[i] (e.g. every layer's K and V of one step, each layer's codec
+    holding its basis and step): one blob per tensor, each decodable and checked alone. CUDA
+    tensors on the compute codec are coded on their GPU with one host synchronization for the
+    whole list and come back as uint8 CUDA tensors; the rest as bytes."""
+    if len(codecs) != len(tensors):
+        raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
+    out = [None] * len(tensors)
+    gpu = [i for i, (c, x) in enumerate(zip(codecs, tensors)) if c.symbols and getattr(x, "is_cuda", False)]
+    for i in set(range(len(tensors))) - set(gpu):
+        out[i] = codecs[i].encode(tensors[i])
+    if gpu:
+        from .codecs import rans_cuda
+
+        started = [codecs[i]._encode_cuda_start(tensors[i]) for i in gpu]
+        fronts = [len(container_prefix(h, {"QPAR": q}, "DATA", 0)) for (_, _, _, h, q) in started]
+        blobs = rans_cuda.encode_many_cuda([s[0] for s in started], stats=[s[1] for s in started],
+                                           guards=[s[2] for s in started], reserve_fronts=fronts,
+                                           reserve_backs=[4] * len(gpu))
+        for i, blob, front, (_, _, _, header, qpar) in zip(gpu, blobs, fronts, started):
+            n = len(blob) - front - 4
+            blob[:front].copy_(rans_cuda.pinned(container_prefix(header, {"QPAR": qpar}, "DATA", n)),
+                               non_blocking=True)
+            blob[front + n:].zero_()  # the trailer of a self-checked chunk
+            out[i] = blob
+    return out
+
+
+def _host_bytes(blob) -> bytes:
+    if _is_tensor(blob):
+        import torch
+
+        if blob.dtype != torch.uint8 or blob.dim() != 1:
+            raise InvalidTensorError(f"a container tensor is 1-D uint8, got {blob.dtype} {tuple(blob.shape)}")
+        return bytes(blob.cpu().numpy())
+    if not isinstance(blob, (bytes, bytearray, memoryview, np.ndarray)):
+        raise InvalidTensorError(f"decode takes a bitstream (bytes-like or a uint8 tensor), got {type(blob).__name__}")
+    return bytes(blob)
+
+
+def decode_many(codecs, blobs, device=None) -> list:
+    """decode() of blobs[i] with codecs[i]. With device="cuda", compute-codec containers are
+    decoded on the GPU: containers already there are read in place (their headers reach the host
+    in one copy for the whole list), containers on the host are copied over through pinned memory;
+    one host synchronization checks every payload at the end."""
+    import torch
+
+    if len(codecs) != len(blobs):
+        raise ConfigurationError(f"{len(codecs)} codecs for {len(blobs)} blobs: give one codec per blob")
+    on_gpu = device is not None and str(device).startswith("cuda")
+    if on_gpu:
+        _require_cuda(device)
+    resident = [i for i, b in enumerate(blobs) if on_gpu and _is_tensor(b) and b.is_cuda]
+    heads = {}
+    if resident:  # every resident container's first bytes, in one device->host copy
+        lens = [min(blobs[i].numel(), PREFIX_READ) for i in resident]
+        host = torch.cat([blobs[i][:n] for i, n in zip(resident, lens)]).cpu().numpy().tobytes()
+        starts = np.cumsum([0] + lens)
+        heads = {i: host[starts[j]:starts[j + 1]] for j, i in enumerate(resident)}
+    out, flags, flagged = [None] * len(blobs), [], []
+    for i, (codec, blob) in enumerate(zip(codecs, blobs)):
+        if i in heads:
+            total = blob.numel()
+            head = heads[i]
+            header, spans = _parse_resident(blob, head, total)
+            a, b = spans["DATA"]
+            if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(head):
+                qa, qb = spans["QPAR"]
+                out[i], err = codec._decode_symbols_cuda(header, head[qa:qb], blob[a:b], head[a:a + 64], device,
+                                                         check=False)
+                flags.append(err)
+                flagged.append(i)
+                continue
+            blob = _host_bytes(blob)
+        else:
+            blob = _host_bytes(blob)
+        header, chunks = unpack(blob)
+        if on_gpu and header["quant"]["kind"] == "rd_shared_step":
+            from .codecs import rans_cuda
+
+            data = chunks["DATA"]
+            payload = rans_cuda.pinned(data).to(device, non_blocking=True)
+            out[i], err = codec._decode_symbols_cuda(header, chunks["QPAR"], payload, data[:64], device, check=False)
+            flags.append(err)
+            flagged.append(i)
+        else:
+            values = _to_output(codec.decode_values(header, chunks), header["dtype"])
+            out[i] = values if device is None else values.to(device)
+    if flags:
+        bad = torch.cat(flags).cpu()  # the one host synchronization
+        if bool(bad.any()):
+            from .codecs import rans_cuda
+
+            raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {flagged[int(bad.nonzero()[0])]} of the list)")
+    return out
+
+
+def _parse_resident(blob, head: bytes, total: int):
+    """Header and chunk spans of a GPU-resident container from its first bytes (more are read when
+    the header is longer than PREFIX_READ)."""
+    try:
+        return _parse(head, total, lazy_last=True)
+    except BitstreamError:
+        if len(head) >= total:
+            raise
+        return _parse(bytes(blob.cpu().numpy()), total, lazy_last=True)
+
+
+def read_header(blob) -> dict:
+    """The header of a bitstream (bytes-like or a uint8 tensor), after checking every CRC in it."""
+    return unpack(_host_bytes(blob))[0]

@@ -248,9 +248,9 @@ class CudaProjection:
 
         proj = CudaProjection(basis.mean, basis.components)          # [D], [D, K]
         symbols, stats = proj.quantize(x, step)   # bf16 CUDA [T, D] -> int32 [T, K] + (min, max, sum)
-        payload = rans.encode_cuda(symbols, stats=stats)
+        payload = rans_cuda.encode_cuda(symbols, stats=stats)
         # or, with no host sync before the coder's own: proj.quantize_unchecked -> encode_cuda(guard=amax)
-        x_hat = proj.reconstruct(rans.decode_cuda(payload), step)    # -> bf16 [T, D]
+        x_hat = proj.reconstruct(rans_cuda.decode_cuda(payload), step)    # -> bf16 [T, D]
 
     quantize computes round(((x - mean) @ components) / step) with bf16 inputs and float32
     accumulation (round half up; the CPU quantizer rounds half to even, which only differs on
@@ -281,9 +281,9 @@ class CudaProjection:
 
     def quantize_unchecked(self, x, step: float):
         """quantize() without its host sync: also returns the largest |scaled value| (float32
-        CUDA [1]) for the caller to check later, e.g. as rans.encode_cuda(..., guard=amax)."""
+        CUDA [1]) for the caller to check later, e.g. as rans_cuda.encode_cuda(..., guard=amax)."""
         import torch
-        from .codecs import _rans_triton as kt
+        from . import _rdquant_triton as kt
 
         if x.dim() != 2 or x.shape[1] != self.D:
             raise InvalidTensorError(f"tensor must be [T, {self.D}], got {tuple(x.shape)}")
@@ -304,7 +304,7 @@ class CudaProjection:
 
     def reconstruct(self, symbols, step: float):
         import torch
-        from .codecs import _rans_triton as kt
+        from . import _rdquant_triton as kt
 
         T, K = symbols.shape
         if K != self.K:

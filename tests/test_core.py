@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared import BackendUnavailable, BasisMismatchError, BitstreamError, InvalidTensorError
+from shared import BackendUnavailable, BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from shared import frames as framing
 from shared.basis import CovarianceAccumulator, PCABasis, fit_basis, leave_one_out
 from shared.codecs import availability, get_backend
@@ -157,8 +157,14 @@ def test_registry_explains_unavailable_backends(monkeypatch):
 
 
 def test_unknown_codec_id_is_named():
-    with pytest.raises(BitstreamError, match="unknown codec id 'h266'"):
+    """A wrong name in code is a configuration error listing the known backends (rans among them);
+    a name read from a bitstream is a bitstream error."""
+    with pytest.raises(ConfigurationError, match="unknown codec backend 'h266'; known: .*rans"):
         get_backend("h266")
+    with pytest.raises(ConfigurationError, match="h266"):
+        TensorCodec(None, backend="h266")
+    with pytest.raises(BitstreamError, match="names codec 'h266'"):
+        get_backend("h266", from_bitstream=True)
 
 
 # -- pipeline ----------------------------------------------------------------------------------------
@@ -241,15 +247,50 @@ def test_unknown_codec_id_in_bitstream():
     header, chunks = unpack(TensorCodec(None, backend="zstd", frame_size=64).encode(make_tensor()))
     header["codec"]["id"] = "h266"
     header.pop("chunks")
-    with pytest.raises(BitstreamError, match="unknown codec id"):
+    with pytest.raises(BitstreamError, match="names codec .h266."):
         TensorCodec(None, backend="zstd").decode(pack(header, chunks))
 
 
 def test_pack_rejects_bad_tag():
     with pytest.raises(ValueError):
         pack({}, {"TOOLONG": b""})
-    blob = pack({"a": 1}, {"DATA": b"xyz"})
-    assert struct.unpack_from("<B", blob, 4)[0] == 1 and unpack(blob)[1] == {"DATA": b"xyz"}
+    blob = pack({"a": 1}, {"QPAR": b"q", "DATA": b"xyz"})
+    assert struct.unpack_from("<B", blob, 4)[0] == 2 and unpack(blob)[1] == {"QPAR": b"q", "DATA": b"xyz"}
+    assert blob.index(b"xyz") % 16 == 0  # the last payload starts aligned, for in-place GPU encoders
+
+
+def test_version_1_containers_still_read():
+    """A version-1 container (no alignment padding, CRC32 on every chunk) decodes as before."""
+    import json
+    import zlib
+
+    x = make_tensor()
+    header, chunks = unpack(TensorCodec(None, backend="zstd", frame_size=64).encode(x))
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    prefix = b"TNSC" + struct.pack("<BI", 1, len(head)) + head
+    blob = prefix + struct.pack("<I", zlib.crc32(prefix)) + b"".join(
+        tag.encode() + struct.pack("<Q", len(p)) + p + struct.pack("<I", zlib.crc32(p)) for tag, p in chunks.items())
+    y = TensorCodec(None, backend="zstd").decode(blob)
+    assert quality(x.float().numpy(), y.float().numpy())["cos_mean"] > 0.99
+
+
+def test_compute_codec_container_checks_itself():
+    """A rans DATA chunk carries no CRC32 (trailer 0): its own checksum catches every flipped byte,
+    and a nonzero trailer is refused."""
+    x = make_tensor(tokens=256)
+    codec = TensorCodec(fit_basis([x], k=16), backend="rans", step=0.05)
+    blob = codec.encode(x)
+    header, chunks = unpack(blob)
+    assert header["checks"] == {"DATA": "payload"} and blob[-4:] == b"\0\0\0\0"
+    start = blob.index(chunks["DATA"])
+    assert start % 16 == 0
+    for pos in range(start, start + len(chunks["DATA"]), max(1, len(chunks["DATA"]) // 97)):
+        bad = bytearray(blob)
+        bad[pos] ^= 0x10
+        with pytest.raises(BitstreamError):
+            codec.decode(bytes(bad))
+    with pytest.raises(BitstreamError, match="CRC32"):
+        codec.decode(blob[:-1] + b"\1")
 
 
 # -- metrics -----------------------------------------------------------------------------------------
@@ -343,8 +384,10 @@ def test_compute_codec_path_meets_target_and_round_trips():
     flipped[len(blob) // 2] ^= 1
     with pytest.raises(BitstreamError):
         codec.decode(bytes(flipped))
-    with pytest.raises(InvalidTensorError, match="exactly one"):
+    with pytest.raises(ConfigurationError, match="exactly one"):
         TensorCodec(basis, backend="rans")
+    with pytest.raises(ConfigurationError, match="qp"):
+        TensorCodec(basis, backend="rans", step=0.1, qp=18)
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
+from ..errors import BackendUnavailable, BitstreamError, ConfigurationError, InvalidTensorError
 
 
 def check_frames(frames: np.ndarray, width: int, height: int) -> np.ndarray:
@@ -171,17 +171,20 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, from_bitstream: bool = False) -> Backend:
+    """The backend registered as `name`. An unknown name is a ConfigurationError listing the known
+    ones; from_bitstream=True (a name read from a header) makes it a BitstreamError instead."""
     from . import _load_all
 
     _load_all()
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise BitstreamError(
-            f"unknown codec id '{name}'; known: {', '.join(sorted(_REGISTRY))}. "
-            "A bitstream naming another codec was written by a newer or different build."
-        ) from None
+        known = ", ".join(sorted(_REGISTRY))
+        if from_bitstream:
+            raise BitstreamError(f"the bitstream names codec '{name}', which this build does not know (known: "
+                                 f"{known}): the blob is corrupt, or was written by a newer build") from None
+        raise ConfigurationError(f"unknown codec backend '{name}'; known: {known}") from None
 
 
 def all_backends() -> list[Backend]:
