@@ -237,6 +237,22 @@ def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable 
     return make(math.exp(lo))
 
 
+def calibrate_step(basis, captures, target_cos: float, water_fill: bool = False):
+    """The basis with the compute codec's step for `target_cos` stored in it (meta "rans_step",
+    "rans_target_cos"): the largest shared step whose reconstruction of the calibration captures
+    (a list of [T, D] tensors of this layer, all rows together) meets the target. The step is then
+    a property of the layer, saved with the basis file: TensorCodec(basis, backend="rans") uses
+    it and searches nothing per call. Guarantee: the target holds on these captures; held-out
+    tensors of the same layer land near it (PoC 05 and PoC 06 measure how near)."""
+    from .basis import PCABasis
+
+    values = np.concatenate([np.asarray(_to_np64(c), np.float32).reshape(-1, basis.dim) for c in captures])
+    coeffs = basis.project(values)
+    q = find_step(coeffs, target_cos, "cos", reconstruct=basis.reconstruct, reference=values, water_fill=water_fill)
+    meta = dict(basis.meta, rans_step=float(q.step), rans_target_cos=float(target_cos))
+    return PCABasis(basis.mean, basis.components, basis.eigenvalues, meta)
+
+
 def _interpreting() -> bool:
     import os
 

@@ -393,17 +393,22 @@ def test_compute_codec_path_meets_target_and_round_trips():
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_basis", [True, False])
 def test_compute_codec_on_a_cuda_tensor(with_basis):
-    """TensorCodec(backend="rans") on a CUDA tensor: coded on the GPU, the same container; the
-    CPU and the GPU decode it to the same values, at the target quality."""
+    """TensorCodec(backend="rans") on a CUDA tensor: the container comes back as a uint8 CUDA
+    tensor; the CPU and the GPU decode it (from the GPU or from host bytes) to the same values,
+    at the target quality."""
     x = make_tensor(tokens=4096).cuda()
     basis = fit_basis([make_tensor(tokens=2048)], k=64) if with_basis else None
     codec = TensorCodec(basis, backend="rans", target_cos=0.999)
     blob = codec.encode(x)
+    assert isinstance(blob, torch.Tensor) and blob.is_cuda and blob.dtype == torch.uint8
     header = read_header(blob)
     assert header["codec"]["id"] == "rans" and header["shape"] == list(x.shape)
     on_gpu = codec.decode(blob, device="cuda")
-    on_cpu = codec.decode(blob)
+    host_bytes = bytes(blob.cpu().numpy())
+    from_host = codec.decode(host_bytes, device="cuda")
+    on_cpu = codec.decode(host_bytes)
     assert on_gpu.is_cuda and on_gpu.dtype == x.dtype and on_gpu.shape == x.shape
+    assert torch.equal(on_gpu, from_host)
     torch.testing.assert_close(on_gpu.cpu().float(), on_cpu.float(), rtol=0.02, atol=0.02)
     assert quality(x.float().cpu().numpy(), on_gpu.float().cpu().numpy())["cos_mean"] >= 0.998
     assert TensorCodec(basis, backend="rans", step=header["quant"]["step"]).decode(blob, device="cuda").is_cuda
@@ -411,6 +416,53 @@ def test_compute_codec_on_a_cuda_tensor(with_basis):
     bad[3, 5] = float("nan")
     with pytest.raises(InvalidTensorError, match="NaN"):
         codec.encode(bad)
+
+
+@pytest.mark.gpu
+def test_encode_many_equals_single_calls_and_names_the_corrupt_blob():
+    """encode_many over 12 layers' tensors (each its own basis and calibrated step) writes the
+    bytes 12 single calls write; decode_many returns what single decodes return; a corrupt blob
+    in the list is named by its index."""
+    from shared.pipeline import decode_many, encode_many
+    from shared.rdquant import calibrate_step
+
+    codecs, xs = [], []
+    for layer in range(12):
+        rows = torch.from_numpy(low_rank(2048, 64, seed=layer)).to(torch.bfloat16)
+        calib, held_out = rows[:1024], rows[1024:]
+        basis = calibrate_step(fit_basis([calib], k=48), [calib], 0.999)
+        codecs.append(TensorCodec(basis, backend="rans"))
+        xs.append(held_out.cuda())
+    blobs = encode_many(codecs, xs)
+    singles = [c.encode(x) for c, x in zip(codecs, xs)]
+    assert all(torch.equal(b, s) for b, s in zip(blobs, singles))
+    ys = decode_many(codecs, blobs, device="cuda")
+    for c, b, y, x in zip(codecs, blobs, ys, xs):
+        assert torch.equal(y, c.decode(b, device="cuda"))
+        assert quality(x.float().cpu().numpy(), y.float().cpu().numpy())["cos_mean"] >= 0.99
+    hosts = [bytes(b.cpu().numpy()) for b in blobs]
+    assert all(torch.equal(a, b) for a, b in zip(decode_many(codecs, hosts, device="cuda"), ys))
+    bad = blobs[7].clone()
+    bad[len(bad) // 2] ^= 0x40
+    with pytest.raises(BitstreamError, match="blob 7"):
+        decode_many(codecs, blobs[:7] + [bad] + blobs[8:], device="cuda")
+
+
+def test_calibrated_step_lives_in_the_basis(tmp_path):
+    """calibrate_step stores the step for a target in the basis file; a codec made from the loaded
+    basis uses it without a search, and held-out tensors of the same source meet the target closely."""
+    from shared.rdquant import calibrate_step
+
+    rows = torch.from_numpy(low_rank(2048, 64)).to(torch.bfloat16)
+    calib, held_out = list(rows[:1536].split(512)), rows[1536:]
+    basis = calibrate_step(fit_basis(calib, k=48), calib, 0.999)
+    basis.save(tmp_path / "b.safetensors")
+    loaded = PCABasis.load(tmp_path / "b.safetensors")
+    assert loaded.meta["rans_step"] == basis.meta["rans_step"] and loaded.content_hash == basis.content_hash
+    codec = TensorCodec(loaded, backend="rans")
+    blob = codec.encode(held_out)
+    assert read_header(blob)["quant"]["step"] == basis.meta["rans_step"]
+    assert codec.measure(held_out)["cos_mean"] >= 0.998
 
 
 def test_results_writer_never_replaces_gpu_rows_with_a_cpu_run(tmp_path, monkeypatch):
