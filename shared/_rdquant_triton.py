@@ -7,14 +7,25 @@ import triton.language as tl
 
 @triton.jit
 def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr, sum_ptr, amax_ptr,
-                            T, D, K, inv_step,
+                            T, D, K, inv_step_ptr,
                             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
-    """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K]; with bias = mean @ basis.
+    """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K]; with bias = mean @ basis; for
+    tensor s = program_id(2) of a batch of same-shape tensors, each with its own basis and step.
 
     Also folds each column's min, max and integer sum into mn/mx/sum (atomics), and the largest
     |scaled value| into amax, so the caller can refuse int32 overflow."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    seg = tl.program_id(2).to(tl.int64)
+    x_ptr += seg * T * D
+    basis_ptr += seg * D * K
+    bias_ptr += seg * K
+    sym_ptr += seg * T * K
+    mn_ptr += seg * K
+    mx_ptr += seg * K
+    sum_ptr += seg * K
+    amax_ptr += seg
+    inv_step = tl.load(inv_step_ptr + seg)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < T
@@ -45,11 +56,18 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
 
 
 @triton.jit
-def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step,
+def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step_ptr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
-    """out = bf16((sym * step) @ basis_t + mean), [T, D]; basis_t is [K, D] bf16."""
+    """out = bf16((sym * step) @ basis_t + mean), [T, D]; basis_t is [K, D] bf16; for tensor
+    s = program_id(2) of a batch of same-shape tensors, each with its own basis and step."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    seg = tl.program_id(2).to(tl.int64)
+    sym_ptr += seg * T * K
+    basis_t_ptr += seg * K * D
+    mean_ptr += seg * D
+    out_ptr += seg * T * D
+    step = tl.load(step_ptr + seg)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < T

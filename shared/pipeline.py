@@ -276,10 +276,8 @@ class TensorCodec:
             raise BasisMismatchError(f"this codec's basis is for D={self._proj[1].D}, tensor has D={D}")
         return self._proj[1]
 
-    def _encode_cuda_start(self, x):
-        """Projection and quantization of a CUDA tensor, queued: (symbols, stats, guard, header, qpar)."""
-        import torch
-
+    def _cuda_prepare(self, x):
+        """Checks a CUDA tensor and readies this codec for it: (projection, quantizer, header, qpar)."""
         dtype = _dtype_name(x)
         if x.dim() != 2 or x.numel() == 0:
             raise InvalidTensorError(f"tensor must be a non-empty 2-D [tokens, channels] tensor, got {tuple(x.shape)}")
@@ -287,13 +285,8 @@ class TensorCodec:
         if self.quantizer is None:
             mean, comps = proj.mean, proj.components.float()
             self._step_quantizer(x.float(), (x.float() - mean) @ comps, lambda c: c @ comps.T + mean)
-        quantizer = self.quantizer
-        symbols, stats, amax = proj.quantize_unchecked(x, quantizer.step)  # amax is NaN where x holds NaN/Inf
-        if quantizer.keep is not None and not quantizer.keep.all():  # water-filling dropped components
-            symbols[:, torch.as_tensor(~quantizer.keep, device=x.device)] = 0
-            stats = None
-        header, qpar = self._symbols_header(x.shape, dtype, quantizer)
-        return symbols, stats, amax, header, qpar
+        header, qpar = self._symbols_header(x.shape, dtype, self.quantizer)
+        return proj, self.quantizer, header, qpar
 
     # -- whole tensor --------------------------------------------------------------------------
     def encode(self, x):
@@ -343,30 +336,6 @@ class TensorCodec:
         ref = x.float().cpu().numpy() if _is_tensor(x) else np.asarray(x, np.float32)
         return dict(quality(ref, y.float().cpu().numpy()), ratio=2 * ref.size / len(blob), bytes=len(blob))
 
-    def _decode_symbols_cuda(self, header: dict, qpar: bytes, payload, head: bytes, device, check: bool = True):
-        """A compute-codec payload (uint8 CUDA tensor; its first bytes `head` on the host) -> the
-        tensor on its GPU; check=False returns (tensor, error flag) for the caller to read."""
-        import torch
-
-        from .codecs import rans_cuda
-        from .rdquant import RDQuantizer
-
-        self._check_basis(header)
-        quantizer = RDQuantizer.from_bytes(qpar)
-        symbols, err = rans_cuda.decode_cuda(payload, head=head, check=False)
-        proj = self._projection(header["shape"][1], payload.device)
-        if symbols.shape[1] != proj.K or [symbols.shape[0], proj.D] != header["shape"]:
-            raise BitstreamError(f"payload holds [{symbols.shape[0]}, {symbols.shape[1]}] symbols; the header's shape "
-                                 f"{header['shape']} and the basis (K={proj.K}) need [{header['shape'][0]}, {proj.K}]")
-        if header["dtype"] == "bfloat16":
-            values = proj.reconstruct(symbols, quantizer.step)  # fused: symbols * step @ basis.T + mean, in bf16
-        else:
-            values = ((symbols.float() * quantizer.step) @ proj.components_t.float() + proj.mean).to(
-                getattr(torch, header["dtype"]))
-        if check and err.item():  # the one host synchronization after the header
-            raise BitstreamError(rans_cuda.CORRUPT)
-        return values if check else (values, err)
-
     def _check_basis(self, header: dict):
         expected = header["basis"]
         if expected is not None:
@@ -409,31 +378,69 @@ class TensorCodec:
         return values
 
 
+_STACKED = {}  # stacked projections of codec lists coded together (a model's layers), by the codecs' identity
+
+
+def _stacked_projection(projs):
+    """One CudaProjection over several same-shape bases, kept while the same codecs code together."""
+    from .rdquant import CudaProjection
+
+    key = tuple(id(p) for p in projs)
+    if key not in _STACKED:
+        if len(_STACKED) >= 16:
+            _STACKED.pop(next(iter(_STACKED)))
+        _STACKED[key] = (projs, CudaProjection.stack(projs))  # holding projs keeps their ids unique
+    return _STACKED[key][1]
+
+
+def _same_shape_groups(keys) -> list[list[int]]:
+    groups = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
 def encode_many(codecs, tensors) -> list:
     """Code tensors[i] with codecs[i] (e.g. every layer's K and V of one step, each layer's codec
     holding its basis and step): one blob per tensor, each decodable and checked alone. CUDA
-    tensors on the compute codec are coded on their GPU with one host synchronization for the
-    whole list and come back as uint8 CUDA tensors; the rest as bytes."""
+    tensors on the compute codec are coded on their GPU, tensors of one shape together in one
+    launch per kernel, with one host synchronization for the whole list, and come back as uint8
+    CUDA tensors (views into one buffer per shape); the rest as bytes."""
+    import torch
+
     if len(codecs) != len(tensors):
         raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
     out = [None] * len(tensors)
     gpu = [i for i, (c, x) in enumerate(zip(codecs, tensors)) if c.symbols and getattr(x, "is_cuda", False)]
-    for i in set(range(len(tensors))) - set(gpu):
+    for i in sorted(set(range(len(tensors))) - set(gpu)):
         out[i] = codecs[i].encode(tensors[i])
-    if gpu:
-        from .codecs import rans_cuda
+    if not gpu:
+        return out
+    from .codecs import rans_cuda
 
-        started = [codecs[i]._encode_cuda_start(tensors[i]) for i in gpu]
-        fronts = [len(container_prefix(h, {"QPAR": q}, "DATA", 0)) for (_, _, _, h, q) in started]
-        blobs = rans_cuda.encode_many_cuda([s[0] for s in started], stats=[s[1] for s in started],
-                                           guards=[s[2] for s in started], reserve_fronts=fronts,
-                                           reserve_backs=[4] * len(gpu))
-        for i, blob, front, (_, _, _, header, qpar) in zip(gpu, blobs, fronts, started):
-            n = len(blob) - front - 4
-            blob[:front].copy_(rans_cuda.pinned(container_prefix(header, {"QPAR": qpar}, "DATA", n)),
-                               non_blocking=True)
-            blob[front + n:].zero_()  # the trailer of a self-checked chunk
-            out[i] = blob
+    prepared = {i: codecs[i]._cuda_prepare(tensors[i]) for i in gpu}
+    symbols, stats, guards = {}, {}, {}
+    for group in _same_shape_groups([(tuple(tensors[i].shape), str(tensors[i].device)) for i in gpu]):
+        idx = [gpu[j] for j in group]
+        projs = [prepared[i][0] for i in idx]
+        proj = projs[0] if len(idx) == 1 else _stacked_projection(projs)
+        xs = tensors[idx[0]].unsqueeze(0) if len(idx) == 1 else torch.stack([tensors[i] for i in idx])
+        sym, (mn, mx, sm), amax = proj.quantize_many(xs, [prepared[i][1].step for i in idx])
+        for j, i in enumerate(idx):  # amax is NaN where a tensor holds NaN/Inf: the coder's guard refuses it
+            symbols[i], stats[i], guards[i] = sym[j], (mn[j], mx[j], sm[j]), amax[j:j + 1]
+            keep = prepared[i][1].keep
+            if keep is not None and not keep.all():  # water-filling dropped components
+                symbols[i] = sym[j].clone()
+                symbols[i][:, torch.as_tensor(~keep, device=sym.device)] = 0
+                stats[i] = None
+    heads = {i: (prepared[i][2], {"QPAR": prepared[i][3]}) for i in gpu}
+    fronts = [len(container_prefix(*heads[i], "DATA", 0)) for i in gpu]
+    blobs = rans_cuda.encode_many_cuda(
+        [symbols[i] for i in gpu], stats=[stats[i] for i in gpu], guards=[guards[i] for i in gpu],
+        reserve_fronts=fronts, reserve_backs=[4] * len(gpu),  # the trailer of a self-checked chunk is 0
+        make_front=lambda j, n: container_prefix(*heads[gpu[j]], "DATA", n))
+    for i, blob in zip(gpu, blobs):
+        out[i] = blob
     return out
 
 
@@ -451,9 +458,10 @@ def _host_bytes(blob) -> bytes:
 
 def decode_many(codecs, blobs, device=None) -> list:
     """decode() of blobs[i] with codecs[i]. With device="cuda", compute-codec containers are
-    decoded on the GPU: containers already there are read in place (their headers reach the host
-    in one copy for the whole list), containers on the host are copied over through pinned memory;
-    one host synchronization checks every payload at the end."""
+    decoded on the GPU, payloads of one shape together in one launch per kernel: containers
+    already there are read in place (their headers reach the host in one copy for the whole
+    list), containers on the host go over through pinned memory; one host synchronization checks
+    every payload at the end and names a corrupt one by its index."""
     import torch
 
     if len(codecs) != len(blobs):
@@ -468,42 +476,63 @@ def decode_many(codecs, blobs, device=None) -> list:
         host = torch.cat([blobs[i][:n] for i, n in zip(resident, lens)]).cpu().numpy().tobytes()
         starts = np.cumsum([0] + lens)
         heads = {i: host[starts[j]:starts[j + 1]] for j, i in enumerate(resident)}
-    out, flags, flagged = [None] * len(blobs), [], []
+    out, jobs = [None] * len(blobs), []  # jobs: (index, header, qpar, payload on the GPU, its first bytes)
     for i, (codec, blob) in enumerate(zip(codecs, blobs)):
         if i in heads:
-            total = blob.numel()
-            head = heads[i]
-            header, spans = _parse_resident(blob, head, total)
-            a, b = spans["DATA"]
-            if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(head):
-                qa, qb = spans["QPAR"]
-                out[i], err = codec._decode_symbols_cuda(header, head[qa:qb], blob[a:b], head[a:a + 64], device,
-                                                         check=False)
-                flags.append(err)
-                flagged.append(i)
+            header, spans = _parse_resident(blob, heads[i], blob.numel())
+            (qa, qb), (a, b) = spans.get("QPAR", (0, 0)), spans["DATA"]
+            if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(heads[i]) and qb <= len(heads[i]):
+                jobs.append((i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64]))
                 continue
-            blob = _host_bytes(blob)
-        else:
-            blob = _host_bytes(blob)
-        header, chunks = unpack(blob)
+        header, chunks = unpack(_host_bytes(blob))
         if on_gpu and header["quant"]["kind"] == "rd_shared_step":
             from .codecs import rans_cuda
 
             data = chunks["DATA"]
-            payload = rans_cuda.pinned(data).to(device, non_blocking=True)
-            out[i], err = codec._decode_symbols_cuda(header, chunks["QPAR"], payload, data[:64], device, check=False)
-            flags.append(err)
-            flagged.append(i)
+            jobs.append((i, header, chunks["QPAR"], rans_cuda.pinned(data).to(device, non_blocking=True), data[:64]))
         else:
             values = _to_output(codec.decode_values(header, chunks), header["dtype"])
             out[i] = values if device is None else values.to(device)
-    if flags:
-        bad = torch.cat(flags).cpu()  # the one host synchronization
-        if bool(bad.any()):
-            from .codecs import rans_cuda
-
-            raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {flagged[int(bad.nonzero()[0])]} of the list)")
+    if jobs:
+        _decode_symbols_cuda(codecs, jobs, out)
     return out
+
+
+def _decode_symbols_cuda(codecs, jobs, out):
+    """Compute-codec payloads on the GPU -> out[i]: the coder for all of them, the reconstruction
+    by shape, then the one host synchronization on their error flags."""
+    import torch
+
+    from .codecs import rans_cuda
+    from .rdquant import RDQuantizer
+
+    quantizers = []
+    for i, header, qpar, payload, head in jobs:
+        codecs[i]._check_basis(header)
+        quantizers.append(RDQuantizer.from_bytes(qpar))
+    symbols, err = rans_cuda.decode_many_cuda([j[3] for j in jobs], [j[4] for j in jobs], check=False)
+    projs = []
+    for (i, header, _, payload, _), sym in zip(jobs, symbols):
+        proj = codecs[i]._projection(header["shape"][1], payload.device)
+        if sym.shape[1] != proj.K or [sym.shape[0], proj.D] != header["shape"]:
+            raise BitstreamError(f"payload holds [{sym.shape[0]}, {sym.shape[1]}] symbols; the header's shape "
+                                 f"{header['shape']} and the basis (K={proj.K}) need [{header['shape'][0]}, {proj.K}]")
+        projs.append(proj)
+    keys = [(tuple(s.shape), projs[j].D, str(s.device), jobs[j][1]["dtype"]) for j, s in enumerate(symbols)]
+    for group in _same_shape_groups(keys):
+        steps = [quantizers[j].step for j in group]
+        if jobs[group[0]][1]["dtype"] == "bfloat16":  # fused: symbols * step @ basis.T + mean, in bf16
+            proj = projs[group[0]] if len(group) == 1 else _stacked_projection([projs[j] for j in group])
+            sym = symbols[group[0]].unsqueeze(0) if len(group) == 1 else torch.stack([symbols[j] for j in group])
+            values = proj.reconstruct_many(sym, steps)
+        else:
+            values = [((symbols[j].float() * quantizers[j].step) @ projs[j].components_t.float() + projs[j].mean).to(
+                getattr(torch, jobs[j][1]["dtype"])) for j in group]
+        for j, v in zip(group, values):
+            out[jobs[j][0]] = v
+    bad = err.cpu()  # the one host synchronization
+    if bool(bad.any()):
+        raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])][0]} of the list)")
 
 
 def _parse_resident(blob, head: bytes, total: int):

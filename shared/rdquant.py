@@ -270,7 +270,9 @@ class CudaProjection:
 
     quantize computes round(((x - mean) @ components) / step) with bf16 inputs and float32
     accumulation (round half up; the CPU quantizer rounds half to even, which only differs on
-    exact ties); reconstruct computes bf16((symbols * step) @ components.T + mean)."""
+    exact ties); reconstruct computes bf16((symbols * step) @ components.T + mean).
+    CudaProjection.stack(projs) codes a list of same-shape tensors, each with its own basis, in
+    one launch per direction (quantize_many / reconstruct_many)."""
 
     BLOCK = dict(BM=32, BN=32, BD=32)  # the CPU interpreter's tile (the GPU autotunes its own)
 
@@ -279,12 +281,26 @@ class CudaProjection:
 
         comp = torch.as_tensor(np.asarray(components, np.float32) if not _is_torch(components) else components)
         mu = torch.as_tensor(np.asarray(mean, np.float32) if not _is_torch(mean) else mean)
-        self.D, self.K = comp.shape
-        self.components = comp.to(device, torch.bfloat16).contiguous()  # [D, K]
-        self.components_t = self.components.t().contiguous()  # [K, D]
+        self.D, self.K = comp.shape[-2:]
+        self.components = comp.to(device, torch.bfloat16).contiguous()  # [(N,) D, K]
+        self.components_t = self.components.transpose(-1, -2).contiguous()  # [(N,) K, D]
         self.mean = mu.to(device, torch.float32).contiguous()
         # (x - mean) @ B = x @ B - mean @ B, with mean @ B from the same bf16 basis the kernel uses
-        self.bias = (self.mean @ self.components.float()).contiguous()
+        self.bias = (self.mean.unsqueeze(-2) @ self.components.float()).squeeze(-2).contiguous()
+        self.device = torch.device(device)
+
+    @classmethod
+    def stack(cls, projs: list) -> "CudaProjection":
+        """One projection holding N same-shape bases (components [N, D, K]) for the *_many calls."""
+        import torch
+
+        out = cls.__new__(cls)
+        out.D, out.K, out.device = projs[0].D, projs[0].K, projs[0].device
+        if any((p.D, p.K) != (out.D, out.K) for p in projs):
+            raise InvalidTensorError("stacked projections need bases of one shape [D, K]")
+        for name in ("components", "components_t", "mean", "bias"):
+            setattr(out, name, torch.stack([getattr(p, name) for p in projs]).contiguous())
+        return out
 
     def quantize(self, x, step: float):
         """bf16 CUDA [T, D] -> int32 symbols [T, K] and their (min, max, sum) per component;
@@ -298,39 +314,61 @@ class CudaProjection:
     def quantize_unchecked(self, x, step: float):
         """quantize() without its host sync: also returns the largest |scaled value| (float32
         CUDA [1]) for the caller to check later, e.g. as rans_cuda.encode_cuda(..., guard=amax)."""
-        import torch
-        from . import _rdquant_triton as kt
-
         if x.dim() != 2 or x.shape[1] != self.D:
             raise InvalidTensorError(f"tensor must be [T, {self.D}], got {tuple(x.shape)}")
-        x = x.to(torch.bfloat16).contiguous()
-        T, K = x.shape[0], self.K
-        sym = torch.empty((T, K), dtype=torch.int32, device=x.device)
-        mn = torch.full((K,), 2**31 - 1, dtype=torch.int32, device=x.device)
-        mx = torch.full((K,), -2**31, dtype=torch.int32, device=x.device)
-        sm = torch.zeros(K, dtype=torch.int64, device=x.device)
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, 1.0 / step)
+        sym, (mn, mx, sm), amax = self.quantize_many(x.unsqueeze(0), [step])
+        return sym[0], (mn[0], mx[0], sm[0]), amax
+
+    def quantize_many(self, xs, steps):
+        """bf16 CUDA [N, T, D] (a stacked projection's N tensors) -> symbols [N, T, K], their
+        (min, max, sum) [N, K] each, and the largest |scaled value| of each [N]; one launch."""
+        import torch
+
+        from . import _rdquant_triton as kt
+
+        N, T = xs.shape[0], xs.shape[1]
+        if xs.dim() != 3 or xs.shape[2] != self.D or (self.components.dim() == 3 and self.components.shape[0] != N):
+            raise InvalidTensorError(f"tensors must be [N, T, {self.D}] for this projection, got {tuple(xs.shape)}")
+        x = xs.to(torch.bfloat16).contiguous()
+        K, dev = self.K, x.device
+        sym = torch.empty((N, T, K), dtype=torch.int32, device=dev)
+        mn = torch.full((N, K), 2**31 - 1, dtype=torch.int32, device=dev)
+        mx = torch.full((N, K), -2**31, dtype=torch.int32, device=dev)
+        sm = torch.zeros((N, K), dtype=torch.int64, device=dev)
+        amax = torch.zeros(N, dtype=torch.float32, device=dev)
+        inv = torch.tensor([1.0 / s for s in steps], dtype=torch.float32).pin_memory() \
+            if dev.type == "cuda" else torch.tensor([1.0 / s for s in steps], dtype=torch.float32)
+        args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv.to(dev, non_blocking=True))
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
-            kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]))](*args, UPCAST=True, **b)
+            kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]), N)](*args, UPCAST=True, **b)
         else:
-            kt.project_quantize_tuned[lambda m: (-(-T // m["BM"]), -(-K // m["BN"]))](*args, UPCAST=False)
+            kt.project_quantize_tuned[lambda m: (-(-T // m["BM"]), -(-K // m["BN"]), N)](*args, UPCAST=False)
         return sym, (mn, mx, sm), amax
 
     def reconstruct(self, symbols, step: float):
+        if symbols.dim() != 2 or symbols.shape[1] != self.K:
+            raise InvalidTensorError(f"symbols must be [T, {self.K}], got {tuple(symbols.shape)}")
+        return self.reconstruct_many(symbols.unsqueeze(0), [step])[0]
+
+    def reconstruct_many(self, symbols, steps):
+        """int32 [N, T, K] -> bf16 [N, T, D], tensor i with its basis and steps[i]; one launch."""
         import torch
+
         from . import _rdquant_triton as kt
 
-        T, K = symbols.shape
+        N, T, K = symbols.shape
         if K != self.K:
-            raise InvalidTensorError(f"symbols must be [T, {self.K}], got {tuple(symbols.shape)}")
-        out = torch.empty((T, self.D), dtype=torch.bfloat16, device=symbols.device)
-        args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, step)
+            raise InvalidTensorError(f"symbols must be [N, T, {self.K}], got {tuple(symbols.shape)}")
+        dev = symbols.device
+        out = torch.empty((N, T, self.D), dtype=torch.bfloat16, device=dev)
+        st = torch.tensor(list(steps), dtype=torch.float32)
+        st = st.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else st
+        args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st)
         if _interpreting():
             b = self.BLOCK
-            kt.reconstruct_kernel[(-(-T // b["BM"]), -(-self.D // b["BN"]))](
+            kt.reconstruct_kernel[(-(-T // b["BM"]), -(-self.D // b["BN"]), N)](
                 *args, BM=b["BM"], BN=b["BN"], BK=b["BD"], UPCAST=True)
         else:
-            kt.reconstruct_tuned[lambda m: (-(-T // m["BM"]), -(-self.D // m["BN"]))](*args, UPCAST=False)
+            kt.reconstruct_tuned[lambda m: (-(-T // m["BM"]), -(-self.D // m["BN"]), N)](*args, UPCAST=False)
         return out

@@ -409,7 +409,8 @@ def test_compute_codec_on_a_cuda_tensor(with_basis):
     on_cpu = codec.decode(host_bytes)
     assert on_gpu.is_cuda and on_gpu.dtype == x.dtype and on_gpu.shape == x.shape
     assert torch.equal(on_gpu, from_host)
-    torch.testing.assert_close(on_gpu.cpu().float(), on_cpu.float(), rtol=0.02, atol=0.02)
+    # the GPU reconstructs in bf16 on bf16 tensor cores, the CPU in float32: within about one bf16 ulp
+    torch.testing.assert_close(on_gpu.cpu().float(), on_cpu.float(), rtol=2**-6, atol=0.05)
     assert quality(x.float().cpu().numpy(), on_gpu.float().cpu().numpy())["cos_mean"] >= 0.998
     assert TensorCodec(basis, backend="rans", step=header["quant"]["step"]).decode(blob, device="cuda").is_cuda
     bad = x.clone()

@@ -254,6 +254,33 @@ def test_triton_interpreter_rejects_corruption():
     """)
 
 
+@needs_triton
+def test_triton_interpreter_codes_many_payloads_in_one_launch():
+    """encode_many_cuda writes the numpy coder's bytes for each tensor; decode_many_cuda: payloads of one shape but different tables, widths and escapes decode
+    in shared launches (another shape in its own), each equal to the numpy decoder's output; a
+    corrupt payload in the list is named by its index."""
+    run_interpreted("""
+        import torch
+        extremes = pca_like(200, 16, seed=4)
+        extremes[0, 0], extremes[1, 1] = -2**31, 2**31 - 1
+        same_shape = [pca_like(200, 16, seed=s) for s in range(3)] + [cases()["heavy_tails"][:200], extremes,
+                                                                      -np.abs(pca_like(200, 16, seed=5)) - 1000]
+        xs = same_shape + [pca_like(64, 8, seed=9)]
+        payloads = [rans.encode(np.ascontiguousarray(x), lane_tokens=64) for x in xs]
+        tensors = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads]
+        outs, err = rans_cuda.decode_many_cuda(tensors)
+        assert not err.any()
+        for x, y in zip(xs, outs):
+            np.testing.assert_array_equal(y.numpy(), x)
+        many = rans_cuda.encode_many_cuda([torch.from_numpy(np.ascontiguousarray(x)) for x in xs], lane_tokens=64)
+        assert [bytes(m.numpy()) for m in many] == payloads
+        bad = bytearray(payloads[3])
+        bad[len(bad) // 2] ^= 0x10
+        with pytest.raises(BitstreamError, match="payload 3 of the list"):
+            rans_cuda.decode_many_cuda(tensors[:3] + [torch.frombuffer(bad, dtype=torch.uint8)] + tensors[4:])
+    """)
+
+
 def test_cuda_functions_need_a_cuda_tensor(monkeypatch):
     torch = pytest.importorskip("torch")
     from shared.errors import BackendUnavailable

@@ -42,9 +42,9 @@ def _kernels():
 
     from . import _rans_triton as kt
 
-    _KERNELS = dict(fields=kt.SUMMARY_FIELDS, hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
+    _KERNELS = dict(fields=kt.SUMMARY_FIELDS, seg_fields=kt.SEG_FIELDS, hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
                     pack_meta=kt.pack_meta_kernel, gather=kt.gather_streams_kernel, checksum=kt.checksum_kernel,
-                    finish=kt.finish_checksum_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel)
+                    finish=kt.finish_checksum_kernel, scatter=kt.scatter_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel)
     return _KERNELS
 
 
@@ -109,148 +109,185 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
 
 def encode_many_cuda(ts, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
                      lane_tokens: int | None = None, stats=None, guards=None, reserve_fronts=None,
-                     reserve_backs=None) -> list:
-    """encode_cuda() of each tensor of a list with one host synchronization for all of them
-    (stats, guards, reserve_*: lists of encode_cuda's arguments, one per tensor, or None)."""
+                     reserve_backs=None, make_front=None) -> list:
+    """encode_cuda() of each tensor of a list: tensors of one shape share every kernel launch (a
+    segment axis in each grid), and one host synchronization serves the whole list. stats,
+    guards, reserve_*: lists of encode_cuda's arguments, one per tensor, or None. make_front(i,
+    payload_len) -> bytes: what to write into tensor i's reserved front once its payload's
+    length is known (a container's header), else it is zeros. Returns uint8 CUDA tensors, views
+    into one buffer per shape."""
     torch = _torch()
     n_t = len(ts)
-    jobs = [_EncodeJob(t, prob_bits, group_lanes, lane_tokens, (stats or [None] * n_t)[i],
-                       (guards or [None] * n_t)[i]) for i, t in enumerate(ts)]
+    stats, guards = stats or [None] * n_t, guards or [None] * n_t
+    fronts, backs = reserve_fronts or [0] * n_t, reserve_backs or [0] * n_t
+    if any(f % 16 for f in fronts):
+        raise ValueError(f"reserve_front must be a multiple of 16, got {fronts}")
+    ts = [_as_symbols(torch, t) for t in ts]
+    groups = {}
+    for i, t in enumerate(ts):
+        groups.setdefault((tuple(t.shape), str(t.device)), []).append(i)
+    jobs = [_EncodeBatch([ts[i] for i in members], prob_bits, group_lanes, lane_tokens, [stats[i] for i in members],
+                         [guards[i] for i in members]) for members in groups.values()]
     for job in jobs:
         job.code_lanes(min(job.cap, ESCAPES_PER_GROUP))
-    summaries = torch.stack([job.scal for job in jobs]).cpu().tolist()  # the host synchronization
-    outs = []
-    for i, (job, summary) in enumerate(zip(jobs, summaries)):
-        summary = dict(zip(job.kern["fields"], summary))
-        if summary["group_escapes_max"] > job.ecap:  # a group escaped more than its buffer holds: again, with room
-            job.scal[job.kern["fields"].index("stream_words")] = job.scal[job.kern["fields"].index("n_escapes")] = 0
+    summaries = torch.cat([job.scal for job in jobs]).cpu().tolist()  # the host synchronization
+    outs = [None] * n_t
+    row = 0
+    for job, members in zip(jobs, groups.values()):
+        fields = job.kern["fields"]
+        rows = [dict(zip(fields, r)) for r in summaries[row:row + len(members)]]
+        row += len(members)
+        if max(r["group_escapes_max"] for r in rows) > job.ecap:  # a group escaped more than its buffer holds
+            job.scal[:, fields.index("stream_words")] = 0
+            job.scal[:, fields.index("n_escapes")] = 0
             job.code_lanes(job.cap)
-            summary = dict(zip(job.kern["fields"], job.scal.cpu().tolist()))
-        outs.append(job.finish(summary, (reserve_fronts or [0] * n_t)[i], (reserve_backs or [0] * n_t)[i]))
+            rows = [dict(zip(fields, r)) for r in job.scal.cpu().tolist()]
+        views = job.finish(rows, [fronts[i] for i in members], [backs[i] for i in members],
+                           None if make_front is None else [lambda n, i=i: make_front(i, n) for i in members])
+        for i, v in zip(members, views):
+            outs[i] = v
     return outs
 
 
-class _EncodeJob:
-    """One tensor's encode: the lanes (before the host learns the payload's size), then the payload."""
+def _as_symbols(torch, t):
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTensorError(f"encode_cuda takes a torch tensor, got {type(t).__name__}; use encode() for numpy")
+    _check_device(t, "encode_cuda")
+    if t.dim() != 2:
+        raise InvalidTensorError(f"symbols must be 2-D [T tokens, K components], got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise InvalidTensorError(f"symbols is empty (shape {tuple(t.shape)}); there is nothing to code")
+    if t.dtype != torch.int32:
+        if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
+            raise InvalidTensorError(f"symbols must be integers, got {t.dtype}; quantize first (shared.rdquant)")
+        if t.dtype == torch.int64 and (int(t.min()) < -(2**31) or int(t.max()) > 2**31 - 1):
+            raise InvalidTensorError("symbols overflow int32; use a larger quantization step")
+        t = t.to(torch.int32)
+    return t.contiguous()
 
-    def __init__(self, t, prob_bits, group_lanes, lane_tokens, stats, guard):
+
+class _EncodeBatch:
+    """The encode of N tensors of one shape [T, K]: every kernel's grid has a segment axis of N.
+    The lanes run before the host learns the payloads' sizes; then the payloads are assembled."""
+
+    def __init__(self, ts, prob_bits, group_lanes, lane_tokens, stats, guards):
         torch = _torch()
-        if not isinstance(t, torch.Tensor):
-            raise InvalidTensorError(f"encode_cuda takes a torch tensor, got {type(t).__name__}; use encode() for numpy")
-        _check_device(t, "encode_cuda")
-        if t.dim() != 2:
-            raise InvalidTensorError(f"symbols must be 2-D [T tokens, K components], got shape {tuple(t.shape)}")
-        if t.numel() == 0:
-            raise InvalidTensorError(f"symbols is empty (shape {tuple(t.shape)}); there is nothing to code")
-        if t.dtype != torch.int32:
-            if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
-                raise InvalidTensorError(f"symbols must be integers, got {t.dtype}; quantize first (shared.rdquant)")
-            if t.dtype == torch.int64 and (int(t.min()) < -(2**31) or int(t.max()) > 2**31 - 1):
-                raise InvalidTensorError("symbols overflow int32; use a larger quantization step")
-            t = t.to(torch.int32)
-        t = t.contiguous()
-        T, K = t.shape
+        N = len(ts)
+        T, K = ts[0].shape
         S = _check_settings(prob_bits, group_lanes, lane_tokens or default_lane_tokens(T, K), T)
         n, G, HCAP = prob_bits, group_lanes, max_alphabet(prob_bits)
         kern = _kernels()
-        dev = t.device
-        if stats is None:
-            mn, mx = torch.aminmax(t, dim=0)
-            sm = t.sum(0, dtype=torch.int64)
+        dev = ts[0].device
+        t = ts[0].view(1, T, K) if N == 1 else torch.stack(ts)
+        if all(s is not None for s in stats):
+            mn, mx, sm = ((x.view(1, K) for x in stats[0]) if N == 1
+                          else (torch.stack(list(x)) for x in zip(*stats)))
         else:
-            mn, mx, sm = stats
+            mn, mx = torch.aminmax(t, dim=1)
+            sm = t.sum(1, dtype=torch.int64)
+        has_guard = all(g is not None for g in guards)
+        guard = (guards[0].view(1) if N == 1 else torch.cat([g.view(1) for g in guards])) if has_guard else None
 
         # 1. histograms of the sampled tokens inside the first windows; 2. trimmed windows and tables
         wide_index = (T + 1) * K >= 2**31
         R = hist_row_stride(T)
         n_sampled = triton_cdiv(T, R)
-        counts = torch.zeros((K, HCAP), dtype=torch.int32, device=dev)
+        counts = torch.zeros((N, K, HCAP), dtype=torch.int32, device=dev)
         hs = min(n_sampled, HIST_TOKENS)
         n_hist = triton_cdiv(n_sampled, hs) * K
-        kern["hist"][(triton_cdiv(n_hist, HIST_BLOCK),)](
+        kern["hist"][(triton_cdiv(n_hist, HIST_BLOCK), N)](
             t, mn, mx, sm, counts, T, K, n_hist, hs, R, HCAP=HCAP, BLOCK=HIST_BLOCK, WIDE_INDEX=wide_index,
             num_warps=HIST_BLOCK // 32)
-        lo = torch.empty(K, dtype=torch.int64, device=dev)
+        lo = torch.empty((N, K), dtype=torch.int64, device=dev)
         W, A = torch.empty_like(lo), torch.empty_like(lo)
-        codes = torch.empty((K, HCAP), dtype=torch.uint8, device=dev)
-        tab = torch.empty((K, HCAP), dtype=torch.int32, device=dev)
+        codes = torch.empty((N, K, HCAP), dtype=torch.uint8, device=dev)
+        tab = torch.empty((N, K, HCAP), dtype=torch.int32, device=dev)
         model, scale, mu16 = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
-        scal = _summary_start(torch, dev).clone()
+        scal = _summary_start(torch, dev).view(1, -1).repeat(N, 1)
         mt = _model_tables_on(torch, dev, n)
-        kern["tables"][(K,)](counts, mn, mx, sm, guard if guard is not None else scal, lo, W, A, codes, tab,
-                             model, scale, mu16, mt["shapes"], mt["inv_sigma"], mt["sigma16_sq"], mt["nlog"], scal,
-                             T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
-                             ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=guard is not None, N_SHAPES=N_SHAPES,
-                             SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
-                             MIN_SHARE=MODEL_MIN_SHARE)
-
+        kern["tables"][(K, N)](counts, mn, mx, sm, guard if has_guard else scal, lo, W, A, codes, tab,
+                               model, scale, mu16, mt["shapes"], mt["inv_sigma"], mt["sigma16_sq"], mt["nlog"], scal,
+                               T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
+                               ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=has_guard, N_SHAPES=N_SHAPES,
+                               SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
+                               MIN_SHARE=MODEL_MIN_SHARE)
         # 3. the lanes: words and escaped values into per-group buffers
         lay = Layout(T, K, S, G, 0, 0, 0)
-        NL, NG, cap = lay.n_lanes, lay.n_groups, G * S
-        buf = torch.empty(NG * cap, dtype=torch.int16, device=dev)
-        states = torch.empty(NL, dtype=torch.int32, device=dev)
-        glen = torch.empty(NG, dtype=torch.int32, device=dev)
-        gesc = torch.empty(NG, dtype=torch.int32, device=dev)
-        sums = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.NL, self.NG, self.cap = lay.n_lanes, lay.n_groups, G * S
+        self.buf = torch.empty((N, self.NG * self.cap), dtype=torch.int16, device=dev)
+        self.states = torch.empty((N, self.NL), dtype=torch.int32, device=dev)
+        self.glen = torch.empty((N, self.NG), dtype=torch.int32, device=dev)
+        self.gesc = torch.empty((N, self.NG), dtype=torch.int32, device=dev)
         self.torch, self.t, self.kern, self.dev, self.n, self.G, self.HCAP = torch, t, kern, dev, n, G, HCAP
-        self.T, self.K, self.S, self.wide_index = T, K, S, wide_index
+        self.N, self.T, self.K, self.S, self.wide_index = N, T, K, S, wide_index
         self.lo, self.W, self.A, self.codes, self.tab = lo, W, A, codes, tab
         self.model, self.scale, self.mu16, self.scal = model, scale, mu16, scal
-        self.NL, self.NG, self.cap = NL, NG, cap
-        self.buf, self.states, self.glen, self.gesc, self.sums = buf, states, glen, gesc, sums
 
     def code_lanes(self, ecap):
-        torch, kern, dev, t = self.torch, self.kern, self.dev, self.t
+        torch, kern = self.torch, self.kern
         self.ecap = ecap
-        self.ebuf = torch.empty(self.NG * ecap, dtype=torch.int32, device=dev)
-        kern["encode"][(triton_cdiv(self.NG, GROUPS_PER_PROGRAM),)](
-            t, self.lo, self.W, self.A, self.tab, self.buf, self.states, self.glen, self.ebuf, self.gesc, self.scal,
-            self.T, self.K, self.NL, self.NG, self.S, self.cap, ecap,
+        self.ebuf = torch.empty((self.N, self.NG * ecap), dtype=torch.int32, device=self.dev)
+        kern["encode"][(triton_cdiv(self.NG, GROUPS_PER_PROGRAM), self.N)](
+            self.t, self.lo, self.W, self.A, self.tab, self.buf, self.states, self.glen, self.ebuf, self.gesc,
+            self.scal, self.T, self.K, self.NL, self.NG, self.S, self.cap, ecap,
             HCAP=self.HCAP, PROB_BITS=self.n, G=self.G, GPP=GROUPS_PER_PROGRAM, WIDE_INDEX=self.wide_index,
             num_warps=_warps(self.G))
-        self.gend, self.geend = torch.cumsum(torch.stack([self.glen, self.gesc]), 1, dtype=torch.int64)
+        self.gend, self.geend = torch.cumsum(torch.stack([self.glen, self.gesc]), 2, dtype=torch.int64)
 
-    def finish(self, summary, reserve_front, reserve_back):
+    def finish(self, summaries, fronts, backs, make_fronts):
+        """The payloads, each in its container's place in one buffer: header, meta, escapes,
+        states and streams, then the checksums."""
         torch, kern, dev = self.torch, self.kern, self.dev
-        T, K, S, G, n, HCAP, NG, cap = self.T, self.K, self.S, self.G, self.n, self.HCAP, self.NG, self.cap
-        lo, W, A, codes, model, scale, mu16 = self.lo, self.W, self.A, self.codes, self.model, self.scale, self.mu16
-        buf, states, glen, gesc, sums = self.buf, self.states, self.glen, self.gesc, self.sums
-        ebuf, gend, geend, ecap = self.ebuf, self.gend, self.geend, self.ecap
-        n_table, k_coded, stream_words, n_escapes = (summary[f] for f in ("n_table", "k_coded", "stream_words",
-                                                                           "n_escapes"))
-        w_max, lo_min, lo_max, n_param = summary["w_max"], summary["lo_min"], summary["lo_max"], summary["n_param"]
-        if summary["overflow"]:
-            raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
-                                     "use a larger step or fix the producer")
-
-        # 4. the payload: header, meta, escapes, states and streams, then the checksum
-        lo_bytes, w_bytes = _widths(lo_min, lo_max, w_max)
-        lay = Layout(T, K, S, G, n_table, n_escapes, stream_words, k_coded, lo_bytes, w_bytes, n_param)
-        if reserve_front % 16:
-            raise ValueError(f"reserve_front must be a multiple of 16, got {reserve_front}")
-        out = torch.empty(reserve_front + lay.total + reserve_back, dtype=torch.uint8, device=dev)
-        payload = out[reserve_front:reserve_front + lay.total]
-        payload[:lay.group_words].zero_()  # header and the padding between meta sections
-        head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, n_table, n_escapes, k_coded, n_param, lo_bytes, w_bytes, 0,
-                           stream_words, 0, 0)[:CHECKED_HEADER_BYTES]
-        payload[:CHECKED_HEADER_BYTES].copy_(pinned(head), non_blocking=True)
-        kern["pack_meta"][(K,)](lo, W, A, codes, states, model, scale, mu16,
-                                payload[lay.lo:lay.wflag].view(_TORCH_INT[lo_bytes]),
-                                payload[lay.wflag:lay.wflag + w_bytes * K].view(_TORCH_INT[w_bytes]),
-                                payload[lay.model:lay.model + K],
-                                payload[lay.mu16:lay.scale].view(torch.int16) if n_param else mu16,
-                                payload[lay.scale:lay.scale + n_param] if n_param else mu16,
-                                payload[lay.codes:lay.group_words], payload[lay.states:lay.streams].view(torch.int32),
-                                K, lay.P, k_coded, HCAP=HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
-                                FLAG_SHIFT=8 * w_bytes - 1)
-        esc_out = payload[lay.escapes:lay.states].view(torch.int32) if n_escapes else gesc
-        kern["gather"][(NG,)](buf, glen, gend, payload[lay.streams:].view(torch.int16),
-                              payload[lay.group_words:lay.group_escapes].view(torch.int32), cap,
-                              ebuf, gesc, geend, esc_out, payload[lay.group_escapes:lay.escapes].view(torch.int32), ecap,
-                              BLOCK=1024)
-        _checksum_torch(torch, payload, sums)
-        kern["finish"][(1,)](sums, payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32))
-        return out
+        T, K, S, G, n, N = self.T, self.K, self.S, self.G, self.n, self.N
+        fields = kern["seg_fields"]
+        lays, starts, total = [], [], 0
+        for r, front, back in zip(summaries, fronts, backs):
+            if r["overflow"]:
+                raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
+                                         "use a larger step or fix the producer")
+            lo_bytes, w_bytes = _widths(r["lo_min"], r["lo_max"], r["w_max"])
+            lays.append(Layout(T, K, S, G, r["n_table"], r["n_escapes"], r["stream_words"], r["k_coded"], lo_bytes,
+                               w_bytes, r["n_param"]))
+            starts.append(total)
+            total += (front + lays[-1].total + back + 15) // 16 * 16
+        out = torch.zeros(total, dtype=torch.uint8, device=dev)  # header, padding between sections, trailers
+        table = np.zeros((N, len(fields)), np.int64)
+        patches, patch_rows, at = [], [], 0
+        for s, (lay, r, start, front) in enumerate(zip(lays, summaries, starts, fronts)):
+            base = start + front
+            row = dict(base=base, len=lay.total, lo_el=(base + lay.lo) // lay.lo_bytes,
+                       wflag_el=(base + lay.wflag) // lay.w_bytes, model=base + lay.model,
+                       mu16_el=(base + lay.mu16) // 2, scale=base + lay.scale, codes=base + lay.codes,
+                       check_el=(base + CHECKED_HEADER_BYTES) // 4, gw_el=(base + lay.group_words) // 4,
+                       ge_el=(base + lay.group_escapes) // 4, esc_el=(base + lay.escapes) // 4,
+                       states_el=(base + lay.states) // 4, streams_el=(base + lay.streams) // 2,
+                       n_table=r["n_table"], k_coded=r["k_coded"], n_param=r["n_param"], n_words=r["stream_words"],
+                       n_esc=r["n_escapes"], lo_bytes=lay.lo_bytes, w_bytes=lay.w_bytes)
+            table[s] = [row[f] for f in fields]
+            head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, r["n_table"], r["n_escapes"], r["k_coded"],
+                               r["n_param"], lay.lo_bytes, lay.w_bytes, 0, r["stream_words"], 0,
+                               0)[:CHECKED_HEADER_BYTES]
+            prefix = make_fronts[s](lay.total) if make_fronts is not None else bytes(front)
+            if len(prefix) != front:
+                raise ValueError(f"make_front wrote {len(prefix)} bytes into a front of {front}")
+            patches.append(prefix + head)
+            patch_rows.append((at, start, front + CHECKED_HEADER_BYTES))
+            at += front + CHECKED_HEADER_BYTES
+        segs = _device_table(torch, table, dev)
+        # every container's front and its payload's first header bytes: one copy and one scatter
+        staged = pinned(b"".join(patches)).to(dev, non_blocking=True)
+        kern["scatter"][(N,)](staged, _device_table(torch, patch_rows, dev), out, BLOCK=1024)
+        b8, b16, b32 = out.view(torch.int8), out.view(torch.int16), out.view(torch.int32)
+        kern["pack_meta"][(K, N)](self.lo, self.W, self.A, self.codes, self.states, self.model, self.scale, self.mu16,
+                                  b8, b16, b32, segs, K, -(-T // S), HCAP=self.HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
+                                  SEG_FIELDS=len(fields))
+        kern["gather"][(self.NG, N)](self.buf, self.glen, self.gend, self.cap, self.ebuf, self.gesc, self.geend,
+                                     self.ecap, b16, b32, segs, self.NG, BLOCK=1024, SEG_FIELDS=len(fields))
+        sums = torch.zeros((N, 2), dtype=torch.int64, device=dev)
+        _checksum_torch(torch, out, segs, sums, max(lay.total for lay in lays))
+        kern["finish"][(N,)](sums, b32, segs, SEG_FIELDS=len(fields))
+        return [out[start:start + front + lay.total + back]
+                for start, front, back, lay in zip(starts, fronts, backs, lays)]
 
 
 _MODEL_TABLES_ON = {}
@@ -287,13 +324,19 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _checksum_torch(torch, payload, sums):
-    """Adds the sums of checksum() over the whole payload but its check fields (before the
-    mod 2^32) to sums, int64 [2] zeros on the payload's device."""
-    n = len(payload)
-    _kernels()["checksum"][(triton_cdiv(n, CHECKSUM_BLOCK * CHECKSUM_ITERS),)](
-        payload, n, sums, SKIP_LO=CHECKED_HEADER_BYTES, SKIP_HI=HEADER.size, BLOCK=CHECKSUM_BLOCK,
-        ITERS=CHECKSUM_ITERS)
+def _checksum_torch(torch, buf, segs, sums, max_len: int):
+    """Adds the sums of checksum() of every payload in buf (segs: the segment table on the device,
+    base and length of each) but its check fields (before the mod 2^32) to sums, int64 [N, 2] zeros."""
+    kern = _kernels()
+    kern["checksum"][(triton_cdiv(max_len, CHECKSUM_BLOCK * CHECKSUM_ITERS), segs.shape[0])](
+        buf, segs, sums, SKIP_LO=CHECKED_HEADER_BYTES, SKIP_HI=HEADER.size, BLOCK=CHECKSUM_BLOCK,
+        ITERS=CHECKSUM_ITERS, SEG_FIELDS=segs.shape[1])
+
+
+def _device_table(torch, rows, dev):
+    """An int64 table [N, F] on the device, copied asynchronously from pinned host memory."""
+    host = np.ascontiguousarray(rows, dtype=np.int64)
+    return pinned(host.tobytes()).view(torch.int64).reshape(host.shape).to(dev, non_blocking=True)
 
 
 def decode_cuda(payload, head: bytes | None = None, check: bool = True):
@@ -303,61 +346,107 @@ def decode_cuda(payload, head: bytes | None = None, check: bool = True):
     as `head` when the host already has them, which saves a device->host read. Checksum, tables,
     lookup and lanes run as kernels whose errors meet in one flag; check=True reads it (the one
     host synchronization) and raises BitstreamError, check=False returns (symbols, flag) for the
-    caller to read later, e.g. once for many payloads (nonzero: corrupt)."""
+    caller to read later (nonzero: corrupt)."""
+    outs, errs = decode_many_cuda([payload], None if head is None else [head], check=check)
+    return outs[0] if check else (outs[0], errs[0:1])
+
+
+def decode_many_cuda(payloads, heads=None, check: bool = True):
+    """decode_cuda() of a list of payloads in one set of kernel launches, for payloads of one shape
+    (T, K, lane tokens, group lanes, prob_bits: e.g. every layer's K of one step); payloads of
+    other shapes go in their own launches. Returns (symbols list, error flags int32 [N]); with
+    check=True the flags are read in one host synchronization and a corrupt payload raises
+    BitstreamError naming its index."""
     torch = _torch()
-    if not isinstance(payload, torch.Tensor):
-        raise InvalidTensorError(f"decode_cuda takes a torch uint8 tensor, got {type(payload).__name__}; "
-                                 "use decode() for bytes")
-    _check_device(payload, "decode_cuda")
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise InvalidTensorError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
-    payload = payload.contiguous()
-    dev = payload.device
-    hdr = Parsed.__new__(Parsed)
-    head = bytes(head[:HEADER.size]) if head is not None else bytes(payload[:HEADER.size].cpu().numpy())
-    _parse_header_only(hdr, head,
-                       len(payload))
-    lay, n, G, S, K, T = hdr.layout, hdr.prob_bits, hdr.G, hdr.S, hdr.K, hdr.T
-    M, HCAP = 1 << n, max_alphabet(n)
-    NL, NG = lay.n_lanes, lay.n_groups
+    for p in payloads:
+        if not isinstance(p, torch.Tensor):
+            raise InvalidTensorError(f"decode_cuda takes a torch uint8 tensor, got {type(p).__name__}; "
+                                     "use decode() for bytes")
+        _check_device(p, "decode_cuda")
+        if p.dtype != torch.uint8 or p.dim() != 1:
+            raise InvalidTensorError(f"payload must be a 1-D uint8 tensor, got {p.dtype} {tuple(p.shape)}")
+    if heads is None:  # every payload's header in one device->host copy
+        host = torch.cat([p[:HEADER.size] for p in payloads]).cpu().numpy().tobytes()
+        heads = [host[i * HEADER.size:(i + 1) * HEADER.size] for i in range(len(payloads))]
+    hdrs = []
+    for p, h in zip(payloads, heads):
+        hdr = Parsed.__new__(Parsed)
+        _parse_header_only(hdr, bytes(h[:HEADER.size]), len(p))
+        hdrs.append(hdr)
+    groups = {}
+    for i, h in enumerate(hdrs):
+        groups.setdefault((h.T, h.K, h.S, h.G, h.prob_bits), []).append(i)
+    outs, errs = [None] * len(payloads), [None] * len(payloads)
+    for members in groups.values():
+        o, e = _decode_same_shape([payloads[i] for i in members], [hdrs[i] for i in members])
+        for j, i in enumerate(members):
+            outs[i], errs[i] = o[j], e[j:j + 1]
+    err = torch.cat(errs)
+    if check:
+        bad = err.cpu()  # the one host synchronization after the headers
+        if bool(bad.any()):
+            raise BitstreamError(CORRUPT + (f" (payload {int(bad.nonzero()[0])} of the list)" if len(bad) > 1 else ""))
+    return outs, err
+
+
+def _decode_same_shape(payloads, hdrs):
+    torch = _torch()
+    dev = payloads[0].device
+    h0 = hdrs[0]
+    n, G, S, K, T = h0.prob_bits, h0.G, h0.S, h0.K, h0.T
+    M, HCAP, N = 1 << n, max_alphabet(n), len(payloads)
+    lay0 = h0.layout
+    NL, NG = lay0.n_lanes, lay0.n_groups
     kern = _kernels()
-    err = torch.zeros(1, dtype=torch.int32, device=dev)
-    sums = torch.zeros(2, dtype=torch.int64, device=dev)
-    _checksum_torch(torch, payload, sums)
-    lo = torch.empty(K, dtype=torch.int64, device=dev)
+    fields = kern["seg_fields"]
+    # one buffer holding every payload at a 16-byte aligned offset (a view when there is one)
+    bases, total = [], 0
+    for p in payloads:
+        bases.append(total)
+        total += (len(p) + 15) // 16 * 16
+    if N == 1 and payloads[0].data_ptr() % 16 == 0 and len(payloads[0]) % 16 == 0:
+        buf = payloads[0]
+    else:
+        zeros = torch.zeros(16, dtype=torch.uint8, device=dev)
+        buf = torch.cat([t for p in payloads for t in (p, zeros[:(-len(p)) % 16])])
+    table = np.zeros((N, len(fields)), np.int64)
+    for s, (hdr, base) in enumerate(zip(hdrs, bases)):
+        lay = hdr.layout
+        row = dict(base=base, len=lay.total, lo_el=(base + lay.lo) // lay.lo_bytes,
+                   wflag_el=(base + lay.wflag) // lay.w_bytes, model=base + lay.model, mu16_el=(base + lay.mu16) // 2,
+                   scale=base + lay.scale, codes=base + lay.codes, check_el=(base + CHECKED_HEADER_BYTES) // 4,
+                   gw_el=(base + lay.group_words) // 4, ge_el=(base + lay.group_escapes) // 4,
+                   esc_el=(base + lay.escapes) // 4, states_el=(base + lay.states) // 4,
+                   streams_el=(base + lay.streams) // 2, n_table=hdr.n_table, k_coded=lay.k_coded,
+                   n_param=lay.n_param, n_words=hdr.stream_words, n_esc=hdr.n_escapes, lo_bytes=lay.lo_bytes,
+                   w_bytes=lay.w_bytes)
+        table[s] = [row[f] for f in fields]
+    segs = _device_table(torch, table, dev)
+    err = torch.zeros(N, dtype=torch.int32, device=dev)
+    sums = torch.zeros((N, 2), dtype=torch.int64, device=dev)
+    _checksum_torch(torch, buf, segs, sums, max(h.layout.total for h in hdrs))
+    lo = torch.empty((N, K), dtype=torch.int64, device=dev)
     W, A, rank = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
-    tab = torch.empty((K + 1, HCAP), dtype=torch.int32, device=dev)
-    lut = torch.empty((K + 1) * M, dtype=torch.int32, device=dev)
+    tab = torch.empty((N, K + 1, HCAP), dtype=torch.int32, device=dev)
+    lut = torch.empty((N, (K + 1) * M), dtype=torch.int32, device=dev)
     packed = n <= 11
-    codes_section = payload[lay.codes:lay.codes + hdr.n_table] if hdr.n_table else payload[:1]
+    b8, b16, b32 = buf.view(torch.int8), buf.view(torch.int16), buf.view(torch.int32)
     mt = _model_tables_on(torch, dev, n)
-    n_param = lay.n_param
-    kern["decode_meta"][(K + 1,)](
-        payload[lay.lo:lay.wflag].view(_TORCH_INT[lay.lo_bytes]),
-        payload[lay.wflag:lay.wflag + lay.w_bytes * K].view(_TORCH_INT[lay.w_bytes]),
-        payload[lay.model:lay.model + K], payload[lay.mu16:lay.scale].view(torch.int16) if n_param else sums,
-        payload[lay.scale:lay.scale + n_param] if n_param else codes_section, codes_section,
-        payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32), sums, hdr.n_table, lay.k_coded, n_param,
-        mt["shapes"], mt["inv_sigma"], lo, W, A, rank, tab, lut, err, K, HCAP=HCAP, PROB_BITS=n,
-        BLOCK_K=_pow2(K), TOP=8 * lay.w_bytes - 1, PACKED=packed, N_SHAPES=N_SHAPES, SHAPE_STEPS=SHAPE_STEPS)
-    glen = payload[lay.group_words:lay.group_escapes].view(torch.int32)
-    gesc = payload[lay.group_escapes:lay.escapes].view(torch.int32)
-    gend, geend = torch.cumsum(torch.stack([glen, gesc]), 1, dtype=torch.int64)
-    words = payload[lay.streams:].view(torch.int16) if hdr.stream_words else torch.zeros(1, dtype=torch.int16,
-                                                                                         device=dev)
-    states = payload[lay.states:lay.streams].view(torch.int32) if lay.k_coded else err
-    out = torch.empty((T, K), dtype=torch.int32, device=dev)
-    n_esc = hdr.n_escapes
-    esc_in = payload[lay.escapes:lay.states].view(torch.int32) if n_esc else err
-    kern["decode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
-        words, gend, glen, states, lo, W, A, rank, lut, tab, out, esc_in, gesc, geend, err, T, K, NL, NG, S,
-        hdr.stream_words, n_esc, lay.k_coded, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM,
-        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G))
-    if not check:
-        return out, err
-    if err.item():  # the one host synchronization after the header
-        raise BitstreamError(CORRUPT)
-    return out
+    kern["decode_meta"][(K + 1, N)](
+        b8, b16, b32, segs, sums, mt["shapes"], mt["inv_sigma"], lo, W, A, rank, tab, lut, err, K, HCAP=HCAP,
+        PROB_BITS=n, BLOCK_K=_pow2(K), PACKED=packed, N_SHAPES=N_SHAPES, SHAPE_STEPS=SHAPE_STEPS,
+        SEG_FIELDS=len(fields))
+    col = {f: i for i, f in enumerate(fields)}
+    ar = torch.arange(NG, device=dev)
+    glen = b32[segs[:, col["gw_el"]:col["gw_el"] + 1] + ar]  # [N, NG]
+    gesc = b32[segs[:, col["ge_el"]:col["ge_el"] + 1] + ar]
+    gend, geend = torch.cumsum(torch.stack([glen, gesc]), 2, dtype=torch.int64)
+    out = torch.empty((N, T, K), dtype=torch.int32, device=dev)
+    kern["decode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM), N)](
+        b16, b32, segs, gend, glen.contiguous(), lo, W, A, rank, lut, tab, out, gesc.contiguous(), geend, err,
+        T, K, NL, NG, S, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM,
+        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields))
+    return list(out.unbind(0)), err
 
 
 CORRUPT = "rANS payload is corrupt (checksum, tables or lane states do not check out)"
