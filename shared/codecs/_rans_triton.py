@@ -125,8 +125,6 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, 
     tl.atomic_add(counts_ptr + row_ptr + c0 + 7, n7, mask=n7 > 0)
 
 
-# Slots of the encoder's scalar summary (int64), read by the host in its one synchronization
-# (rans.SUMMARY_FIELDS names them in this order).
 # the encoder's scalar summary: one int64 slot per field, read by the host in its one synchronization
 SUMMARY_FIELDS = ("n_table", "k_coded", "w_max", "lo_min", "lo_max", "stream_words", "n_escapes", "overflow",
                   "group_escapes_max", "n_param")
@@ -608,26 +606,26 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol and tab the
     (cum << 16 | f) entry. Escaped values are read from the end of each group's escapes, as its
     words. Any inconsistency sets the payload's error flag."""
-    s = tl.program_id(1)
-    seg = seg_ptr + s * SEG_FIELDS
+    sg = tl.program_id(1)
+    seg = seg_ptr + sg * SEG_FIELDS
     words_ptr = b16 + tl.load(seg + SEG_STREAMS)
     states_in = b32 + tl.load(seg + SEG_STATES)
     esc_in = b32 + tl.load(seg + SEG_ESC)
     n_words = tl.load(seg + SEG_N_WORDS)
     n_esc = tl.load(seg + SEG_N_ESC)
     k_coded = tl.load(seg + SEG_K_CODED)
-    gend_ptr += s.to(tl.int64) * n_groups
-    glen_ptr += s.to(tl.int64) * n_groups
-    gesc_ptr += s.to(tl.int64) * n_groups
-    geend_ptr += s.to(tl.int64) * n_groups
-    lo_ptr += s * K
-    w_ptr += s * K
-    a_ptr += s * K
-    rank_ptr += s * K
-    lut_ptr += s.to(tl.int64) * (K + 1) * (1 << PROB_BITS)
-    tab_ptr += s.to(tl.int64) * (K + 1) * HCAP
-    out_ptr += s.to(tl.int64) * T * K
-    err_ptr += s
+    gend_ptr += sg.to(tl.int64) * n_groups
+    glen_ptr += sg.to(tl.int64) * n_groups
+    gesc_ptr += sg.to(tl.int64) * n_groups
+    geend_ptr += sg.to(tl.int64) * n_groups
+    lo_ptr += sg * K
+    w_ptr += sg * K
+    a_ptr += sg * K
+    rank_ptr += sg * K
+    lut_ptr += sg.to(tl.int64) * (K + 1) * (1 << PROB_BITS)
+    tab_ptr += sg.to(tl.int64) * (K + 1) * HCAP
+    out_ptr += sg.to(tl.int64) * T * K
+    err_ptr += sg
     M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     grp_ok = grp < n_groups
