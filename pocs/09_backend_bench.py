@@ -337,6 +337,7 @@ API_TARGET_COS = 0.999        # the step is calibrated for this on held-out-free
 API_BATCH = 60                # tensors in one batched call: one 30-layer model's K and V of one step
 API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one layer's K of a 1K chunk)
 API_REPEATS = 10              # timed calls per point (median)
+API_BATCH_LANES = [None, 256]  # lane tokens of the batched rows: the default (1024 here), and shorter lanes
 
 
 def api_source():
@@ -358,7 +359,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
 
     from shared.basis import fit_basis
     from shared.metrics import quality
-    from shared.pipeline import TensorCodec, decode_many, encode_many
+    from shared.pipeline import TensorCodec
     from shared.rdquant import calibrate_step
 
     calib, test, desc = api_source()
@@ -414,8 +415,16 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         print(f"{'api':12s} {mb:7.2f} {T:8d} {ratio:6.2f} {q['cos_mean']:7.4f} {nbytes / t_enc / 1e9:9.2f} "
               f"{nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} {nbytes / t_h2d / 1e9:9.2f}")
 
-    # batched: API_BATCH tensors of one step, one codec each, in one call per direction
-    codecs = [TensorCodec(basis, backend="rans") for _ in range(API_BATCH)]
+    for lane_tokens in API_BATCH_LANES:
+        bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens)
+
+
+def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
+    """API_BATCH tensors of one step, one codec each, in one call per direction."""
+    from shared.metrics import quality
+    from shared.pipeline import TensorCodec, decode_many, encode_many
+
+    codecs = [TensorCodec(basis, backend="rans", lane_tokens=lane_tokens) for _ in range(API_BATCH)]
     xs = [test_t[(torch.arange(API_BATCH_TOKENS) + 97 * i) % len(test_t)].cuda() for i in range(API_BATCH)]
     blobs = encode_many(codecs, xs)
     ys = decode_many(codecs, blobs, device="cuda")
@@ -431,7 +440,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
     t_d2h = wall(lambda: pinned.copy_(flat, non_blocking=True))
     t_h2d = wall(lambda: flat.copy_(pinned, non_blocking=True))
     ratio = nbytes / sum(b.numel() for b in blobs)
-    kw = dict(tokens=API_BATCH_TOKENS, channels=D, tensors=API_BATCH)
+    kw = dict(tokens=API_BATCH_TOKENS, channels=D, tensors=API_BATCH, lane_tokens=lane_tokens or "default")
     add("api_batched", "encode_gbps", nbytes / t_enc / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "decode_gbps", nbytes / t_dec / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "encode_us_per_tensor", t_enc / API_BATCH * 1e6, "us", mb, **kw)
@@ -440,7 +449,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
     add("api_batched", "cos_min", cos, "cos", mb, **kw)
     add("pcie_copy", "d2h_gbps", nbytes / t_d2h / 1e9, "GB/s", mb, batched=API_BATCH, **kw)
     add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, batched=API_BATCH, **kw)
-    print(f"{'api_batched':12s} {mb:7.2f} {API_BATCH}x{API_BATCH_TOKENS} {ratio:6.2f} {cos:7.4f} "
+    print(f"{'api_batched':12s} {mb:7.2f} {API_BATCH}x{API_BATCH_TOKENS} S={lane_tokens or 'def':<4} {ratio:6.2f} {cos:7.4f} "
           f"{nbytes / t_enc / 1e9:9.2f} {nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} "
           f"{nbytes / t_h2d / 1e9:9.2f}")
 
@@ -458,11 +467,14 @@ def plot_api(df, name: str = "09_backend_bench_api"):
             if "batched" in rows else rows[(rows.path == "pcie_copy") & (rows.metric == copy_metric)]
         pcie = pcie.sort_values("tensor_mb")
         batch = rows[(rows.path == "api_batched") & (rows.metric == f"{direction}_gbps")]
+        lanes = batch.lane_tokens.astype(str) if "lane_tokens" in batch else None
         ax.plot(api.tensor_mb, api.value, "o-", color="#0072B2", label=f"TensorCodec.{direction} (one tensor a call)")
         ax.plot(pcie.tensor_mb, pcie.value, "s--", color="#D55E00",
                 label=f"pinned PCIe copy, {'device->host' if direction == 'encode' else 'host->device'}")
-        ax.plot(batch.tensor_mb, batch.value, "D", color="#009E73", ms=9,
-                label=f"{direction}_many: 60 tensors of 1024x192 in one call")
+        for (lane, g), marker, color in zip(batch.groupby(lanes) if lanes is not None else [("default", batch)],
+                                            "D^v", ("#009E73", "#CC79A7", "#56B4E9")):
+            ax.plot(g.tensor_mb, g.value, marker, color=color, ms=9,
+                    label=f"{direction}_many: 60 tensors of 1024x192 in one call (lane tokens {lane})")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("tensor size (MB of bf16)")

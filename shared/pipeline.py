@@ -168,7 +168,8 @@ class TensorCodec:
 
     def __init__(self, basis: PCABasis | None = None, backend: str = "x265", frame_size: int = framing.DEFAULT_FRAME,
                  bits: int = 8, decoder: str | None = None, target_cos: float | None = None,
-                 step: float | None = None, water_fill: bool = False, **codec_settings):
+                 step: float | None = None, water_fill: bool = False, lane_tokens: int | None = None,
+                 **codec_settings):
         """decoder: decode with this backend instead of the one that encoded (e.g. "nvdec-hevc" for
         streams made by "x265"); it must read the same stream format.
 
@@ -177,14 +178,19 @@ class TensorCodec:
         or, for `target_cos`, the largest step meeting it on up to SAMPLE_TOKENS rows of the first
         tensor this codec codes, kept for the tensors after it (one codec per layer). Guarantee:
         the target holds on the data the step was fitted on; `measure(x)` reports what a tensor gets.
-        water_fill drops components whose variance is below step^2 / 12 (helps diffusion activations)."""
+        water_fill drops components whose variance is below step^2 / 12 (helps diffusion activations).
+        lane_tokens: tokens per rANS lane (default: shared.codecs.rans.default_lane_tokens, >= 1024
+        so the 4-byte lane states stay under ~1% of the payload); shorter lanes make small tensors
+        code faster on a GPU (more lanes in parallel, shorter chains) for a slightly larger payload."""
         self.basis = basis
         self.symbols = backend == SYMBOL_CODER
         get_backend(backend)  # an unknown name is a ConfigurationError listing the known ones
         if self.symbols:
             if codec_settings:
                 raise ConfigurationError(f"backend 'rans' does not know the setting(s) {', '.join(sorted(codec_settings))}; "
-                                         "it takes step=, target_cos= and water_fill=")
+                                         "it takes step=, target_cos=, water_fill= and lane_tokens=")
+            if lane_tokens is not None and not (isinstance(lane_tokens, int) and lane_tokens >= 1):
+                raise ConfigurationError(f"lane_tokens must be a positive int, got {lane_tokens!r}")
             if step is not None and target_cos is not None:
                 raise ConfigurationError("backend 'rans' takes exactly one of step= or target_cos=")
             calibrated = None if basis is None else basis.meta.get("rans_step")
@@ -197,7 +203,7 @@ class TensorCodec:
 
             step = float(calibrated) if step is None and target_cos is None else step
             self.quantizer = None if step is None else RDQuantizer(step)
-            self.target_cos, self.water_fill = target_cos, water_fill
+            self.target_cos, self.water_fill, self.lane_tokens = target_cos, water_fill, lane_tokens
             self.backend = None
         else:
             self.backend = get_backend(backend)
@@ -242,7 +248,7 @@ class TensorCodec:
         quantizer = self._step_quantizer(values, coeffs, self._reconstruct)
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
         header, qpar = self._symbols_header(values.shape, dtype, quantizer)
-        return pack(header, {"QPAR": qpar, "DATA": rans.encode(symbols)})
+        return pack(header, {"QPAR": qpar, "DATA": rans.encode(symbols, lane_tokens=self.lane_tokens)})
 
     def _symbols_header(self, shape, dtype: str, quantizer) -> tuple[dict, bytes]:
         """The container header of a compute-codec payload and its QPAR chunk (the CPU and GPU
@@ -426,7 +432,9 @@ def encode_many(codecs, tensors) -> list:
         proj = projs[0] if len(idx) == 1 else _stacked_projection(projs)
         xs = tensors[idx[0]].unsqueeze(0) if len(idx) == 1 else torch.stack([tensors[i] for i in idx])
         sym, (mn, mx, sm), amax = proj.quantize_many(xs, [prepared[i][1].step for i in idx])
-        for j, i in enumerate(idx):  # amax is NaN where a tensor holds NaN/Inf: the coder's guard refuses it
+        finite = torch.isfinite(xs).reshape(len(idx), -1).all(1)  # checked in the coder's one sync, as amax
+        amax = torch.where(finite, amax, torch.full_like(amax, float("inf")))
+        for j, i in enumerate(idx):  # amax is inf where a tensor holds NaN/Inf: the coder's guard refuses it
             symbols[i], stats[i], guards[i] = sym[j], (mn[j], mx[j], sm[j]), amax[j:j + 1]
             keep = prepared[i][1].keep
             if keep is not None and not keep.all():  # water-filling dropped components
@@ -438,6 +446,7 @@ def encode_many(codecs, tensors) -> list:
     blobs = rans_cuda.encode_many_cuda(
         [symbols[i] for i in gpu], stats=[stats[i] for i in gpu], guards=[guards[i] for i in gpu],
         reserve_fronts=fronts, reserve_backs=[4] * len(gpu),  # the trailer of a self-checked chunk is 0
+        lane_tokens=[codecs[i].lane_tokens for i in gpu],
         make_front=lambda j, n: container_prefix(*heads[gpu[j]], "DATA", n))
     for i, blob in zip(gpu, blobs):
         out[i] = blob

@@ -111,7 +111,8 @@ def encode_many_cuda(ts, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = 
                      lane_tokens: int | None = None, stats=None, guards=None, reserve_fronts=None,
                      reserve_backs=None, make_front=None) -> list:
     """encode_cuda() of each tensor of a list: tensors of one shape share every kernel launch (a
-    segment axis in each grid), and one host synchronization serves the whole list. stats,
+    segment axis in each grid), and one host synchronization serves the whole list. lane_tokens:
+    one value, or one per tensor. stats,
     guards, reserve_*: lists of encode_cuda's arguments, one per tensor, or None. make_front(i,
     payload_len) -> bytes: what to write into tensor i's reserved front once its payload's
     length is known (a container's header), else it is zeros. Returns uint8 CUDA tensors, views
@@ -123,11 +124,12 @@ def encode_many_cuda(ts, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = 
     if any(f % 16 for f in fronts):
         raise ValueError(f"reserve_front must be a multiple of 16, got {fronts}")
     ts = [_as_symbols(torch, t) for t in ts]
+    lanes = lane_tokens if isinstance(lane_tokens, (list, tuple)) else [lane_tokens] * n_t
     groups = {}
     for i, t in enumerate(ts):
-        groups.setdefault((tuple(t.shape), str(t.device)), []).append(i)
-    jobs = [_EncodeBatch([ts[i] for i in members], prob_bits, group_lanes, lane_tokens, [stats[i] for i in members],
-                         [guards[i] for i in members]) for members in groups.values()]
+        groups.setdefault((tuple(t.shape), str(t.device), lanes[i]), []).append(i)
+    jobs = [_EncodeBatch([ts[i] for i in members], prob_bits, group_lanes, key[2], [stats[i] for i in members],
+                         [guards[i] for i in members]) for key, members in groups.items()]
     for job in jobs:
         job.code_lanes(min(job.cap, ESCAPES_PER_GROUP))
     summaries = torch.cat([job.scal for job in jobs]).cpu().tolist()  # the host synchronization
