@@ -23,6 +23,7 @@ The basis itself is a per-model artifact and travels separately (PoC 07 measures
 """
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import zlib
@@ -93,6 +94,12 @@ def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
     return header, {tag: blob[a:b] for tag, (a, b) in spans.items()}
 
 
+@functools.lru_cache(maxsize=256)
+def _json_header(raw: bytes) -> dict:
+    """A header JSON parsed once (GPU-resident containers of one layer repeat it); not handed to callers."""
+    return json.loads(raw)
+
+
 def _parse(blob: bytes, total: int, lazy_last: bool = False) -> tuple[dict, dict[str, tuple[int, int]]]:
     """Header and chunk spans (start, end) of a container of `total` bytes whose first len(blob)
     bytes are given; CRCs checked. lazy_last: the last chunk may lie beyond `blob` when it checks
@@ -111,7 +118,7 @@ def _parse(blob: bytes, total: int, lazy_last: bool = False) -> tuple[dict, dict
     (crc,) = struct.unpack_from("<I", blob, end)
     if crc != zlib.crc32(blob[:end]):
         raise BitstreamError("header CRC32 mismatch: the bitstream is corrupt")
-    header = json.loads(blob[9:end])
+    header = _json_header(bytes(blob[9:end])) if lazy_last else json.loads(blob[9:end])
     checks = header.get("checks") or {}
     offset, spans = end + 4, {}
     for i, tag in enumerate(header["chunks"]):
@@ -283,7 +290,8 @@ class TensorCodec:
         return self._proj[1]
 
     def _cuda_prepare(self, x):
-        """Checks a CUDA tensor and readies this codec for it: (projection, quantizer, header, qpar)."""
+        """Checks a CUDA tensor and readies this codec for it: (projection, quantizer, the container's
+        bytes before its payload for a payload of length 0)."""
         dtype = _dtype_name(x)
         if x.dim() != 2 or x.numel() == 0:
             raise InvalidTensorError(f"tensor must be a non-empty 2-D [tokens, channels] tensor, got {tuple(x.shape)}")
@@ -291,8 +299,11 @@ class TensorCodec:
         if self.quantizer is None:
             mean, comps = proj.mean, proj.components.float()
             self._step_quantizer(x.float(), (x.float() - mean) @ comps, lambda c: c @ comps.T + mean)
-        header, qpar = self._symbols_header(x.shape, dtype, self.quantizer)
-        return proj, self.quantizer, header, qpar
+        key = (tuple(x.shape), dtype, self.quantizer.step)
+        if getattr(self, "_front", (None,))[0] != key:  # the same header for every tensor of this shape
+            header, qpar = self._symbols_header(x.shape, dtype, self.quantizer)
+            self._front = (key, container_prefix(header, {"QPAR": qpar}, "DATA", 0))
+        return proj, self.quantizer, self._front[1]
 
     # -- whole tensor --------------------------------------------------------------------------
     def encode(self, x):
@@ -441,13 +452,12 @@ def encode_many(codecs, tensors) -> list:
                 symbols[i] = sym[j].clone()
                 symbols[i][:, torch.as_tensor(~keep, device=sym.device)] = 0
                 stats[i] = None
-    heads = {i: (prepared[i][2], {"QPAR": prepared[i][3]}) for i in gpu}
-    fronts = [len(container_prefix(*heads[i], "DATA", 0)) for i in gpu]
+    fronts = [prepared[i][2] for i in gpu]  # each container's bytes before its payload, for payload length 0
     blobs = rans_cuda.encode_many_cuda(
         [symbols[i] for i in gpu], stats=[stats[i] for i in gpu], guards=[guards[i] for i in gpu],
-        reserve_fronts=fronts, reserve_backs=[4] * len(gpu),  # the trailer of a self-checked chunk is 0
+        reserve_fronts=[len(f) for f in fronts], reserve_backs=[4] * len(gpu),  # a self-checked chunk's trailer: 0
         lane_tokens=[codecs[i].lane_tokens for i in gpu],
-        make_front=lambda j, n: container_prefix(*heads[gpu[j]], "DATA", n))
+        make_front=lambda j, n: fronts[j][:-8] + struct.pack("<Q", n))  # the DATA length ends the prefix
     for i, blob in zip(gpu, blobs):
         out[i] = blob
     return out
