@@ -337,7 +337,8 @@ API_TARGET_COS = 0.999        # the step is calibrated for this on held-out-free
 API_BATCH = 60                # tensors in one batched call: one 30-layer model's K and V of one step
 API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one layer's K of a 1K chunk)
 API_REPEATS = 10              # timed calls per point (median)
-API_BATCH_LANES = [None, 256]  # lane tokens of the batched rows: the default (1024 here), and shorter lanes
+API_BATCH_LANES = [None, 256]
+API_SHORT_LANES_MB = (4, 128)  # single tensors of these sizes also run with 256-token lanes  # lane tokens of the batched rows: the default (1024 here), and shorter lanes
 
 
 def api_source():
@@ -384,10 +385,11 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
 
     print(f"{'path':12s} {'MB':>7s} {'T':>8s} {'ratio':>6s} {'cos':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s} "
           f"{'D2H GB/s':>9s} {'H2D GB/s':>9s}")
-    for mb in sizes_mb:
+    runs = [(mb, None) for mb in sizes_mb] + [(mb, 256) for mb in sizes_mb if API_SHORT_LANES_MB[0] <= mb <= API_SHORT_LANES_MB[1]]
+    for mb, lane_tokens in runs:
         T = max(1, int(round(mb * 1e6 / (2 * D))))
         x = test_t[torch.arange(T) % len(test_t)].cuda()
-        codec = TensorCodec(basis, backend="rans")
+        codec = TensorCodec(basis, backend="rans", lane_tokens=lane_tokens)
         blob = codec.encode(x)
         y = codec.decode(blob, device="cuda")
         q = quality(x.float().cpu().numpy(), y.float().cpu().numpy())
@@ -395,6 +397,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         if q["cos_mean"] < API_TARGET_COS - 5e-4:
             raise SystemExit(f"round trip at {mb} MB gives cos {q['cos_mean']:.5f} < {API_TARGET_COS}")
         nbytes = x.numel() * 2
+        lanes = dict(lane_tokens=lane_tokens or "default")
         t_enc = wall(lambda: codec.encode(x))
         t_dec = wall(lambda: codec.decode(blob, device="cuda"))
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
@@ -403,16 +406,17 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         t_h2d = wall(lambda: flat.copy_(pinned, non_blocking=True))
         ratio = nbytes / blob.numel()
         for metric, t in (("encode_gbps", t_enc), ("decode_gbps", t_dec)):
-            add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D)
-        add("api", "encode_ms", t_enc * 1e3, "ms", mb, tokens=T, channels=D)
-        add("api", "decode_ms", t_dec * 1e3, "ms", mb, tokens=T, channels=D)
-        add("api", "ratio", ratio, "x vs bf16", mb, tokens=T, channels=D)
-        add("api", "cos_mean", q["cos_mean"], "cos", mb, tokens=T, channels=D)
+            add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D, **lanes)
+        add("api", "encode_ms", t_enc * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
+        add("api", "decode_ms", t_dec * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
+        add("api", "ratio", ratio, "x vs bf16", mb, tokens=T, channels=D, **lanes)
+        add("api", "cos_mean", q["cos_mean"], "cos", mb, tokens=T, channels=D, **lanes)
         if same is not None:
-            add("api", "gpu_decode_equals_cpu_decode", float(same), "bool", mb, tokens=T, channels=D)
-        add("pcie_copy", "d2h_gbps", nbytes / t_d2h / 1e9, "GB/s", mb, tokens=T, channels=D)
-        add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, tokens=T, channels=D)
-        print(f"{'api':12s} {mb:7.2f} {T:8d} {ratio:6.2f} {q['cos_mean']:7.4f} {nbytes / t_enc / 1e9:9.2f} "
+            add("api", "gpu_decode_equals_cpu_decode", float(same), "bool", mb, tokens=T, channels=D, **lanes)
+        if lane_tokens is None:
+            add("pcie_copy", "d2h_gbps", nbytes / t_d2h / 1e9, "GB/s", mb, tokens=T, channels=D)
+            add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, tokens=T, channels=D)
+        print(f"{'api S=' + str(lane_tokens or 'def'):12s} {mb:7.2f} {T:8d} {ratio:6.2f} {q['cos_mean']:7.4f} {nbytes / t_enc / 1e9:9.2f} "
               f"{nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} {nbytes / t_h2d / 1e9:9.2f}")
 
     for lane_tokens in API_BATCH_LANES:

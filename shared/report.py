@@ -239,6 +239,8 @@ def api_speed() -> str | None:
     if df is None or "path" not in df or not df.path.isin(["api"]).any():
         return None
     df = df[df.path.isin(["api", "api_batched", "pcie_copy"])]
+    if "lane_tokens" in df:
+        df = df.assign(lane_tokens=df.lane_tokens.fillna("default").astype(str))
 
     def val(path, metric, mb, lanes=None):
         sel = df[(df.path == path) & (df.metric == metric) & (df.tensor_mb.round(4) == round(mb, 4))]
@@ -246,14 +248,21 @@ def api_speed() -> str | None:
             sel = sel[sel.lane_tokens.astype(str) == lanes]
         if path == "pcie_copy" and "batched" in sel:
             sel = sel[sel.batched.isna()] if lanes is None else sel[sel.batched.notna()]
+        elif path == "pcie_copy":
+            sel = sel.head(1)
         return float(sel.value.iloc[0]) if len(sel) else float("nan")
 
     rows = []
-    for mb in sorted(df[df.path == "api"].tensor_mb.unique()):
-        enc, dec = val("api", "encode_gbps", mb), val("api", "decode_gbps", mb)
-        d2h, h2d = val("pcie_copy", "d2h_gbps", mb), val("pcie_copy", "h2d_gbps", mb)
-        rows.append([f"{mb:g}", "one tensor", f"{val('api', 'ratio', mb):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
-                     f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x"])
+    api = df[df.path == "api"]
+    lane_values = sorted(set(api.lane_tokens.astype(str)), key=lambda s: (s != "default", s)) \
+        if "lane_tokens" in api else ["default"]
+    for lanes in lane_values:
+        for mb in sorted(api[api.lane_tokens.astype(str) == lanes].tensor_mb.unique() if "lane_tokens" in api
+                         else api.tensor_mb.unique()):
+            enc, dec = val("api", "encode_gbps", mb, lanes), val("api", "decode_gbps", mb, lanes)
+            d2h, h2d = val("pcie_copy", "d2h_gbps", mb), val("pcie_copy", "h2d_gbps", mb)
+            rows.append([f"{mb:g}", f"one tensor, lane tokens {lanes}", f"{val('api', 'ratio', mb, lanes):.2f}x",
+                         f"{enc:.2f}", f"{dec:.2f}", f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x"])
     batched = df[(df.path == "api_batched") & (df.metric == "encode_gbps")]
     for r in batched.itertuples():
         lanes = str(getattr(r, "lane_tokens", "default"))
