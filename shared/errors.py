@@ -9,6 +9,10 @@ class InvalidTensorError(TensorCodecError, ValueError):
     """The tensor handed in cannot be coded: NaN/Inf, wrong dtype, wrong rank, empty."""
 
 
+class ConfigurationError(TensorCodecError, ValueError):
+    """A setting is out of range or unknown (qp, preset, zstd level, frame_size, a decode limit...)."""
+
+
 class BasisMismatchError(TensorCodecError, ValueError):
     """The basis does not fit the tensor or the bitstream (other D, other content hash)."""
 

@@ -18,34 +18,48 @@ The basis itself is a per-model artifact and travels separately (PoC 07 measures
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 
 import numpy as np
 
 from . import frames as framing
+from . import schema
 from .basis import PCABasis, as_float_matrix
 from .codecs import get_backend
-from .errors import BasisMismatchError, BitstreamError, InvalidTensorError
+from .errors import BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from .quant import PerChannelQuantizer
 
-SYMBOL_CODER = "rans"  # the compute codec: integer symbols, not frames
+SYMBOL_CODER = "rans"
+FLOAT32_HEADROOM = 1e37  # |coefficient| x basis gain the coder accepts (float32 max is 3.4e38)  # the compute codec: integer symbols, not frames
 MAGIC = b"TNSC"
 VERSION = 1
-DTYPES = {"bfloat16", "float16", "float32", "float64"}
+DTYPES = set(schema.FLOAT_DTYPES)
+FRAME_MIN_COS = 0.95  # the frame path refuses a tensor its 8-bit planes alone code below this mean cosine
 
 
 def _dtype_name(x) -> str:
+    if not (isinstance(x, np.ndarray) or (hasattr(x, "detach") and hasattr(x, "dtype"))):
+        raise InvalidTensorError(f"cannot code a {type(x).__name__}: pass a torch.Tensor or numpy.ndarray "
+                                 f"[tokens, channels] of a float dtype ({', '.join(sorted(DTYPES))})")
     name = str(x.dtype).replace("torch.", "")
     if name not in DTYPES:
         raise InvalidTensorError(f"dtype {name} is not supported: pass a float tensor ({', '.join(sorted(DTYPES))})")
     return name
 
 
-def _to_output(values: np.ndarray, dtype: str):
+def _to_output(values: np.ndarray, header: dict):
+    """The decoded values as a torch tensor of the header's dtype and shape, checked finite."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(getattr(torch, dtype))
+    out = torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(getattr(torch, header["dtype"]))
+    if list(out.shape) != header["shape"]:
+        raise BitstreamError(f"decoded shape {tuple(out.shape)} differs from header field 'shape' {header['shape']}")
+    if not bool(torch.isfinite(out).all()):
+        raise BitstreamError(f"decoded values are not finite in {header['dtype']} (chunk 'QPAR' or 'DATA' holds "
+                             "out-of-range parameters): the bitstream is corrupt")
+    return out
 
 
 def pack(header: dict, chunks: dict[str, bytes]) -> bytes:
@@ -61,22 +75,32 @@ def pack(header: dict, chunks: dict[str, bytes]) -> bytes:
     return b"".join(out)
 
 
-def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
+def unpack(blob: bytes, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> tuple[dict, dict[str, bytes]]:
+    """(header, chunks) of a bitstream, every CRC and the header's schema (shared.schema) checked;
+    a header declaring more than max_elements values is refused."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise InvalidTensorError(f"a bitstream is bytes, got {type(blob).__name__}")
     blob = bytes(blob)
     if len(blob) < 9:
         raise BitstreamError(f"bitstream truncated: {len(blob)} bytes is shorter than the fixed header")
     if blob[:4] != MAGIC:
-        raise BitstreamError(f"not a tensor-codec bitstream: magic {blob[:4]!r}, expected {MAGIC!r}")
+        raise BitstreamError(f"not a tensor-codec bitstream (magic {blob[:4]!r}, expected {MAGIC!r}): "
+                             "corrupt, or not ours")
     version, head_len = struct.unpack_from("<BI", blob, 4)
     if version != VERSION:
-        raise BitstreamError(f"bitstream version {version}; this build reads version {VERSION}: upgrade the reader")
+        hint = ("written by a newer build: upgrade the reader" if VERSION < version <= VERSION + 4
+                else "the bitstream is corrupt, or not ours")
+        raise BitstreamError(f"bitstream version {version}; this build reads version {VERSION}: {hint}")
+    if head_len > schema.MAX_HEADER_BYTES:
+        raise BitstreamError(f"header length field says {head_len} bytes (at most {schema.MAX_HEADER_BYTES}): "
+                             "the bitstream is corrupt")
     end = 9 + head_len
     if len(blob) < end + 4:
         raise BitstreamError("bitstream truncated inside its header")
     (crc,) = struct.unpack_from("<I", blob, end)
     if crc != zlib.crc32(blob[:end]):
         raise BitstreamError("header CRC32 mismatch: the bitstream is corrupt")
-    header = json.loads(blob[9:end])
+    header = schema.validate_header(schema.parse_header_json(blob[9:end]), max_elements)
     offset, chunks = end + 4, {}
     for tag in header["chunks"]:
         if offset + 12 > len(blob):
@@ -96,6 +120,7 @@ def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
         offset = start + n + 4
     if offset != len(blob):
         raise BitstreamError(f"{len(blob) - offset} unexpected bytes after the last chunk")
+    schema.check_chunks(header, chunks)
     return header, chunks
 
 
@@ -104,9 +129,14 @@ class TensorCodec:
 
     def __init__(self, basis: PCABasis | None = None, backend: str = "x265", frame_size: int = framing.DEFAULT_FRAME,
                  bits: int = 8, decoder: str | None = None, target_cos: float | None = None,
-                 step: float | None = None, water_fill: bool = True, **codec_settings):
+                 step: float | None = None, water_fill: bool = True, min_cos: float | None = FRAME_MIN_COS,
+                 **codec_settings):
         """decoder: decode with this backend instead of the one that encoded (e.g. "nvdec-hevc" for
         streams made by "x265"); it must read the same stream format.
+
+        min_cos: the frame path refuses (InvalidTensorError) a tensor whose 8-bit planes alone
+        reach a mean cosine below this in coefficient space (an outlier that stretches a channel's
+        range); None turns the check off.
 
         backend="rans" selects the compute codec instead of the frame path: one quantization step
         shared by all components (shared.rdquant; given as `step`, or searched per tensor for
@@ -122,17 +152,46 @@ class TensorCodec:
             self.backend = get_backend(backend)
         self.decoder = get_backend(decoder) if decoder else None
         if bits != 8:
-            raise InvalidTensorError(f"the frame path carries 8-bit planes; got bits={bits}")
+            raise ConfigurationError(f"the frame path carries 8-bit planes; got bits={bits}")
+        if not self.symbols:
+            schema.check_frame_side("frame_size", frame_size)
+        if target_cos is not None and not (isinstance(target_cos, (int, float)) and 0 < target_cos <= 1):
+            raise ConfigurationError(f"target_cos={target_cos!r}: use a cosine in (0, 1]")
+        if min_cos is not None and not (isinstance(min_cos, (int, float)) and -1 <= min_cos <= 1):
+            raise ConfigurationError(f"min_cos={min_cos!r}: use a cosine in [-1, 1], or None to turn the check off")
         self.bits = bits
         self.frame_size = frame_size
+        self.min_cos = min_cos
         self.codec_settings = codec_settings
 
     # -- the stages, exposed so benchmarks can time them separately ---------------------------
-    def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
-        values = as_float_matrix(x)
+    def _project(self, values: np.ndarray) -> np.ndarray:
+        """The coefficients, refused when they or their reconstruction would leave float32."""
         coeffs = self.basis.project(values) if self.basis is not None else values
+        amax = float(np.abs(coeffs).max()) if np.isfinite(coeffs).all() else math.inf
+        gain = 1.0 if self.basis is None else float(np.abs(self.basis.components).sum(1).max())
+        offset = 0.0 if self.basis is None else float(np.abs(self.basis.mean).max())
+        if not amax * gain + offset < FLOAT32_HEADROOM:
+            raise InvalidTensorError(f"values up to {float(np.abs(values).max()):.3g} overflow float32 in the "
+                                     f"projection or its reconstruction (limit about {FLOAT32_HEADROOM:.1e}); "
+                                     "scale the tensor down before coding it")
+        return coeffs
+
+    def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
+        coeffs = self._project(as_float_matrix(x))
         quantizer = PerChannelQuantizer.fit(coeffs, self.bits)
-        return quantizer.quantize(coeffs), quantizer
+        planes = quantizer.quantize(coeffs)
+        if self.min_cos is not None:
+            from .rdquant import quality
+
+            cos = quality(coeffs.astype(np.float64), quantizer.dequantize(planes).astype(np.float64), "cos")
+            if cos < self.min_cos:
+                worst = int(np.argmax(quantizer.step))
+                raise InvalidTensorError(
+                    f"the 8-bit frame path cannot represent this tensor: its planes alone reach cos {cos:.4f} "
+                    f"< min_cos={self.min_cos} (component {worst} spans {float(quantizer.step[worst]) * 255:.3g}: "
+                    "an outlier stretches its range); use backend='rans', clip the outlier, or pass min_cos=None")
+        return planes, quantizer
 
     def from_planes(self, planes: np.ndarray, quantizer: PerChannelQuantizer) -> np.ndarray:
         coeffs = quantizer.dequantize(planes)
@@ -146,7 +205,7 @@ class TensorCodec:
         from .rdquant import RDQuantizer, find_step
 
         values = as_float_matrix(x)
-        coeffs = self.basis.project(values) if self.basis is not None else values
+        coeffs = self._project(values)
         quantizer = RDQuantizer(self.step) if self.step is not None else find_step(
             coeffs, self.target_cos, "cos", reconstruct=self._reconstruct, reference=values,
             water_fill=self.water_fill)
@@ -240,13 +299,17 @@ class TensorCodec:
         }
         return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
 
-    def decode(self, blob: bytes, device=None):
+    def decode(self, blob: bytes, device=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
         """The tensor, as a torch tensor of the encoded dtype. device="cuda": a compute-codec
-        payload is decoded and reconstructed on that GPU; other payloads are decoded here and moved."""
-        header, chunks = unpack(blob)
+        payload is decoded and reconstructed on that GPU; other payloads are decoded here and moved.
+
+        A bitstream is checked against shared.schema before anything is sized from it; one
+        declaring more than max_elements values (or bytes of frames) is refused with BitstreamError,
+        as is every other malformed, inconsistent or corrupt one."""
+        header, chunks = unpack(blob, max_elements)
         if device is not None and str(device).startswith("cuda") and header["quant"]["kind"] == "rd_shared_step":
             return self._decode_symbols_cuda(header, chunks, device)
-        out = _to_output(self.decode_values(header, chunks), header["dtype"])
+        out = _to_output(self.decode_values(header, chunks), header)
         return out if device is None else out.to(device)
 
     def _decode_symbols_cuda(self, header: dict, chunks: dict[str, bytes], device):
@@ -285,7 +348,11 @@ class TensorCodec:
             from .rdquant import RDQuantizer
 
             quantizer = RDQuantizer.from_bytes(chunks["QPAR"])
-            values = self._reconstruct(np.asarray(quantizer.dequantize(rans.decode(chunks["DATA"])), np.float32))
+            if quantizer.step != header["quant"]["step"]:
+                raise BitstreamError(f"chunk 'QPAR' step {quantizer.step} differs from header field 'quant.step' "
+                                     f"{header['quant']['step']}: the bitstream is corrupt")
+            symbols = rans.decode(chunks["DATA"], max_elements=header["shape"][0] * schema.components(header))
+            values = self._reconstruct(np.asarray(quantizer.dequantize(symbols), np.float32))
             if list(values.shape) != header["shape"]:
                 raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
             return values
@@ -295,9 +362,10 @@ class TensorCodec:
                 raise BitstreamError(f"decoder '{self.decoder.name}' cannot read '{backend.name}' payloads "
                                      f"({self.decoder.stream_format} vs {backend.stream_format})")
             backend = self.decoder
-        layout = framing.FrameLayout(**header["frames"])
-        quantizer = PerChannelQuantizer.from_bytes(chunks["QPAR"])
+        layout = schema.frame_layout(header)
+        quantizer = PerChannelQuantizer.from_bytes(chunks["QPAR"], bits=header["quant"]["bits"])
         with backend.decoder(layout.width, layout.height, **header["codec"]["settings"]) as dec:
+            dec.expect_frames(layout.n_frames)
             dec.submit(chunks["DATA"])
             frames = dec.flush()
         if frames.shape[0] != layout.n_frames:
@@ -308,6 +376,6 @@ class TensorCodec:
         return values
 
 
-def read_header(blob: bytes) -> dict:
-    """The header of a bitstream, after checking every CRC in it."""
-    return unpack(blob)[0]
+def read_header(blob: bytes, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> dict:
+    """The header of a bitstream, after checking every CRC in it and its schema."""
+    return unpack(blob, max_elements)[0]
