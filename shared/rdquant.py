@@ -113,7 +113,7 @@ class RDQuantizer:
         if magic != _MAGIC:
             raise BitstreamError(f"not rate-distortion quantizer parameters (magic {magic!r})")
         # the step is applied in float32: it must be a positive, finite float32
-        if not (math.isfinite(step) and np.float32(np.finfo(np.float32).tiny) <= step <= np.finfo(np.float32).max):
+        if not (math.isfinite(step) and float(np.finfo(np.float32).tiny) <= step <= float(np.finfo(np.float32).max)):
             raise BitstreamError(f"quantizer parameters are corrupt: step {step!r} is not a positive finite float32")
         if has_keep > 1 or (not has_keep and (K or len(blob) != _HEAD.size)):
             raise BitstreamError(f"quantizer parameters are corrupt (keep flag {has_keep}, K={K}, "
