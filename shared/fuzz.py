@@ -537,6 +537,7 @@ class Summary:
     max_peak_mib: float = 0.0
     max_memory_ratio: float = 0.0
     failures: list = field(default_factory=list)
+    other_errors: list = field(default_factory=list)  # library errors that are not BitstreamError
 
     def failed(self) -> int:
         return (self.non_library_exceptions + self.memory_errors + self.worker_deaths + self.hangs
@@ -593,6 +594,8 @@ def _tally(s: Summary, kind: str, blob: bytes, seed: Seed, res: dict) -> None:
             s.rejected_bitstream += 1
         else:
             s.rejected_other_library += 1
+            if len(s.other_errors) < 5:
+                s.other_errors.append((kind, seed.name, res["error"]))
     elif outcome == "memory":
         s.memory_errors += 1
         bad = res["error"]
@@ -643,7 +646,7 @@ def main():
         print(f"{s.backend:5s} cases {s.cases}  accepted {s.accepted}  rejected {s.rejected_bitstream}"
               f"+{s.rejected_other_library}  failures {s.failed()}  max {s.max_decode_s:.2f} s  "
               f"{s.max_peak_mib:.1f} MiB  ratio {s.max_memory_ratio:.2f}")
-        for f in s.failures:
+        for f in s.failures + s.other_errors:
             print("   ", *f)
     if not args.quick:
         res.save()

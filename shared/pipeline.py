@@ -78,8 +78,13 @@ def pack(header: dict, chunks: dict[str, bytes]) -> bytes:
 def unpack(blob: bytes, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> tuple[dict, dict[str, bytes]]:
     """(header, chunks) of a bitstream, every CRC and the header's schema (shared.schema) checked;
     a header declaring more than max_elements values is refused."""
+    if hasattr(blob, "detach") and hasattr(blob, "cpu"):  # a uint8 torch tensor, CPU or CUDA
+        blob = blob.detach().cpu().numpy()
+    if isinstance(blob, np.ndarray) and blob.dtype == np.uint8 and blob.ndim == 1:
+        blob = blob.tobytes()
     if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise InvalidTensorError(f"a bitstream is bytes, got {type(blob).__name__}")
+        raise InvalidTensorError(f"a bitstream is bytes or a 1-D uint8 array/tensor, got {type(blob).__name__} "
+                                 f"{getattr(blob, 'dtype', '')}")
     blob = bytes(blob)
     if len(blob) < 9:
         raise BitstreamError(f"bitstream truncated: {len(blob)} bytes is shorter than the fixed header")

@@ -76,11 +76,13 @@ def parse_header_json(raw: bytes) -> dict:
     if len(raw) > MAX_HEADER_BYTES:
         raise BitstreamError(f"header is {len(raw)} bytes, more than {MAX_HEADER_BYTES}: the bitstream is corrupt")
     # nesting is bounded before parsing: the parser recurses once per bracket
-    opened = max((raw.count(b"[") + raw.count(b"{")), 0)
+    opened = raw.count(b"[") + raw.count(b"{")
     if opened > 4 * MAX_SETTINGS + 16:
         raise BitstreamError(f"header holds {opened} brackets; the bitstream is corrupt")
     try:
         header = json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constant)
+    except BitstreamError:
+        raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise BitstreamError(f"header is not valid JSON ({type(e).__name__}: {e}); the bitstream is corrupt") from None
     if not isinstance(header, dict):
@@ -235,7 +237,10 @@ def check_chunks(header: dict, chunks: dict[str, bytes]) -> None:
     from .codecs import rans
 
     T = header["shape"][0]
-    inner = rans.read_header(data, max_elements=T * K)
+    try:
+        inner = rans.read_header(data, max_elements=T * K)
+    except BitstreamError as e:
+        raise BitstreamError(f"chunk 'DATA': {e}") from None
     if (inner.T, inner.K) != (T, K):
         raise BitstreamError(f"chunk 'DATA' codes a {inner.T} x {inner.K} rANS matrix, the header's shape and basis "
                              f"say {T} x {K}; the bitstream is corrupt")

@@ -388,6 +388,7 @@ def _validate_symbols(symbols) -> np.ndarray:
     return np.ascontiguousarray(symbols)
 
 
+MAX_LANE_TOKENS = 1 << 14  # tokens per lane: a decoder's steps are sequential, so both coders bound them
 TABLE_ENTRIES_PER_VALUE = 16  # decoding tables (K x 2^prob_bits entries) may exceed this many per value...
 MAX_TABLE_ENTRIES = 1 << 24  # ...only up to this many in all: bounds a decoder's table memory by the output
 
@@ -404,6 +405,8 @@ def _check_settings(prob_bits, group_lanes, lane_tokens, T):
         raise InvalidTensorError(f"group_lanes must be a power of two up to 1024, got {group_lanes}")
     if lane_tokens < 1:
         raise InvalidTensorError(f"lane_tokens must be >= 1, got {lane_tokens}")
+    if min(int(lane_tokens), T) > MAX_LANE_TOKENS:
+        raise InvalidTensorError(f"lane_tokens={lane_tokens}: at most {MAX_LANE_TOKENS} (a decoder refuses longer lanes)")
     return min(int(lane_tokens), T)
 
 
@@ -990,7 +993,7 @@ def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int, max_elements:
                              + (": written by a newer build, upgrade the reader" if newer
                                 else ": the payload is corrupt or not ours"))
     fields = dict(prob_bits=(n, 10 <= n <= 15), group_lanes=(G, 1 <= G <= 1024 and G & (G - 1) == 0),
-                  T=(T, T >= 1), K=(K, K >= 1), lane_tokens=(S, 1 <= S <= T), reserved=(reserved, reserved == 0),
+                  T=(T, T >= 1), K=(K, K >= 1), lane_tokens=(S, 1 <= S <= min(T, MAX_LANE_TOKENS)), reserved=(reserved, reserved == 0),
                   n_escapes=(n_esc, n_esc <= T * K), k_coded=(k_coded, k_coded <= K), n_param=(n_param, n_param <= K),
                   lo_bytes=(lo_bytes, lo_bytes in (1, 2, 4)), w_bytes=(w_bytes, w_bytes in (1, 2)))
     bad = [f"{name}={value}" for name, (value, ok) in fields.items() if not ok]
