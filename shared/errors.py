@@ -10,7 +10,8 @@ class InvalidTensorError(TensorCodecError, ValueError):
 
 
 class ConfigurationError(TensorCodecError, ValueError):
-    """A codec was set up wrongly: an unknown backend or setting, a value out of range, a missing step."""
+    """A codec was set up wrongly: an unknown backend or setting, a value out of range (qp, preset, zstd
+    level, frame_size, a decode limit), a missing step."""
 
 
 class BasisMismatchError(TensorCodecError, ValueError):

@@ -25,37 +25,51 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import struct
 import zlib
 
 import numpy as np
 
 from . import frames as framing
+from . import schema
 from .basis import PCABasis, as_float_matrix
 from .codecs import get_backend
 from .errors import BackendUnavailable, BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from .quant import PerChannelQuantizer
 
 SYMBOL_CODER = "rans"  # the compute codec: integer symbols, not frames
+FLOAT32_HEADROOM = 1e37  # |coefficient| x basis gain the coder accepts (float32 max is 3.4e38)
 MAGIC = b"TNSC"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 SELF_CHECKED = "payload"  # header["checks"][tag]: the chunk's payload verifies itself (no CRC32)
 PAYLOAD_ALIGN = 16  # the last chunk's payload starts at a multiple of this many bytes
-DTYPES = {"bfloat16", "float16", "float32", "float64"}
+DTYPES = set(schema.FLOAT_DTYPES)
+FRAME_MIN_COS = 0.95  # the frame path refuses a tensor its 8-bit planes alone code below this mean cosine
 
 
 def _dtype_name(x) -> str:
+    if not (isinstance(x, np.ndarray) or (hasattr(x, "detach") and hasattr(x, "dtype"))):
+        raise InvalidTensorError(f"cannot code a {type(x).__name__}: pass a torch.Tensor or numpy.ndarray "
+                                 f"[tokens, channels] of a float dtype ({', '.join(sorted(DTYPES))})")
     name = str(x.dtype).replace("torch.", "")
     if name not in DTYPES:
         raise InvalidTensorError(f"dtype {name} is not supported: pass a float tensor ({', '.join(sorted(DTYPES))})")
     return name
 
 
-def _to_output(values: np.ndarray, dtype: str):
+def _to_output(values: np.ndarray, header: dict):
+    """The decoded values as a torch tensor of the header's dtype and shape, checked finite."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(getattr(torch, dtype))
+    out = torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(getattr(torch, header["dtype"]))
+    if list(out.shape) != header["shape"]:
+        raise BitstreamError(f"decoded shape {tuple(out.shape)} differs from header field 'shape' {header['shape']}")
+    if not bool(torch.isfinite(out).all()):
+        raise BitstreamError(f"decoded values are not finite in {header['dtype']} (chunk 'QPAR' or 'DATA' holds "
+                             "out-of-range parameters): the bitstream is corrupt")
+    return out
 
 
 def _chunk_head(tag: str, n: int) -> bytes:
@@ -88,37 +102,53 @@ def pack(header: dict, chunks: dict[str, bytes]) -> bytes:
             + struct.pack("<I", trailer))
 
 
-def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
-    blob = bytes(blob)
-    header, spans = _parse(blob, len(blob))
-    return header, {tag: blob[a:b] for tag, (a, b) in spans.items()}
+def unpack(blob, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> tuple[dict, dict[str, bytes]]:
+    """(header, chunks) of a bitstream (bytes-like or a 1-D uint8 array/tensor), every CRC and the
+    header's schema (shared.schema) checked; a header declaring more than max_elements values is refused."""
+    blob = _host_bytes(blob)
+    header, spans = _parse(blob, len(blob), max_elements=max_elements)
+    chunks = {tag: blob[a:b] for tag, (a, b) in spans.items()}
+    schema.check_chunks(header, chunks)
+    return header, chunks
+
+
+def _checked_header(raw: bytes, max_elements: int) -> dict:
+    return schema.validate_header(schema.parse_header_json(raw), max_elements)
 
 
 @functools.lru_cache(maxsize=256)
-def _json_header(raw: bytes) -> dict:
-    """A header JSON parsed once (GPU-resident containers of one layer repeat it); not handed to callers."""
-    return json.loads(raw)
+def _cached_header(raw: bytes, max_elements: int) -> dict:
+    """A header parsed and validated once (GPU-resident containers of one layer repeat it); never
+    handed to callers, who could change it."""
+    return _checked_header(raw, max_elements)
 
 
-def _parse(blob: bytes, total: int, lazy_last: bool = False) -> tuple[dict, dict[str, tuple[int, int]]]:
+def _parse(blob: bytes, total: int, lazy_last: bool = False,
+           max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> tuple[dict, dict[str, tuple[int, int]]]:
     """Header and chunk spans (start, end) of a container of `total` bytes whose first len(blob)
     bytes are given; CRCs checked. lazy_last: the last chunk may lie beyond `blob` when it checks
     itself (a GPU-resident container read from its prefix only)."""
     if len(blob) < 9:
         raise BitstreamError(f"bitstream truncated: {len(blob)} bytes is shorter than the fixed header")
     if blob[:4] != MAGIC:
-        raise BitstreamError(f"not a tensor-codec bitstream: magic {blob[:4]!r}, expected {MAGIC!r}")
+        raise BitstreamError(f"not a tensor-codec bitstream (magic {blob[:4]!r}, expected {MAGIC!r}): "
+                             "corrupt, or not ours")
     version, head_len = struct.unpack_from("<BI", blob, 4)
     if version not in READABLE_VERSIONS:
-        raise BitstreamError(f"bitstream version {version}; this build reads versions {READABLE_VERSIONS}: "
-                             "the blob is corrupt, or was written by a newer build")
+        hint = ("written by a newer build: upgrade the reader" if VERSION < version <= VERSION + 4
+                else "the bitstream is corrupt, or not ours")
+        raise BitstreamError(f"bitstream version {version}; this build reads versions {READABLE_VERSIONS}: {hint}")
+    if head_len > schema.MAX_HEADER_BYTES:
+        raise BitstreamError(f"header length field says {head_len} bytes (at most {schema.MAX_HEADER_BYTES}): "
+                             "the bitstream is corrupt")
     end = 9 + head_len
     if len(blob) < end + 4:
         raise BitstreamError("bitstream truncated inside its header")
     (crc,) = struct.unpack_from("<I", blob, end)
     if crc != zlib.crc32(blob[:end]):
         raise BitstreamError("header CRC32 mismatch: the bitstream is corrupt")
-    header = _json_header(bytes(blob[9:end])) if lazy_last else json.loads(blob[9:end])
+    raw = bytes(blob[9:end])
+    header = _cached_header(raw, max_elements) if lazy_last else _checked_header(raw, max_elements)
     checks = header.get("checks") or {}
     offset, spans = end + 4, {}
     for i, tag in enumerate(header["chunks"]):
@@ -176,7 +206,7 @@ class TensorCodec:
     def __init__(self, basis: PCABasis | None = None, backend: str = "x265", frame_size: int = framing.DEFAULT_FRAME,
                  bits: int = 8, decoder: str | None = None, target_cos: float | None = None,
                  step: float | None = None, water_fill: bool = False, lane_tokens: int | None = None,
-                 **codec_settings):
+                 min_cos: float | None = FRAME_MIN_COS, **codec_settings):
         """decoder: decode with this backend instead of the one that encoded (e.g. "nvdec-hevc" for
         streams made by "x265"); it must read the same stream format.
 
@@ -188,7 +218,11 @@ class TensorCodec:
         water_fill drops components whose variance is below step^2 / 12 (helps diffusion activations).
         lane_tokens: tokens per rANS lane (default: shared.codecs.rans.default_lane_tokens, >= 1024
         so the 4-byte lane states stay under ~1% of the payload); shorter lanes make small tensors
-        code faster on a GPU (more lanes in parallel, shorter chains) for a slightly larger payload."""
+        code faster on a GPU (more lanes in parallel, shorter chains) for a slightly larger payload.
+
+        min_cos: the frame path refuses (InvalidTensorError) a tensor whose 8-bit planes alone
+        reach a mean cosine below this in coefficient space (an outlier that stretches a channel's
+        range); None turns the check off."""
         self.basis = basis
         self.symbols = backend == SYMBOL_CODER
         get_backend(backend)  # an unknown name is a ConfigurationError listing the known ones
@@ -204,8 +238,8 @@ class TensorCodec:
             if step is None and target_cos is None and calibrated is None:
                 raise ConfigurationError("backend 'rans' needs exactly one of step= or target_cos=, or a basis calibrated "
                                          "with shared.rdquant.calibrate_step (which stores the step in the basis)")
-            if target_cos is not None and not 0 < target_cos < 1:
-                raise ConfigurationError(f"target_cos must lie in (0, 1), got {target_cos}")
+            if target_cos is not None and not (isinstance(target_cos, (int, float)) and 0 < target_cos <= 1):
+                raise ConfigurationError(f"target_cos={target_cos!r}: use a cosine in (0, 1]")
             from .rdquant import RDQuantizer
 
             step = float(calibrated) if step is None and target_cos is None else step
@@ -217,17 +251,44 @@ class TensorCodec:
         self.decoder = get_backend(decoder) if decoder else None
         if bits != 8:
             raise ConfigurationError(f"the frame path carries 8-bit planes; got bits={bits}")
+        if not self.symbols:
+            schema.check_frame_side("frame_size", frame_size)
+        if min_cos is not None and not (isinstance(min_cos, (int, float)) and -1 <= min_cos <= 1):
+            raise ConfigurationError(f"min_cos={min_cos!r}: use a cosine in [-1, 1], or None to turn the check off")
+        self.min_cos = min_cos
         self.bits = bits
         self.frame_size = frame_size
         self.codec_settings = codec_settings
         self._proj = None
 
     # -- the stages, exposed so benchmarks can time them separately ---------------------------
-    def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
-        values = as_float_matrix(x)
+    def _project(self, values: np.ndarray) -> np.ndarray:
+        """The coefficients, refused when they or their reconstruction would leave float32."""
         coeffs = self.basis.project(values) if self.basis is not None else values
+        amax = float(np.abs(coeffs).max()) if np.isfinite(coeffs).all() else math.inf
+        gain = 1.0 if self.basis is None else float(np.abs(self.basis.components).sum(1).max())
+        offset = 0.0 if self.basis is None else float(np.abs(self.basis.mean).max())
+        if not amax * gain + offset < FLOAT32_HEADROOM:
+            raise InvalidTensorError(f"values up to {float(np.abs(values).max()):.3g} overflow float32 in the "
+                                     f"projection or its reconstruction (limit about {FLOAT32_HEADROOM:.1e}); "
+                                     "scale the tensor down before coding it")
+        return coeffs
+
+    def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
+        coeffs = self._project(as_float_matrix(x))
         quantizer = PerChannelQuantizer.fit(coeffs, self.bits)
-        return quantizer.quantize(coeffs), quantizer
+        planes = quantizer.quantize(coeffs)
+        if self.min_cos is not None:
+            from .rdquant import quality
+
+            cos = quality(coeffs.astype(np.float64), quantizer.dequantize(planes).astype(np.float64), "cos")
+            if cos < self.min_cos:
+                worst = int(np.argmax(quantizer.step))
+                raise InvalidTensorError(
+                    f"the 8-bit frame path cannot represent this tensor: its planes alone reach cos {cos:.4f} "
+                    f"< min_cos={self.min_cos} (component {worst} spans {float(quantizer.step[worst]) * 255:.3g}: "
+                    "an outlier stretches its range); use backend='rans', clip the outlier, or pass min_cos=None")
+        return planes, quantizer
 
     def from_planes(self, planes: np.ndarray, quantizer: PerChannelQuantizer) -> np.ndarray:
         coeffs = quantizer.dequantize(planes)
@@ -251,7 +312,7 @@ class TensorCodec:
         from .codecs import rans
 
         values = as_float_matrix(x)
-        coeffs = self.basis.project(values) if self.basis is not None else values
+        coeffs = self._project(values)
         quantizer = self._step_quantizer(values, coeffs, self._reconstruct)
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
         header, qpar = self._symbols_header(values.shape, dtype, quantizer)
@@ -337,12 +398,16 @@ class TensorCodec:
         }
         return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
 
-    def decode(self, blob, device=None):
+    def decode(self, blob, device=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
         """The tensor, as a torch tensor of the encoded dtype. blob: bytes-like, or a uint8 tensor
         (CPU or CUDA) holding a container. device="cuda": a compute-codec payload is decoded and
         reconstructed on that GPU (a container already there is read in place); other payloads are
-        decoded here and moved."""
-        return decode_many([self], [blob], device=device)[0]
+        decoded here and moved.
+
+        A bitstream is checked against shared.schema before anything is sized from it; one
+        declaring more than max_elements values (or bytes of frames) is refused with BitstreamError,
+        as is every other malformed, inconsistent or corrupt one."""
+        return decode_many([self], [blob], device=device, max_elements=max_elements)[0]
 
     def measure(self, x) -> dict:
         """Encode and decode x; the ratio vs bf16 and the quality this tensor gets (shared.metrics)."""
@@ -369,10 +434,10 @@ class TensorCodec:
         self._check_basis(header)
         if header["quant"]["kind"] == "rd_shared_step":
             from .codecs import rans
-            from .rdquant import RDQuantizer
 
-            quantizer = RDQuantizer.from_bytes(chunks["QPAR"])
-            values = self._reconstruct(np.asarray(quantizer.dequantize(rans.decode(chunks["DATA"])), np.float32))
+            quantizer = _step_quantizer_of(header, chunks["QPAR"])
+            symbols = rans.decode(chunks["DATA"], max_elements=header["shape"][0] * schema.components(header))
+            values = self._reconstruct(np.asarray(quantizer.dequantize(symbols), np.float32))
             if list(values.shape) != header["shape"]:
                 raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
             return values
@@ -382,9 +447,10 @@ class TensorCodec:
                 raise BitstreamError(f"decoder '{self.decoder.name}' cannot read '{backend.name}' payloads "
                                      f"({self.decoder.stream_format} vs {backend.stream_format})")
             backend = self.decoder
-        layout = framing.FrameLayout(**header["frames"])
-        quantizer = PerChannelQuantizer.from_bytes(chunks["QPAR"])
+        layout = schema.frame_layout(header)
+        quantizer = PerChannelQuantizer.from_bytes(chunks["QPAR"], bits=header["quant"]["bits"])
         with backend.decoder(layout.width, layout.height, **header["codec"]["settings"]) as dec:
+            dec.expect_frames(layout.n_frames)
             dec.submit(chunks["DATA"])
             frames = dec.flush()
         if frames.shape[0] != layout.n_frames:
@@ -475,7 +541,7 @@ def _host_bytes(blob) -> bytes:
     return bytes(blob)
 
 
-def decode_many(codecs, blobs, device=None) -> list:
+def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> list:
     """decode() of blobs[i] with codecs[i]. With device="cuda", compute-codec containers are
     decoded on the GPU, payloads of one shape together in one launch per kernel: containers
     already there are read in place (their headers reach the host in one copy for the whole
@@ -498,19 +564,20 @@ def decode_many(codecs, blobs, device=None) -> list:
     out, jobs = [None] * len(blobs), []  # jobs: (index, header, qpar, payload on the GPU, its first bytes)
     for i, (codec, blob) in enumerate(zip(codecs, blobs)):
         if i in heads:
-            header, spans = _parse_resident(blob, heads[i], blob.numel())
+            header, spans = _parse_resident(blob, heads[i], blob.numel(), max_elements)
             (qa, qb), (a, b) = spans.get("QPAR", (0, 0)), spans["DATA"]
             if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(heads[i]) and qb <= len(heads[i]):
+                schema.check_chunks(header, {"QPAR": heads[i][qa:qb], "DATA": heads[i][a:a + 64]}, data_len=b - a)
                 jobs.append((i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64]))
                 continue
-        header, chunks = unpack(_host_bytes(blob))
+        header, chunks = unpack(blob, max_elements)
         if on_gpu and header["quant"]["kind"] == "rd_shared_step":
             from .codecs import rans_cuda
 
             data = chunks["DATA"]
             jobs.append((i, header, chunks["QPAR"], rans_cuda.pinned(data).to(device, non_blocking=True), data[:64]))
         else:
-            values = _to_output(codec.decode_values(header, chunks), header["dtype"])
+            values = _to_output(codec.decode_values(header, chunks), header)
             out[i] = values if device is None else values.to(device)
     if jobs:
         _decode_symbols_cuda(codecs, jobs, out)
@@ -523,13 +590,12 @@ def _decode_symbols_cuda(codecs, jobs, out):
     import torch
 
     from .codecs import rans_cuda
-    from .rdquant import RDQuantizer
-
     quantizers = []
     for i, header, qpar, payload, head in jobs:
         codecs[i]._check_basis(header)
-        quantizers.append(RDQuantizer.from_bytes(qpar))
-    symbols, err = rans_cuda.decode_many_cuda([j[3] for j in jobs], [j[4] for j in jobs], check=False)
+        quantizers.append(_step_quantizer_of(header, qpar))
+    symbols, err = rans_cuda.decode_many_cuda([j[3] for j in jobs], [j[4] for j in jobs], check=False,
+                                              max_elements=[j[1]["shape"][0] * schema.components(j[1]) for j in jobs])
     projs = []
     for (i, header, _, payload, _), sym in zip(jobs, symbols):
         proj = codecs[i]._projection(header["shape"][1], payload.device)
@@ -547,6 +613,9 @@ def _decode_symbols_cuda(codecs, jobs, out):
         else:
             values = [((symbols[j].float() * quantizers[j].step) @ projs[j].components_t.float() + projs[j].mean).to(
                 getattr(torch, jobs[j][1]["dtype"])) for j in group]
+        finite = torch.stack([torch.isfinite(v).all() for v in values]) if len(group) > 1 else \
+            torch.isfinite(values[0]).all().view(1)
+        err[group] |= (~finite).to(err.dtype)  # non-finite output (out-of-range parameters) is corruption too
         for j, v in zip(group, values):
             out[jobs[j][0]] = v
     bad = err.cpu()  # the one host synchronization
@@ -554,17 +623,28 @@ def _decode_symbols_cuda(codecs, jobs, out):
         raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])][0]} of the list)")
 
 
-def _parse_resident(blob, head: bytes, total: int):
+def _parse_resident(blob, head: bytes, total: int, max_elements: int):
     """Header and chunk spans of a GPU-resident container from its first bytes (more are read when
     the header is longer than PREFIX_READ)."""
     try:
-        return _parse(head, total, lazy_last=True)
+        return _parse(head, total, lazy_last=True, max_elements=max_elements)
     except BitstreamError:
         if len(head) >= total:
             raise
-        return _parse(bytes(blob.cpu().numpy()), total, lazy_last=True)
+        return _parse(bytes(blob.cpu().numpy()), total, lazy_last=True, max_elements=max_elements)
 
 
-def read_header(blob) -> dict:
-    """The header of a bitstream (bytes-like or a uint8 tensor), after checking every CRC in it."""
-    return unpack(_host_bytes(blob))[0]
+def read_header(blob, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> dict:
+    """The header of a bitstream (bytes-like or a uint8 tensor), after checking every CRC in it and its schema."""
+    return unpack(blob, max_elements)[0]
+
+
+def _step_quantizer_of(header: dict, qpar: bytes):
+    """The compute codec's quantizer from chunk QPAR, which must agree with the header's step."""
+    from .rdquant import RDQuantizer
+
+    quantizer = RDQuantizer.from_bytes(qpar)
+    if quantizer.step != header["quant"]["step"]:
+        raise BitstreamError(f"chunk 'QPAR' step {quantizer.step} differs from header field 'quant.step' "
+                             f"{header['quant']['step']}: the bitstream is corrupt")
+    return quantizer

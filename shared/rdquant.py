@@ -11,7 +11,9 @@ theory. The symbols are integers of any range (int32), coded per component by sh
     blob = q.to_bytes(); RDQuantizer.from_bytes(blob)
 
 `water_fill=True` also drops (zeroes) whole components whose variance is below the distortion
-level step^2/12, so they cost nothing; PoC 06 measures whether that wins.
+level step^2/12, so they cost nothing; PoC 06 measures whether that wins. It never drops every
+component: where all variances are below it (one token, a constant tensor), components keep by
+their mean square instead (at least the largest one).
 """
 from __future__ import annotations
 
@@ -110,6 +112,12 @@ class RDQuantizer:
         magic, step, K, has_keep = _HEAD.unpack(blob[:_HEAD.size])
         if magic != _MAGIC:
             raise BitstreamError(f"not rate-distortion quantizer parameters (magic {magic!r})")
+        # the step is applied in float32: it must be a positive, finite float32
+        if not (math.isfinite(step) and float(np.finfo(np.float32).tiny) <= step <= float(np.finfo(np.float32).max)):
+            raise BitstreamError(f"quantizer parameters are corrupt: step {step!r} is not a positive finite float32")
+        if has_keep > 1 or (not has_keep and (K or len(blob) != _HEAD.size)):
+            raise BitstreamError(f"quantizer parameters are corrupt (keep flag {has_keep}, K={K}, "
+                                 f"{len(blob)} bytes)")
         keep = None
         if has_keep:
             bits = np.frombuffer(blob[_HEAD.size:], np.uint8)
@@ -196,6 +204,7 @@ def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable 
             raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
         ref = recon(c) if reference is None else reference
         var = c.double().var(0, unbiased=False).cpu().numpy()
+        msq = c.double().pow(2).mean(0).cpu().numpy()
         rms = float(c.double().pow(2).mean().sqrt())
         cmax = float(c.abs().max())
     else:
@@ -207,6 +216,7 @@ def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable 
         c = c.astype(np.float32)
         ref = _to_np64(recon(c) if reference is None else reference)
         var = c.astype(np.float64).var(0)
+        msq = (c.astype(np.float64) ** 2).mean(0)
         rms = float(np.sqrt((c.astype(np.float64) ** 2).mean()))
         cmax = float(np.abs(c).max())
     if rms == 0:
@@ -214,6 +224,9 @@ def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable 
 
     def make(step):
         keep = var >= step * step / 12 if water_fill else None
+        if keep is not None and not keep.any():  # never drop everything (one token, a constant tensor):
+            keep = msq >= step * step / 12  # then keep what the quantizer sees, energy about zero
+            keep[int(np.argmax(msq))] = True
         return RDQuantizer(step, keep)
 
     def score(step):

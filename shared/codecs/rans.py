@@ -78,6 +78,7 @@ import struct
 import numpy as np
 
 from ..errors import BitstreamError, InvalidTensorError
+from ..schema import DEFAULT_MAX_ELEMENTS
 
 MAGIC = b"TRNS"
 VERSION = 3  # 3: parametric tables; 2: escapes per group in coding order (1: row-major, needed a sort)
@@ -386,6 +387,16 @@ def _validate_symbols(symbols) -> np.ndarray:
     return np.ascontiguousarray(symbols)
 
 
+MAX_LANE_TOKENS = 1 << 14  # tokens per lane: a decoder's steps are sequential, so both coders bound them
+TABLE_ENTRIES_PER_VALUE = 16  # decoding tables (K x 2^prob_bits entries) may exceed this many per value...
+MAX_TABLE_ENTRIES = 1 << 24  # ...only up to this many in all: bounds a decoder's table memory by the output
+
+
+def table_budget_ok(T: int, K: int, prob_bits: int) -> bool:
+    """Whether the decoding tables of a [T, K] payload stay within the budget both coders enforce."""
+    return K << prob_bits <= max(TABLE_ENTRIES_PER_VALUE * T * K, MAX_TABLE_ENTRIES)
+
+
 def _check_settings(prob_bits, group_lanes, lane_tokens, T):
     if not 10 <= prob_bits <= 15:
         raise InvalidTensorError(f"prob_bits must be 10..15, got {prob_bits}")
@@ -393,6 +404,8 @@ def _check_settings(prob_bits, group_lanes, lane_tokens, T):
         raise InvalidTensorError(f"group_lanes must be a power of two up to 1024, got {group_lanes}")
     if lane_tokens < 1:
         raise InvalidTensorError(f"lane_tokens must be >= 1, got {lane_tokens}")
+    if min(int(lane_tokens), T) > MAX_LANE_TOKENS:
+        raise InvalidTensorError(f"lane_tokens={lane_tokens}: at most {MAX_LANE_TOKENS} (a decoder refuses longer lanes)")
     return min(int(lane_tokens), T)
 
 
@@ -420,6 +433,10 @@ def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes:
     sym = _validate_symbols(symbols)
     T, K = sym.shape
     S = _check_settings(prob_bits, group_lanes, lane_tokens or default_lane_tokens(T, K), T)
+    if not table_budget_ok(T, K, prob_bits):
+        raise InvalidTensorError(f"{K} components of {T} tokens need {K << prob_bits} table entries, beyond what a "
+                                 f"decoder accepts ({MAX_TABLE_ENTRIES}); code more tokens per payload or fewer "
+                                 "components, or lower prob_bits")
     n, M, G = prob_bits, 1 << prob_bits, group_lanes
     lo, W, esc, codes, model, scale, mu16 = _tables_cpu(sym, prob_bits)
     A = W + esc
@@ -532,9 +549,9 @@ def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, model, scale, mu16, gro
 class Parsed:
     """Header and meta of a payload, validated against the checksum; arrays are numpy."""
 
-    def __init__(self, payload: bytes):
+    def __init__(self, payload: bytes, max_elements: int | None = None):
         mv = memoryview(payload)
-        _parse_header_only(self, bytes(mv[:HEADER.size]), len(mv))
+        _parse_header_only(self, bytes(mv[:HEADER.size]), len(mv), max_elements)
         lay, n, K = self.layout, self.prob_bits, self.K
         if checksum(mv[:CHECKED_HEADER_BYTES], mv[HEADER.size:]) != (self.check0, self.check1):
             raise BitstreamError("rANS payload checksum mismatch: the payload is corrupt")
@@ -578,18 +595,19 @@ class Parsed:
         return _component_weights(codes, self.model, self.scale, self.mu16, self.W, self.esc)
 
 
-def parse(payload) -> Parsed:
+def parse(payload, max_elements: int | None = None) -> Parsed:
     """Read and validate the header and meta of a payload, checksum included (no decoding)."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise InvalidTensorError(f"payload must be bytes, got {type(payload).__name__}")
-    return Parsed(payload)
+    return Parsed(payload, max_elements)
 
 
-def decode(payload) -> np.ndarray:
-    """Inverse of encode (and of encode_cuda): payload bytes -> int32 [T, K]."""
+def decode(payload, max_elements: int | None = None) -> np.ndarray:
+    """Inverse of encode (and of encode_cuda): payload bytes -> int32 [T, K]. A payload declaring
+    more than max_elements values (default schema.DEFAULT_MAX_ELEMENTS) is refused before decoding."""
     if isinstance(payload, np.ndarray):
         payload = payload.tobytes()
-    hdr = parse(payload)
+    hdr = parse(payload, max_elements)
     lay, n, G, S, K, T = hdr.layout, hdr.prob_bits, hdr.G, hdr.S, hdr.K, hdr.T
     M, P, NL, NG = 1 << n, lay.P, lay.n_lanes, lay.n_groups
     freq, cum = normalize_weights(hdr.weights(), n)
@@ -598,7 +616,7 @@ def decode(payload) -> np.ndarray:
     freq = np.concatenate([freq, np.zeros((1, A1), np.int64)])
     freq[K, 0] = M
     cum = np.concatenate([cum, np.zeros((1, A1), np.int64)])
-    lut = np.repeat(np.tile(np.arange(A1, dtype=np.int64), K + 1), freq.ravel())  # [(K+1) * M]
+    lut = np.repeat(np.tile(np.arange(A1, dtype=np.int16), K + 1), freq.ravel())  # [(K+1) * M], A1 <= 2^13
     freq, cum = freq.ravel(), cum.ravel()
 
     mv = memoryview(payload)
@@ -680,26 +698,55 @@ def entropy_bound_bytes(symbols) -> float:
     return float(-(counts * np.log2(counts / T)).sum() / 8)
 
 
-def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int) -> None:
+def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int, max_elements: int | None = None) -> None:
+    """The 56-byte header, checked before anything is sized from it (shared by the CPU and GPU
+    decoders, so both reject the same payloads): every field in range, T x K within the caller's
+    limit max_elements (default schema.DEFAULT_MAX_ELEMENTS), and the sections it implies adding up
+    to the payload's length, which bounds K, the lanes, groups, tables, escapes and stream words
+    by the bytes received. (T itself is bounded only by the limit: a component of one symbol, or a
+    table giving one symbol all of 2^n, codes any number of tokens in no bits.)"""
+    max_elements = DEFAULT_MAX_ELEMENTS if max_elements is None else max_elements
     if len(head) < HEADER.size:
         raise BitstreamError(f"rANS payload truncated: {len(head)} bytes, the header alone is {HEADER.size}")
     (magic, version, n, G, T, K, S, n_table, n_esc, k_coded, n_param, lo_bytes, w_bytes, reserved, stream_words,
      c0, c1) = HEADER.unpack(head)
     if magic != MAGIC:
-        raise BitstreamError(f"not an rANS payload (magic {magic!r}, expected {MAGIC!r})")
+        raise BitstreamError(f"not an rANS payload (magic {magic!r}, expected {MAGIC!r}): corrupt or not ours")
     if version != VERSION:
-        raise BitstreamError(f"rANS payload version {version}; this build reads version {VERSION}")
-    if not (10 <= n <= 15 and 1 <= G <= 1024 and G & (G - 1) == 0 and T >= 1 and K >= 1
-            and 1 <= S <= T and reserved == 0 and n_esc <= T * K and k_coded <= K and n_param <= K
-            and lo_bytes in (1, 2, 4)
-            and w_bytes in (1, 2)):
-        raise BitstreamError("rANS payload header is corrupt (settings out of range)")
+        newer = VERSION < version <= VERSION + 4
+        raise BitstreamError(f"rANS payload version {version}; this build reads version {VERSION}"
+                             + (": written by a newer build, upgrade the reader" if newer
+                                else ": the payload is corrupt or not ours"))
+    fields = dict(prob_bits=(n, 10 <= n <= 15), group_lanes=(G, 1 <= G <= 1024 and G & (G - 1) == 0),
+                  T=(T, T >= 1), K=(K, K >= 1), lane_tokens=(S, 1 <= S <= min(T, MAX_LANE_TOKENS)), reserved=(reserved, reserved == 0),
+                  n_escapes=(n_esc, n_esc <= T * K), k_coded=(k_coded, k_coded <= K), n_param=(n_param, n_param <= K),
+                  lo_bytes=(lo_bytes, lo_bytes in (1, 2, 4)), w_bytes=(w_bytes, w_bytes in (1, 2)))
+    bad = [f"{name}={value}" for name, (value, ok) in fields.items() if not ok]
+    if bad:
+        raise BitstreamError(f"rANS payload header is corrupt (out of range: {', '.join(bad)})")
+    if T * K > max_elements:
+        raise BitstreamError(f"rANS payload declares {T} x {K} = {T * K} values, more than the decode limit "
+                             f"max_elements={max_elements}; pass a larger max_elements if this tensor is expected")
+    if not table_budget_ok(T, K, n):
+        raise BitstreamError(f"rANS payload header is corrupt: K={K} tables of 2^{n} entries for T={T} tokens "
+                             f"exceed {TABLE_ENTRIES_PER_VALUE} entries per value and {MAX_TABLE_ENTRIES} in all")
     hdr.prob_bits, hdr.G, hdr.T, hdr.K, hdr.S = n, G, T, K, S
     hdr.n_table, hdr.n_escapes, hdr.stream_words = n_table, n_esc, stream_words
     hdr.check0, hdr.check1 = c0, c1
     hdr.layout = Layout(T, K, S, G, n_table, n_esc, stream_words, k_coded, lo_bytes, w_bytes, n_param)
     if hdr.layout.total != total_len:
-        raise BitstreamError("rANS payload truncated or its header is corrupt (section sizes do not add up)")
+        raise BitstreamError(f"rANS payload truncated or its header is corrupt (its sections add up to "
+                             f"{hdr.layout.total} bytes, the payload has {total_len})")
+
+
+def read_header(payload, max_elements: int | None = None, total_len: int | None = None) -> "Parsed":
+    """The payload's header fields (T, K, prob_bits, layout...), checked as decoding checks them,
+    without the checksum or the tables: what a caller needs to size or refuse a decode.
+    total_len: the payload's length when `payload` holds only its first bytes."""
+    hdr = Parsed.__new__(Parsed)
+    _parse_header_only(hdr, bytes(memoryview(payload)[:HEADER.size]), len(payload) if total_len is None else total_len,
+                       max_elements)
+    return hdr
 
 
 # --------------------------------------------------------------------------------------------

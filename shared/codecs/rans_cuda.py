@@ -353,13 +353,16 @@ def decode_cuda(payload, head: bytes | None = None, check: bool = True):
     return outs[0] if check else (outs[0], errs[0:1])
 
 
-def decode_many_cuda(payloads, heads=None, check: bool = True):
+def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None):
     """decode_cuda() of a list of payloads in one set of kernel launches, for payloads of one shape
     (T, K, lane tokens, group lanes, prob_bits: e.g. every layer's K of one step); payloads of
     other shapes go in their own launches. Returns (symbols list, error flags int32 [N]); with
     check=True the flags are read in one host synchronization and a corrupt payload raises
-    BitstreamError naming its index."""
+    BitstreamError naming its index. max_elements: the most values a payload may declare (one
+    limit, or one per payload; default shared.schema.DEFAULT_MAX_ELEMENTS), checked before
+    anything is allocated, as the CPU decoder checks it."""
     torch = _torch()
+    limits = max_elements if isinstance(max_elements, (list, tuple)) else [max_elements] * len(payloads)
     for p in payloads:
         if not isinstance(p, torch.Tensor):
             raise InvalidTensorError(f"decode_cuda takes a torch uint8 tensor, got {type(p).__name__}; "
@@ -371,9 +374,9 @@ def decode_many_cuda(payloads, heads=None, check: bool = True):
         host = torch.cat([p[:HEADER.size] for p in payloads]).cpu().numpy().tobytes()
         heads = [host[i * HEADER.size:(i + 1) * HEADER.size] for i in range(len(payloads))]
     hdrs = []
-    for p, h in zip(payloads, heads):
+    for p, h, limit in zip(payloads, heads, limits):
         hdr = Parsed.__new__(Parsed)
-        _parse_header_only(hdr, bytes(h[:HEADER.size]), len(p))
+        _parse_header_only(hdr, bytes(h[:HEADER.size]), len(p), limit)
         hdrs.append(hdr)
     groups = {}
     for i, h in enumerate(hdrs):
