@@ -309,14 +309,14 @@ class TensorCodec:
         return self.quantizer
 
     def _encode_symbols(self, x, dtype: str) -> bytes:
-        from .codecs import rans
+        from .codecs import rans_cpu
 
         values = as_float_matrix(x)
         coeffs = self._project(values)
         quantizer = self._step_quantizer(values, coeffs, self._reconstruct)
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
         header, qpar = self._symbols_header(values.shape, dtype, quantizer)
-        return pack(header, {"QPAR": qpar, "DATA": rans.encode(symbols, lane_tokens=self.lane_tokens)})
+        return pack(header, {"QPAR": qpar, "DATA": rans_cpu.coder().encode(symbols, lane_tokens=self.lane_tokens)})
 
     def _symbols_header(self, shape, dtype: str, quantizer) -> tuple[dict, bytes]:
         """The container header of a compute-codec payload and its QPAR chunk (the CPU and GPU
@@ -433,10 +433,10 @@ class TensorCodec:
     def decode_values(self, header: dict, chunks: dict[str, bytes]) -> np.ndarray:
         self._check_basis(header)
         if header["quant"]["kind"] == "rd_shared_step":
-            from .codecs import rans
+            from .codecs import rans_cpu
 
             quantizer = _step_quantizer_of(header, chunks["QPAR"])
-            symbols = rans.decode(chunks["DATA"], max_elements=header["shape"][0] * schema.components(header))
+            symbols = rans_cpu.coder().decode(chunks["DATA"], max_elements=header["shape"][0] * schema.components(header))
             values = self._reconstruct(np.asarray(quantizer.dequantize(symbols), np.float32))
             if list(values.shape) != header["shape"]:
                 raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
