@@ -31,8 +31,8 @@ from .codecs import get_backend
 from .errors import BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from .quant import PerChannelQuantizer
 
-SYMBOL_CODER = "rans"
-FLOAT32_HEADROOM = 1e37  # |coefficient| x basis gain the coder accepts (float32 max is 3.4e38)  # the compute codec: integer symbols, not frames
+SYMBOL_CODER = "rans"  # the compute codec: integer symbols, not frames
+FLOAT32_HEADROOM = 1e37  # |coefficient| x basis gain the coder accepts (float32 max is 3.4e38)
 MAGIC = b"TNSC"
 VERSION = 1
 DTYPES = set(schema.FLOAT_DTYPES)
