@@ -1,7 +1,8 @@
 """Fuzzing the decoder as a hostile sender would: mutated bitstreams, each decoded in a worker
 process under a time and a memory limit.
 
-    python -m shared.fuzz --cases 10000      # `make fuzz`: every CPU backend, writes results/fuzz_summary.csv
+    python -m shared.fuzz --cases 4000       # `make fuzz`: every CPU backend, writes results/fuzz_summary.csv
+    python -m shared.fuzz --gpu-parity --cases 2000   # on a GPU: do the CPU and the CUDA decoder refuse the same?
     summary = run(BACKENDS, cases=60)        # tests/test_fuzz.py: a CI-sized run
 
 Mutations know the container (shared.pipeline) and the rANS payload (shared.codecs.rans): header
@@ -235,6 +236,23 @@ def mut_rans_field(rng, head, chunks):
     return assemble(head, chunks)
 
 
+def mut_rans_consistent(rng, head, chunks):
+    """What a careful attacker sends: the container's T and the rANS payload's T (with its lane
+    size, so every section keeps its length) raised together; the payload stays self-consistent."""
+    from .codecs import rans
+
+    header = json.loads(head)
+    data_i = [c[0] for c in chunks].index(b"DATA")
+    payload = chunks[data_i][1]
+    fields = list(rans.HEADER.unpack(payload[:rans.HEADER.size]))
+    f = rng.choice([2, 4, 16, 64, 1024])
+    fields[4], fields[6] = fields[4] * f, fields[6] * f
+    header["shape"][0] = fields[4]
+    chunks = [list(c) for c in chunks]
+    chunks[data_i][1] = _rans_fix(rans.HEADER.pack(*fields) + payload[rans.HEADER.size:])
+    return assemble(_json(header), chunks)
+
+
 def mut_data_bytes(rng, head, chunks):
     """Bytes of the codec payload changed, CRC32 (and a rANS payload's checksum) recomputed."""
     from .codecs import rans
@@ -343,7 +361,7 @@ def mut_truncate(rng, blob):
 STRUCTURED = [(mut_header_field, 25), (mut_header_raw, 8), (mut_chunks, 10), (mut_qpar, 10), (mut_data_bytes, 20),
               (mut_version, 2)]
 RAW = [(mut_bitflip, 8), (mut_truncate, 5)]
-RANS_ONLY = [(mut_rans_field, 25)]
+RANS_ONLY = [(mut_rans_field, 25), (mut_rans_consistent, 10)]
 
 
 def mutate(rng: random.Random, blob: bytes, backend: str) -> tuple[str, bytes]:
@@ -630,6 +648,81 @@ METRICS = [("cases", "cases"), ("accepted", "cases"), ("rejected_bitstream", "ca
            ("max_peak_mib", "MiB"), ("max_memory_ratio", "x"), ("max_memory_ratio_large", "x")]
 
 
+def _outcome(fn):
+    """('accepted', output) / ('refused', message) / ('error', message) of one decode."""
+    from .errors import TensorCodecError
+
+    try:
+        return "accepted", fn()
+    except TensorCodecError as e:
+        return "refused", f"{type(e).__name__}: {str(e)[:160]}"
+    except Exception as e:  # noqa: BLE001 - what the comparison looks for
+        return "error", f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def gpu_parity(cases: int = 2000, seed: int = 0, max_elements: int = FUZZ_MAX_ELEMENTS) -> dict:
+    """rANS mutants decoded by the CPU and by the CUDA path (`decode(blob, device="cuda")`), in
+    this process: do both refuse the same ones? Stops at the first non-library GPU error (a CUDA
+    fault can leave the context unusable)."""
+    import torch
+
+    from .errors import BackendUnavailable
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("the GPU parity run needs a CUDA GPU; on this machine run `make fuzz`")
+    seeds = make_seeds(("rans",))
+    rng = random.Random(seed)
+    n = dict(cases=0, both_refused=0, both_accepted=0, cpu_only_refused=0, gpu_only_refused=0,
+             cpu_non_library=0, gpu_non_library=0, gpu_non_finite=0)
+    examples = []
+    for _ in range(cases):
+        i = rng.randrange(len(seeds))
+        kind, blob = mutate(rng, seeds[i].blob, "rans")
+        codec = seeds[i].codec
+        cpu, cpu_v = _outcome(lambda: codec.decode(blob, max_elements=max_elements))
+
+        def on_gpu():
+            out = codec.decode(blob, device="cuda", max_elements=max_elements)
+            torch.cuda.synchronize()
+            return out
+
+        gpu, gpu_v = _outcome(on_gpu)
+        n["cases"] += 1
+        if cpu == "error" or gpu == "error":
+            n["cpu_non_library" if cpu == "error" else "gpu_non_library"] += 1
+            examples.append((kind, seeds[i].name, cpu_v if cpu == "error" else gpu_v))
+            if gpu == "error":
+                break
+            continue
+        if cpu == gpu:
+            n["both_refused" if cpu == "refused" else "both_accepted"] += 1
+        else:
+            n["cpu_only_refused" if cpu == "refused" else "gpu_only_refused"] += 1
+            if len(examples) < 20:
+                examples.append((kind, seeds[i].name, f"cpu {cpu}: {cpu_v if cpu == 'refused' else ''} / "
+                                                      f"gpu {gpu}: {gpu_v if gpu == 'refused' else ''}"))
+        if gpu == "accepted" and not bool(torch.isfinite(gpu_v).all()):
+            n["gpu_non_finite"] += 1
+    return dict(n, examples=examples)
+
+
+def main_gpu_parity(cases: int, seed: int) -> None:
+    from .results import ResultsWriter
+
+    t0 = time.time()
+    r = gpu_parity(cases, seed)
+    res = ResultsWriter("fuzz", "gpu_parity", gpu=True)
+    for metric, value in r.items():
+        if metric != "examples":
+            res.add(backend="rans", metric=metric, value=value, unit="cases", cases=cases, fuzz_seed=seed,
+                    max_elements=FUZZ_MAX_ELEMENTS)
+    print({k: v for k, v in r.items() if k != "examples"})
+    for e in r["examples"]:
+        print("   ", *e)
+    res.save()
+    print(f"{r['cases']} cases in {time.time() - t0:.0f} s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", type=int, default=2000, help="mutants per backend")
@@ -637,7 +730,11 @@ def main():
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--hang-s", type=float, default=HANG_S)
     ap.add_argument("--quick", action="store_true", help="100 mutants per backend")
+    ap.add_argument("--gpu-parity", action="store_true", help="rANS mutants through the CPU and the CUDA decoder "
+                    "(needs a GPU; writes results/fuzz_gpu_parity.csv)")
     args = ap.parse_args()
+    if args.gpu_parity:
+        return main_gpu_parity(100 if args.quick else args.cases, args.seed)
     backends = tuple(args.backends.split(","))
     cases = 100 if args.quick else args.cases
     t0 = time.time()

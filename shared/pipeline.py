@@ -353,9 +353,6 @@ class TensorCodec:
             from .rdquant import RDQuantizer
 
             quantizer = RDQuantizer.from_bytes(chunks["QPAR"])
-            if quantizer.step != header["quant"]["step"]:
-                raise BitstreamError(f"chunk 'QPAR' step {quantizer.step} differs from header field 'quant.step' "
-                                     f"{header['quant']['step']}: the bitstream is corrupt")
             symbols = rans.decode(chunks["DATA"], max_elements=header["shape"][0] * schema.components(header))
             values = self._reconstruct(np.asarray(quantizer.dequantize(symbols), np.float32))
             if list(values.shape) != header["shape"]:
