@@ -1,7 +1,8 @@
 """Fuzzing the decoder as a hostile sender would: mutated bitstreams, each decoded in a worker
 process under a time and a memory limit.
 
-    python -m shared.fuzz --cases 10000      # `make fuzz`: every CPU backend, writes results/fuzz_summary.csv
+    python -m shared.fuzz --cases 4000       # `make fuzz`: every CPU backend, writes results/fuzz_summary.csv
+    python -m shared.fuzz --gpu-parity --cases 2000   # on a GPU: do the CPU and the CUDA decoder refuse the same?
     summary = run(BACKENDS, cases=60)        # tests/test_fuzz.py: a CI-sized run
 
 Mutations know the container (shared.pipeline) and the rANS payload (shared.codecs.rans): header
@@ -17,7 +18,8 @@ died, a MemoryError (the worker's address space is capped), or a hang (killed af
 Memory: the worker's peak resident memory above its level before the decode (/proc VmHWM, reset
 per case), as a ratio to (declared output + blob + MEMORY_ALLOWANCE); declared output is what the
 mutated header declares (4-byte values of the [T, D] tensor, plus its frames on the frame path),
-or the original's where the header does not parse.
+or the original's where the header does not parse. Cases declaring at least 512 KiB also get the
+ratio without the allowance (max_memory_ratio_large).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ FUZZ_MAX_ELEMENTS = 1 << 22  # the decode limit the fuzz decodes under (values),
 HANG_S = 5.0  # a decode running longer is killed and counted as a hang
 MEMORY_LIMIT = 2 << 30  # bytes of address space a worker may add to what it holds at start (RLIMIT_AS)
 MEMORY_ALLOWANCE = 16 << 20  # bytes a decode may use beyond its output and blob (codec contexts, tables)
+LARGE = 1 << 19  # cases declaring at least this many bytes (output + blob) also get a ratio without the allowance
 INTERESTING_INTS = [0, -1, 1, 2, 3, 7, 8, 63, 64, 255, 256, 4095, 4096, 65535, 2**16, 2**31 - 1, 2**31, 2**32 - 1,
                     2**32, 2**40, 2**53 + 1, 2**63 - 1, 2**64, -(2**31), -(2**63)]
 INTERESTING = INTERESTING_INTS + [0.0, -0.0, 0.5, -1.5, 1e-300, 1e300, 3.5e38, float("nan"), float("inf"),
@@ -238,6 +241,23 @@ def mut_rans_field(rng, head, chunks):
     return assemble(head, chunks)
 
 
+def mut_rans_consistent(rng, head, chunks):
+    """What a careful attacker sends: the container's T and the rANS payload's T (with its lane
+    size, so every section keeps its length) raised together; the payload stays self-consistent."""
+    from .codecs import rans
+
+    header = json.loads(head)
+    data_i = [c[0] for c in chunks].index(b"DATA")
+    payload = chunks[data_i][1]
+    fields = list(rans.HEADER.unpack(payload[:rans.HEADER.size]))
+    f = rng.choice([2, 4, 16, 64, 1024])
+    fields[4], fields[6] = fields[4] * f, fields[6] * f
+    header["shape"][0] = fields[4]
+    chunks = [list(c) for c in chunks]
+    chunks[data_i][1] = _rans_fix(rans.HEADER.pack(*fields) + payload[rans.HEADER.size:])
+    return assemble(_json(header), chunks)
+
+
 def mut_data_bytes(rng, head, chunks):
     """Bytes of the codec payload changed, CRC32 (and a rANS payload's checksum) recomputed."""
     from .codecs import rans
@@ -346,7 +366,7 @@ def mut_truncate(rng, blob):
 STRUCTURED = [(mut_header_field, 25), (mut_header_raw, 8), (mut_chunks, 10), (mut_qpar, 10), (mut_data_bytes, 20),
               (mut_version, 2)]
 RAW = [(mut_bitflip, 8), (mut_truncate, 5)]
-RANS_ONLY = [(mut_rans_field, 25)]
+RANS_ONLY = [(mut_rans_field, 25), (mut_rans_consistent, 10)]
 
 
 def mutate(rng: random.Random, blob: bytes, backend: str) -> tuple[str, bytes]:
@@ -387,9 +407,10 @@ def make_seeds(backends=BACKENDS) -> list[Seed]:
     from .pipeline import TensorCodec
 
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal((256, 48)) * np.linspace(2, 0.1, 48)).astype(np.float32)
+    x = (rng.standard_normal((4096, 48)) * np.linspace(2, 0.1, 48)).astype(np.float32)
     basis = fit_basis([x], k=16)
-    tensors = {"t256": torch.from_numpy(x), "t1": torch.from_numpy(x[:1].copy()),
+    tensors = {"t256": torch.from_numpy(x[:256].copy()), "t1": torch.from_numpy(x[:1].copy()),
+               "t4096": torch.from_numpy(x),
                "const": torch.full((40, 48), 0.5), "bf16": torch.from_numpy(x[:100]).to(torch.bfloat16)}
     seeds = []
     for backend in backends:
@@ -541,6 +562,7 @@ class Summary:
     max_decode_s: float = 0.0
     max_peak_mib: float = 0.0
     max_memory_ratio: float = 0.0
+    max_memory_ratio_large: float = 0.0  # peak / (declared output + blob), no allowance, where those are >= 512 KiB
     failures: list = field(default_factory=list)
     other_errors: list = field(default_factory=list)  # library errors that are not BitstreamError
 
@@ -617,6 +639,9 @@ def _tally(s: Summary, kind: str, blob: bytes, seed: Seed, res: dict) -> None:
     s.max_peak_mib = max(s.max_peak_mib, res["peak"] / 2**20)
     ratio = res["peak"] / (declared_bytes(blob, seed) + len(blob) + MEMORY_ALLOWANCE)
     s.max_memory_ratio = max(s.max_memory_ratio, ratio)
+    size = declared_bytes(blob, seed) + len(blob)
+    if size >= LARGE:
+        s.max_memory_ratio_large = max(s.max_memory_ratio_large, res["peak"] / size)
     if bad is not None and len(s.failures) < 20:
         s.failures.append((kind, seed.name, bad))
 
@@ -625,7 +650,82 @@ METRICS = [("cases", "cases"), ("accepted", "cases"), ("rejected_bitstream", "ca
            ("rejected_other_library", "cases"), ("non_library_exceptions", "cases"), ("memory_errors", "cases"),
            ("worker_deaths", "cases"), ("hangs", "cases"), ("non_finite_outputs", "cases"),
            ("wrong_dtype_or_shape", "cases"), ("stale_crc_accepted_changed", "cases"), ("max_decode_s", "s"),
-           ("max_peak_mib", "MiB"), ("max_memory_ratio", "x")]
+           ("max_peak_mib", "MiB"), ("max_memory_ratio", "x"), ("max_memory_ratio_large", "x")]
+
+
+def _outcome(fn):
+    """('accepted', output) / ('refused', message) / ('error', message) of one decode."""
+    from .errors import TensorCodecError
+
+    try:
+        return "accepted", fn()
+    except TensorCodecError as e:
+        return "refused", f"{type(e).__name__}: {str(e)[:160]}"
+    except Exception as e:  # noqa: BLE001 - what the comparison looks for
+        return "error", f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def gpu_parity(cases: int = 2000, seed: int = 0, max_elements: int = FUZZ_MAX_ELEMENTS) -> dict:
+    """rANS mutants decoded by the CPU and by the CUDA path (`decode(blob, device="cuda")`), in
+    this process: do both refuse the same ones? Stops at the first non-library GPU error (a CUDA
+    fault can leave the context unusable)."""
+    import torch
+
+    from .errors import BackendUnavailable
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("the GPU parity run needs a CUDA GPU; on this machine run `make fuzz`")
+    seeds = make_seeds(("rans",))
+    rng = random.Random(seed)
+    n = dict(cases=0, both_refused=0, both_accepted=0, cpu_only_refused=0, gpu_only_refused=0,
+             cpu_non_library=0, gpu_non_library=0, gpu_non_finite=0)
+    examples = []
+    for _ in range(cases):
+        i = rng.randrange(len(seeds))
+        kind, blob = mutate(rng, seeds[i].blob, "rans")
+        codec = seeds[i].codec
+        cpu, cpu_v = _outcome(lambda: codec.decode(blob, max_elements=max_elements))
+
+        def on_gpu():
+            out = codec.decode(blob, device="cuda", max_elements=max_elements)
+            torch.cuda.synchronize()
+            return out
+
+        gpu, gpu_v = _outcome(on_gpu)
+        n["cases"] += 1
+        if cpu == "error" or gpu == "error":
+            n["cpu_non_library" if cpu == "error" else "gpu_non_library"] += 1
+            examples.append((kind, seeds[i].name, cpu_v if cpu == "error" else gpu_v))
+            if gpu == "error":
+                break
+            continue
+        if cpu == gpu:
+            n["both_refused" if cpu == "refused" else "both_accepted"] += 1
+        else:
+            n["cpu_only_refused" if cpu == "refused" else "gpu_only_refused"] += 1
+            if len(examples) < 20:
+                examples.append((kind, seeds[i].name, f"cpu {cpu}: {cpu_v if cpu == 'refused' else ''} / "
+                                                      f"gpu {gpu}: {gpu_v if gpu == 'refused' else ''}"))
+        if gpu == "accepted" and not bool(torch.isfinite(gpu_v).all()):
+            n["gpu_non_finite"] += 1
+    return dict(n, examples=examples)
+
+
+def main_gpu_parity(cases: int, seed: int) -> None:
+    from .results import ResultsWriter
+
+    t0 = time.time()
+    r = gpu_parity(cases, seed)
+    res = ResultsWriter("fuzz", "gpu_parity", gpu=True)
+    for metric, value in r.items():
+        if metric != "examples":
+            res.add(backend="rans", metric=metric, value=value, unit="cases", cases=cases, fuzz_seed=seed,
+                    max_elements=FUZZ_MAX_ELEMENTS)
+    print({k: v for k, v in r.items() if k != "examples"})
+    for e in r["examples"]:
+        print("   ", *e)
+    res.save()
+    print(f"{r['cases']} cases in {time.time() - t0:.0f} s")
 
 
 def main():
@@ -635,7 +735,11 @@ def main():
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--hang-s", type=float, default=HANG_S)
     ap.add_argument("--quick", action="store_true", help="100 mutants per backend")
+    ap.add_argument("--gpu-parity", action="store_true", help="rANS mutants through the CPU and the CUDA decoder "
+                    "(needs a GPU; writes results/fuzz_gpu_parity.csv)")
     args = ap.parse_args()
+    if args.gpu_parity:
+        return main_gpu_parity(100 if args.quick else args.cases, args.seed)
     backends = tuple(args.backends.split(","))
     cases = 100 if args.quick else args.cases
     t0 = time.time()
@@ -650,7 +754,8 @@ def main():
                     memory_limit_mib=MEMORY_LIMIT >> 20, memory_allowance_mib=MEMORY_ALLOWANCE >> 20)
         print(f"{s.backend:5s} cases {s.cases}  accepted {s.accepted}  rejected {s.rejected_bitstream}"
               f"+{s.rejected_other_library}  failures {s.failed()}  max {s.max_decode_s:.2f} s  "
-              f"{s.max_peak_mib:.1f} MiB  ratio {s.max_memory_ratio:.2f}")
+              f"{s.max_peak_mib:.1f} MiB  ratio {s.max_memory_ratio:.2f} ({s.max_memory_ratio_large:.1f} "
+              "without the allowance, outputs >= 512 KiB)")
         for f in s.failures + s.other_errors:
             print("   ", *f)
     if not args.quick:

@@ -434,8 +434,9 @@ class TensorCodec:
         self._check_basis(header)
         if header["quant"]["kind"] == "rd_shared_step":
             from .codecs import rans_cpu
+            from .rdquant import RDQuantizer
 
-            quantizer = _step_quantizer_of(header, chunks["QPAR"])
+            quantizer = RDQuantizer.from_bytes(chunks["QPAR"])  # its step checked against the header (schema)
             symbols = rans_cpu.coder().decode(chunks["DATA"], max_elements=header["shape"][0] * schema.components(header))
             values = self._reconstruct(np.asarray(quantizer.dequantize(symbols), np.float32))
             if list(values.shape) != header["shape"]:
@@ -593,7 +594,7 @@ def _decode_symbols_cuda(codecs, jobs, out):
     quantizers = []
     for i, header, qpar, payload, head in jobs:
         codecs[i]._check_basis(header)
-        quantizers.append(_step_quantizer_of(header, qpar))
+        quantizers.append(RDQuantizer.from_bytes(qpar))  # its step checked against the header (schema)
     symbols, err = rans_cuda.decode_many_cuda([j[3] for j in jobs], [j[4] for j in jobs], check=False,
                                               max_elements=[j[1]["shape"][0] * schema.components(j[1]) for j in jobs])
     projs = []
@@ -638,13 +639,3 @@ def read_header(blob, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> dict:
     """The header of a bitstream (bytes-like or a uint8 tensor), after checking every CRC in it and its schema."""
     return unpack(blob, max_elements)[0]
 
-
-def _step_quantizer_of(header: dict, qpar: bytes):
-    """The compute codec's quantizer from chunk QPAR, which must agree with the header's step."""
-    from .rdquant import RDQuantizer
-
-    quantizer = RDQuantizer.from_bytes(qpar)
-    if quantizer.step != header["quant"]["step"]:
-        raise BitstreamError(f"chunk 'QPAR' step {quantizer.step} differs from header field 'quant.step' "
-                             f"{header['quant']['step']}: the bitstream is corrupt")
-    return quantizer

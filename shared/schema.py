@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 
 from .errors import BitstreamError, ConfigurationError
 
@@ -240,6 +241,10 @@ def check_chunks(header: dict, chunks: dict[str, bytes], data_len: int | None = 
         return
     if len(qpar) not in (17, 17 + (K + 7) // 8):
         raise BitstreamError(f"chunk 'QPAR' is {len(qpar)} bytes, the header's K={K} needs 17 or {17 + (K + 7) // 8}")
+    (step,) = struct.unpack_from("<d", qpar, 4)
+    if step != header["quant"]["step"]:
+        raise BitstreamError(f"chunk 'QPAR' step {step!r} differs from header field 'quant.step' "
+                             f"{header['quant']['step']!r}: the bitstream is corrupt")
     from .codecs import rans
 
     T = header["shape"][0]
