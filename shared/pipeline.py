@@ -591,6 +591,8 @@ def _decode_symbols_cuda(codecs, jobs, out):
     import torch
 
     from .codecs import rans_cuda
+    from .rdquant import RDQuantizer
+
     quantizers = []
     for i, header, qpar, payload, head in jobs:
         codecs[i]._check_basis(header)
