@@ -749,19 +749,22 @@ def benchmark_cpu_pipeline(T: int = 4096, D: int = 1024, ks=(None, 1024, 256), t
                  (lambda: basis.reconstruct(coeffs))),
                 ("decode", "float32 -> bf16 tensor", lambda: _to_output(values, "bfloat16")),
             ]
-            if basis is not None:
+            if basis is None:  # the numpy reference on the same symbols, once (it is ~100x slower)
+                stages += [("encode", "(reference) rANS encode, numpy", lambda: rans.encode(sym)),
+                           ("decode", "(reference) rANS decode, numpy", lambda: rans.decode(chunks["DATA"]))]
+            else:
                 cb = torch.from_numpy(basis.components).bfloat16()
                 stages.append(("encode", "(alternative) projection in bf16, torch", lambda: x @ cb))
             print(f"\n{name}: 4096 x 1024 bf16 -> {len(blob)} bytes (ratio {ratio:.2f}x), cos {cos:.5f}, "
                   f"step {step:.4g}, {threads} thread(s)")
-            print(f"  {'':44s} {'wall ms':>8s} {'CPU ms':>8s} {'GB/s':>7s}")
+            print(f"  {'':44s} {'wall ms':>8s} {'CPU ms':>8s} {'GB/s':>7s} {'GB/s of CPU time':>17s}")
             for direction, wall, cpu in (("encode", enc_wall, enc_cpu), ("decode", dec_wall, dec_cpu)):
                 print(f"  TensorCodec {direction + ' (the API)':32s} {1e3 * wall:8.1f} {1e3 * cpu:8.1f} "
-                      f"{nbytes / wall / 1e9:7.3f}")
+                      f"{nbytes / wall / 1e9:7.3f} {nbytes / cpu / 1e9:17.3f}")
                 rows.append(dict(config=name, k=k or D, direction=direction, stage="api", ms_wall=1e3 * wall,
                                  ms_cpu=1e3 * cpu, gbps=nbytes / wall / 1e9, ratio=ratio, cos=cos, threads=threads))
             for direction, stage, fn in stages:
-                _, wall, cpu = _timed(fn, reps)
+                _, wall, cpu = _timed(fn, 1 if stage.startswith("(reference)") else reps)
                 print(f"    {direction}: {stage:34s} {1e3 * wall:8.1f} {1e3 * cpu:8.1f}")
                 rows.append(dict(config=name, k=k or D, direction=direction, stage=stage, ms_wall=1e3 * wall,
                                  ms_cpu=1e3 * cpu, gbps=nbytes / wall / 1e9, ratio=ratio, cos=cos, threads=threads))
