@@ -522,8 +522,9 @@ def encode(symbols: np.ndarray, prob_bits: int = rans.DEFAULT_PROB_BITS, group_l
 
 
 @njit(parallel=True, **_JIT)
-def _decode_tables(codes_flat, model, scale, mu16, W, esc, prob_bits, shapes, inv_sigma):
-    """Per component: packed (freq | cum << 16) [K, A1] and the slot -> symbol table [K, M]."""
+def _decode_tables(codes_flat, model, scale, mu16, W, esc, prob_bits, shapes, inv_sigma, lut):
+    """Per component: packed (freq | cum << 16) [K, A1] and, into lut [K, M] (uint8 where every
+    alphabet fits: half the cache), the slot -> symbol table."""
     K = W.shape[0]
     M = 1 << prob_bits
     A = W + esc
@@ -534,7 +535,6 @@ def _decode_tables(codes_flat, model, scale, mu16, W, esc, prob_bits, shapes, in
     for k in range(K):
         offs[k + 1] = offs[k] + (A[k] if model[k] == 0 else 0)
     fc = np.zeros((K, A1), np.uint32)
-    lut = np.empty((K, M), np.uint16)
     ok = np.ones(K, np.bool_)
     for k in prange(K):
         w = np.zeros(A1, np.int64)
@@ -655,8 +655,9 @@ def decode(payload) -> np.ndarray:
     hdr = parse(payload)
     lay, n = hdr.layout, hdr.prob_bits
     tab = rans.model_tables()
+    lut = np.empty((hdr.K, 1 << n), np.uint8 if int(hdr.A.max()) <= 256 else np.uint16)
     fc, lut, ok = _decode_tables(np.asarray(hdr.codes_flat), hdr.model, hdr.scale, hdr.mu16, hdr.W, hdr.esc, n,
-                                 tab["shapes"], tab["inv_sigma"])
+                                 tab["shapes"], tab["inv_sigma"], lut)
     if not ok.all():
         raise BitstreamError("a component's frequency table cannot be normalized; the payload is corrupt")
     mv = memoryview(payload)
