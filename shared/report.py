@@ -281,6 +281,28 @@ def api_speed() -> str | None:
             + "Wall clock of the call a user makes, median of 10. " + _source(df, "09_backend_bench"))
 
 
+FAILURE_METRICS = ["non_library_exceptions", "memory_errors", "worker_deaths", "hangs", "non_finite_outputs",
+                   "wrong_dtype_or_shape"]
+
+
+def fuzz_summary() -> str | None:
+    """The long fuzz run (make fuzz), one row per backend."""
+    df = _csv("fuzz_summary")
+    if df is None:
+        return None
+    rows = []
+    for backend in df.backend.unique():
+        v = df[df.backend == backend].set_index("metric").value
+        rows.append([backend, int(v["cases"]), int(v["accepted"]), int(v["rejected_bitstream"]),
+                     int(v["rejected_other_library"]), int(sum(v.get(m, 0) for m in FAILURE_METRICS)),
+                     int(v["stale_crc_accepted_changed"]), f"{v['max_decode_s']:.2f}", f"{v['max_peak_mib']:.1f}",
+                     f"{v['max_memory_ratio']:.2f}", f"{v['max_memory_ratio_large']:.1f}"])
+    return (_table(rows, ["backend", "cases", "accepted", "refused (BitstreamError)", "other library errors",
+                          "failures", "stale-CRC mutants accepted", "slowest decode s", "peak MiB",
+                          "memory ratio (x)", "same, outputs >= 512 KiB, no allowance (x)"])
+            + "\n\n" + _source(df, "fuzz_summary") + " Failures sum " + ", ".join(FAILURE_METRICS) + ".")
+
+
 SECTIONS = [
     ("Compression at quality targets (PoCs 03, 04)", compression),
     ("Downstream cost (PoC 05)", downstream),
@@ -306,6 +328,9 @@ def update_readme(path: Path = ROOT / "README.md") -> None:
     text = path.read_text()
     new = re.sub(r"<!-- RESULTS -->.*<!-- /RESULTS -->", lambda _: f"<!-- RESULTS -->\n{render()}\n<!-- /RESULTS -->",
                  text, flags=re.S)
+    fuzz = fuzz_summary()
+    if fuzz:
+        new = re.sub(r"<!-- FUZZ -->.*<!-- /FUZZ -->", lambda _: f"<!-- FUZZ -->\n{fuzz}\n<!-- /FUZZ -->", new, flags=re.S)
     path.write_text(new)
     print(f"rewrote the results section of {path.name}")
 
