@@ -27,7 +27,8 @@ Codecs (CPU rows measured on this machine; GPU rows from PoC 09 on the H200):
   nvCOMP ANS (GPU)       nvCOMP's ANS on the planes (ratio from its PoC 09 rows)
 
 Check against real links. TCP between two network namespaces joined by a veth pair shaped by tc
-(shared.links.ShapedLink: tbf at 1 Gbit, 100 Mbit, 50 Mbit; netem delay where the kernel has it): the
+(shared.links.ShapedLink: tbf at 1 Gbit, 100 Mbit, 50 Mbit; 10 ms each way by netem, or by a user-space
+delay line where the kernel lacks sch_netem): the
 sender process (shared.transfer) encodes the stream on a thread and sends length-prefixed blobs from
 another, the receiver receives on one thread and decodes on another, then checks every tensor against
 the original (raw: bit-exact; compressed: cos, stated). A short stream crosses first, and is checked,
@@ -35,18 +36,19 @@ before anything is timed. Rows `metric=model_error_pct` = |model - measured| / m
 On the H200 (`--gpu`) the pinned host-to-device PCIe copy is the real link: raw tensors from pinned host
 memory, and compute-codec blobs copied on one CUDA stream while the previous one decodes on another.
 
-Command:   make poc-13   (python pocs/13_wire_simulation.py [--quick] [--plot-only] [--no-links] [--gpu])
+Command:   make poc-13   (python pocs/13_wire_simulation.py [--quick] [--plot-only] [--no-links] [--gpu | --gpu-only]
+                          [--model-only: the model rows again from the CSV and PoC 09's GPU API rows])
 Writes:    results/13_wire_simulation.csv, figures/13_wire_simulation.png
-Sample output (a 2-core CPU machine shared with other jobs; this kernel has no sch_netem, so the delayed
-points are skipped with that reason):
-      compute codec (CPU)  k      2 MiB  encode    341.2 ms ( 0.006 GB/s)  decode    309.5 ms ( 0.007 GB/s)  ratio  4.59  cos 0.99899
-      zstd (CPU)           k      2 MiB  encode     65.3 ms ( 0.032 GB/s)  decode     33.7 ms ( 0.062 GB/s)  ratio  2.17  cos 0.99999
-    model: zstd (CPU)             crossover 0.197 Gbit/s; speed-up at 1 Gbit 0.20x, 100 Mbit 1.92x, 50 Mbit 2.08x
-    short streams over the link match: raw bit-exact, compressed at the stated cos
-       1000 Mbit + 0.0 ms  raw                    measured    17.94 ms/tensor  model    17.54  error   2.2%  (with this run's stage times   2.2%)  ratio 1.00
-        100 Mbit + 0.0 ms  zstd (CPU)             measured   108.41 ms/tensor  model    87.57  error  19.2%  (with this run's stage times   2.8%)  ratio 2.20
-         50 Mbit + 0.0 ms  zstd (CPU)             measured   167.16 ms/tensor  model   166.99  error   0.1%  (with this run's stage times   0.4%)  ratio 2.20
-         50 Mbit + 0.0 ms  x265 (CPU)             measured   568.44 ms/tensor  model   861.80  error  51.6%  (with this run's stage times   0.4%)  ratio 3.30
+Sample output (a 2-core CPU machine shared with other jobs; its kernel has no sch_netem, so the 10 ms
+points run through the user-space delay line of shared.links):
+      compute codec (CPU)  k      2 MiB  encode    249.3 ms ( 0.008 GB/s)  decode    257.5 ms ( 0.008 GB/s)  ratio  4.59  cos 0.99899
+      zstd (CPU)           k      2 MiB  encode     45.1 ms ( 0.046 GB/s)  decode     21.1 ms ( 0.099 GB/s)  ratio  2.17  cos 0.99999
+    model: zstd (CPU)             crossover 0.336 Gbit/s; speed-up at 1 Gbit 0.34x, 100 Mbit 2.07x, 50 Mbit 2.12x
+    short streams over the link (no added delay) match: raw bit-exact, compressed at the stated cos
+       1000 Mbit + 0.0 ms  raw                    measured    17.66 ms/tensor  model    17.54  error   0.7%  (with this run's stage times   0.7%)  ratio 1.00
+       1000 Mbit + 0.0 ms  zstd (CPU)             measured    78.95 ms/tensor  model    48.98  error  38.0%  (with this run's stage times   2.6%)  ratio 2.20
+         50 Mbit + 0.0 ms  zstd (CPU)             measured   169.21 ms/tensor  model   163.95  error   3.1%  (with this run's stage times   0.4%)  ratio 2.20
+        100 Mbit +10.0 ms  x265 (CPU)             measured   692.11 ms/tensor  model   740.66  error   7.0%  (with this run's stage times   1.1%)  ratio 3.30
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared.links import TCP_PAYLOAD_FRACTION, ShapedLink, link_unavailable_reason, netem_unavailable_reason  # noqa: E402
+from shared.links import TCP_PAYLOAD_FRACTION, ShapedLink, delay_unavailable_reason, link_unavailable_reason  # noqa: E402
 from shared.metrics import quality  # noqa: E402
 from shared.results import RESULTS, ResultsWriter, apply_style, device_name, load, save_figure  # noqa: E402
 from shared.timing import wall_ms  # noqa: E402
@@ -303,56 +305,69 @@ def measure_links(res, tensors, cfg, speeds, source) -> None:
                                    [None if lab == "raw" else c[lab] for c in per_tensor]) for lab in labels}
         checks = {lab: write_stream(Path(tmp) / f"check_{lab.split()[0]}", xs[:2],
                                     [None if lab == "raw" else c[lab] for c in per_tensor[:2]]) for lab in labels}
-        points = [p for p in cfg["links"] if p[1] == 0 or netem_unavailable_reason() is None]
+        points = [p for p in cfg["links"] if p[1] == 0 or delay_unavailable_reason() is None]
         for rate, delay in cfg["links"]:
             if (rate, delay) not in points:
                 res.add(backend="-", metric="link_unavailable", value=float("nan"), unit="-", link_mbit=rate,
-                        delay_ms=delay, reason=netem_unavailable_reason(), part="link")
-                print(f"{rate} Mbit + {delay} ms skipped: {netem_unavailable_reason()}")
-        with ShapedLink(rate_mbit=points[0][0], delay_ms=points[0][1]) as link:
-            for lab in labels:                        # correctness first: a short checked stream per codec
-                summ = check_summary(run_stream(link, checks[lab], timeout=STREAM_TIMEOUT)["checks"])
-                assert_checks(lab, summ)
-            print("short streams over the link match: raw bit-exact, compressed at the stated cos")
-            for rate, delay in tqdm(points, desc="real links", unit="link"):
-                link.reshape(rate_mbit=rate, delay_ms=delay)
-                bw, measured = rate * 1e6 / 8 * TCP_PAYLOAD_FRACTION, {}
-                for lab in labels:
-                    r = run_stream(link, specs[lab], timeout=STREAM_TIMEOUT)
-                    summ = assert_checks(lab, check_summary(r["checks"]))
-                    ratio = n * nbytes / (r["bytes_on_wire"] - 12 * n)
-                    if lab == "raw":
-                        model = model_stream_s(n, nbytes, bw, delay / 1e3)
-                    else:
-                        enc, dec = (interp_stage(speeds[lab], cfg["stream_mb"], i) for i in range(2))
-                        model = model_stream_s(n, nbytes, bw, delay / 1e3, enc, dec, ratio)
-                    measured[lab] = r["seconds"]
-                    err = abs(model - r["seconds"]) / r["seconds"] * 100
-                    # the same formula fed with the stage times the two ends measured during this stream
-                    enc_run = [v for v, c in zip(r["encode_s"], r["checks"]) if c["lane"] == "coded"]
-                    dec_run = [v for v, c in zip(r["decode_s"], r["checks"]) if c["lane"] == "coded"]
-                    same = (model if lab == "raw" else
-                            model_stream_s(n, nbytes, bw, delay / 1e3, float(np.mean(enc_run)),
-                                           float(np.mean(dec_run)), ratio))
-                    common = dict(backend=lab, source=source, part="link", link="tcp_veth_tbf", link_mbit=rate,
-                                  delay_ms=delay, tensors=n, tensor_mb=cfg["stream_mb"], device="cpu")
-                    res.add(metric="measured_ms_per_tensor", value=r["seconds"] / n * 1e3, unit="ms", **common)
-                    res.add(metric="model_ms_per_tensor", value=model / n * 1e3, unit="ms", **common)
-                    res.add(metric="model_error_pct", value=err, unit="%", **common)
-                    res.add(metric="model_error_pct_run_stages", value=abs(same - r["seconds"]) / r["seconds"] * 100,
-                            unit="%", **common)
-                    res.add(metric="stream_ratio", value=ratio, unit="x", **common)
-                    if summ["cos_min"] is not None:
-                        res.add(metric="cos_min", value=summ["cos_min"], unit="cos", **common)
-                    res.add(metric="measured_encode_ms", value=float(np.mean(r["encode_s"])) * 1e3, unit="ms", **common)
-                    res.add(metric="measured_decode_ms", value=float(np.mean(r["decode_s"])) * 1e3, unit="ms", **common)
-                    tqdm.write(f"  {rate:5d} Mbit +{delay:4.1f} ms  {lab:22s} measured {r['seconds'] / n * 1e3:8.2f} "
-                               f"ms/tensor  model {model / n * 1e3:8.2f}  error {err:5.1f}%  (with this run's stage times "
-                               f"{abs(same - r['seconds']) / r['seconds'] * 100:5.1f}%)  ratio {ratio:.2f}")
-                for lab in labels[1:]:
-                    res.add(metric="measured_speedup", value=measured["raw"] / measured[lab], unit="x", backend=lab,
-                            source=source, part="link", link="tcp_veth_tbf", link_mbit=rate, delay_ms=delay,
-                            tensors=n, tensor_mb=cfg["stream_mb"], device="cpu")
+                        delay_ms=delay, reason=delay_unavailable_reason(), part="link")
+                print(f"{rate} Mbit + {delay} ms skipped: {delay_unavailable_reason()}")
+        # links without and with delay are made apart: without netem, only a link made with a delay has the
+        # user-space delay line in its middle
+        groups = [[p for p in points if (p[1] > 0) == delayed] for delayed in (False, True)]
+        for group in (g for g in groups if g):
+            with ShapedLink(rate_mbit=group[0][0], delay_ms=group[0][1]) as link:
+                for lab in labels:                    # correctness first: a short checked stream per codec
+                    summ = check_summary(run_stream(link, checks[lab], timeout=STREAM_TIMEOUT)["checks"])
+                    assert_checks(lab, summ)
+                print(f"short streams over the link ({link.delay_by or 'no added delay'}) match: raw bit-exact, "
+                      "compressed at the stated cos")
+                stream_points(res, link, group, labels, specs, speeds, cfg, n, nbytes, source)
+
+
+def stream_points(res, link, points, labels, specs, speeds, cfg, n, nbytes, source) -> None:
+    """Every stream over every link shape of `points`, with the model's prediction beside each."""
+    from shared.transfer import check_summary, run_stream
+
+    for rate, delay in tqdm(points, desc="real links", unit="link"):
+        link.reshape(rate_mbit=rate, delay_ms=delay)
+        bw, measured = rate * 1e6 / 8 * TCP_PAYLOAD_FRACTION, {}
+        for lab in labels:
+            r = run_stream(link, specs[lab], timeout=STREAM_TIMEOUT)
+            summ = assert_checks(lab, check_summary(r["checks"]))
+            ratio = n * nbytes / (r["bytes_on_wire"] - 12 * n)
+            if lab == "raw":
+                model = model_stream_s(n, nbytes, bw, delay / 1e3)
+            else:
+                enc, dec = (interp_stage(speeds[lab], cfg["stream_mb"], i) for i in range(2))
+                model = model_stream_s(n, nbytes, bw, delay / 1e3, enc, dec, ratio)
+            measured[lab] = r["seconds"]
+            err = abs(model - r["seconds"]) / r["seconds"] * 100
+            # the same formula fed with the stage times the two ends measured during this stream
+            enc_run = [v for v, c in zip(r["encode_s"], r["checks"]) if c["lane"] == "coded"]
+            dec_run = [v for v, c in zip(r["decode_s"], r["checks"]) if c["lane"] == "coded"]
+            same = (model if lab == "raw" else
+                    model_stream_s(n, nbytes, bw, delay / 1e3, float(np.mean(enc_run)),
+                                   float(np.mean(dec_run)), ratio))
+            common = dict(backend=lab, source=source, part="link", link="tcp_veth_tbf", link_mbit=rate,
+                          delay_ms=delay, delay_by=link.delay_by or "-", tensors=n,
+                          tensor_mb=cfg["stream_mb"], device="cpu")
+            res.add(metric="measured_ms_per_tensor", value=r["seconds"] / n * 1e3, unit="ms", **common)
+            res.add(metric="model_ms_per_tensor", value=model / n * 1e3, unit="ms", **common)
+            res.add(metric="model_error_pct", value=err, unit="%", **common)
+            res.add(metric="model_error_pct_run_stages", value=abs(same - r["seconds"]) / r["seconds"] * 100,
+                    unit="%", **common)
+            res.add(metric="stream_ratio", value=ratio, unit="x", **common)
+            if summ["cos_min"] is not None:
+                res.add(metric="cos_min", value=summ["cos_min"], unit="cos", **common)
+            res.add(metric="measured_encode_ms", value=float(np.mean(r["encode_s"])) * 1e3, unit="ms", **common)
+            res.add(metric="measured_decode_ms", value=float(np.mean(r["decode_s"])) * 1e3, unit="ms", **common)
+            tqdm.write(f"  {rate:5d} Mbit +{delay:4.1f} ms  {lab:22s} measured {r['seconds'] / n * 1e3:8.2f} "
+                       f"ms/tensor  model {model / n * 1e3:8.2f}  error {err:5.1f}%  (with this run's stage times "
+                       f"{abs(same - r['seconds']) / r['seconds'] * 100:5.1f}%)  ratio {ratio:.2f}")
+        for lab in labels[1:]:
+            res.add(metric="measured_speedup", value=measured["raw"] / measured[lab], unit="x", backend=lab,
+                    source=source, part="link", link="tcp_veth_tbf", link_mbit=rate, delay_ms=delay,
+                    delay_by=link.delay_by or "-", tensors=n, tensor_mb=cfg["stream_mb"], device="cpu")
 
 
 def assert_checks(label: str, summ: dict) -> dict:
@@ -482,6 +497,8 @@ def add_model_rows(res, df, cfg, n: int, source) -> dict:
 def plot(csv: str = "13_wire_simulation", name: str = "13_wire_simulation"):
     from matplotlib.lines import Line2D
 
+    import pandas as pd
+
     plt = apply_style()
     df = load(csv)
     m = df[(df.part == "model") & (df.metric == "model_speedup")]
@@ -498,8 +515,10 @@ def plot(csv: str = "13_wire_simulation", name: str = "13_wire_simulation"):
         if has_x:
             ax.plot([x], [1], "|", color=colors[label], ms=22, mew=2.5)
     pts = df[(df.metric == "measured_speedup") & (df.part == "link")]
-    for label, g in pts.groupby("backend"):
-        ax.plot(g.link_mbit * TCP_PAYLOAD_FRACTION / 1e3, g.value, "o", color=colors[label], ms=7, mec="k")
+    delayed = pts.delay_ms.fillna(0) > 0 if "delay_ms" in pts else pd.Series(False, index=pts.index)
+    for (label, dl), g in pts.groupby([pts.backend, delayed]):
+        ax.plot(g.link_mbit * TCP_PAYLOAD_FRACTION / 1e3 * (1.06 if dl else 1), g.value, "D" if dl else "o",
+                color=colors[label], ms=6 if dl else 7, mec="k")
     gp = df[(df.metric == "measured_speedup") & (df.part == "gpu_link")]
     h2d = df[(df.part == "gpu_link") & (df.metric == "h2d_gbps")].value
     for label, g in gp.groupby("backend"):
@@ -515,7 +534,11 @@ def plot(csv: str = "13_wire_simulation", name: str = "13_wire_simulation"):
     ax.set_xlabel("link payload bandwidth (Gbit/s, log)")
     ax.set_ylabel("speed-up over sending raw (x, log)")
     handles, _ = ax.get_legend_handles_labels()
-    handles += [Line2D([], [], ls="", marker="o", color="0.6", mec="k", label="measured: TCP over a tc-shaped veth link"),
+    handles += [Line2D([], [], ls="", marker="o", color="0.6", mec="k", label="measured: TCP over a tc-shaped veth link")]
+    if delayed.any():
+        handles.append(Line2D([], [], ls="", marker="D", color="0.6", mec="k",
+                              label=f"measured, + {pts.delay_ms.max():g} ms each way (drawn 6% right)"))
+    handles += [
                 Line2D([], [], ls="", marker="|", color="0.3", ms=12, mew=2, label="crossover (speed-up 1)")]
     if len(gp):
         handles.append(Line2D([], [], ls="", marker="s", color="0.6", mec="k", label="measured: pinned PCIe H2D"))
@@ -539,7 +562,9 @@ def plot(csv: str = "13_wire_simulation", name: str = "13_wire_simulation"):
         ax2.set_yscale("log")
         ax2.legend(loc="upper left", bbox_to_anchor=(0, -0.13), ncol=2, frameon=False)
         within = int((e.value <= 15).sum())
-        ax2.set_title(f"Model within 15% at {within} of {len(e)} real-link points")
+        er = df[df.metric == "model_error_pct_run_stages"]
+        ax2.set_title(f"Model within 15% at {within} of {len(e)} real-link points\n"
+                      f"({int((er.value <= 15).sum())} of {len(er)} fed the stage times measured in the stream)")
     ax2.set_xlabel("measured ms per tensor (log)")
     ax2.set_ylabel("model ms per tensor (log)")
     save_figure(fig, name, f"{csv}.csv")

@@ -17,7 +17,11 @@ deleted. Namespace names carry this module's prefix and the creating process's p
 Shaping: `rate_mbit` counts what tbf counts, Ethernet frames (IP + TCP headers + 14 bytes), so a TCP
 stream's payload rate is at most `rate_mbit * TCP_PAYLOAD_FRACTION`. `delay_ms` is added on each
 direction, so the round-trip time grows by 2 * delay_ms. `loss_pct` drops that share of packets on
-each direction.
+each direction. Delay and loss come from the kernel's netem qdisc under tbf. On a kernel without
+sch_netem, a link created with delay_ms > 0 gets a third namespace in the middle instead, where a
+user-space delay line (`delay_line`, AF_PACKET sockets that keep the kernel's offload metadata, so
+64 KB GSO segments pass whole) holds every frame for delay_ms before passing it on; `link.delay_by`
+says which ("netem" or "delay_line"). Loss still needs netem.
 
 `python -m shared.links` runs a short self-check (payload rate and round trip on a few shapes).
 """
@@ -49,6 +53,7 @@ NETEM_LIMIT = 100_000                   # packets netem may hold (delay * rate m
 MAX_LINKS = 4                           # links open at once in one process
 _TIMEOUT = 20                           # s for any single ip/tc command
 
+SOL_PACKET, PACKET_VNET_HDR, PACKET_IGNORE_OUTGOING = 263, 15, 23   # <linux/socket.h>, <linux/if_packet.h>
 _counter = itertools.count()
 _live: list["ShapedLink"] = []
 _lock = threading.Lock()
@@ -86,7 +91,7 @@ def cleanup_stale() -> list[str]:
     """Delete namespaces with this module's prefix whose creating process no longer runs; return their names."""
     gone = []
     for name in _netns_list():
-        m = re.fullmatch(rf"{PREFIX}-(\d+)-\d+-[ab]", name)
+        m = re.fullmatch(rf"{PREFIX}-(\d+)-\d+-[abm]", name)
         if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
             _kill_netns_pids(name)
             _ip("ip", "netns", "del", name, check=False)
@@ -179,7 +184,10 @@ class ShapedLink:
         self._probe = _probe
         n = next(_counter)
         self.ns_a, self.ns_b = f"{PREFIX}-{os.getpid()}-{n}-a", f"{PREFIX}-{os.getpid()}-{n}-b"
+        self.ns_m = f"{PREFIX}-{os.getpid()}-{n}-m"     # only with the user-space delay line
         self.dev_a, self.dev_b = "veth-a", "veth-b"
+        self.delay_by = None
+        self._line: subprocess.Popen | None = None
         third = n % 250
         self.ip_a, self.ip_b = f"10.254.{third}.1", f"10.254.{third}.2"
         self._procs: list[subprocess.Popen] = []
@@ -201,12 +209,23 @@ class ShapedLink:
             _install_handlers()
             _live.append(self)
         self._open = True
+        if self.loss_pct > 0 and netem_unavailable_reason():
+            self.close()
+            raise LinkError(netem_unavailable_reason())
+        line = self.delay_ms > 0 and not self._probe and netem_unavailable_reason() is not None
         try:
-            for ns in (self.ns_a, self.ns_b):
+            for ns in (self.ns_a, self.ns_b) + ((self.ns_m,) if line else ()):
                 _ip("ip", "netns", "add", ns)
                 _ip("ip", "-n", ns, "link", "set", "lo", "up")
-            _ip("ip", "link", "add", self.dev_a, "netns", self.ns_a, "mtu", str(MTU), "type", "veth",
-                "peer", "name", self.dev_b, "netns", self.ns_b, "mtu", str(MTU))
+            if line:   # a <-> m <-> b, the delay line in m
+                for ns, dev, mdev in ((self.ns_a, self.dev_a, "veth-ma"), (self.ns_b, self.dev_b, "veth-mb")):
+                    _ip("ip", "link", "add", dev, "netns", ns, "mtu", str(MTU), "type", "veth",
+                        "peer", "name", mdev, "netns", self.ns_m, "mtu", str(MTU))
+                    _ip("ip", "-n", self.ns_m, "link", "set", mdev, "up")
+                self.delay_by = "delay_line"
+            else:
+                _ip("ip", "link", "add", self.dev_a, "netns", self.ns_a, "mtu", str(MTU), "type", "veth",
+                    "peer", "name", self.dev_b, "netns", self.ns_b, "mtu", str(MTU))
             for ns, dev, addr in ((self.ns_a, self.dev_a, self.ip_a), (self.ns_b, self.dev_b, self.ip_b)):
                 _ip("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
                 _ip("ip", "-n", ns, "link", "set", dev, "up")
@@ -236,7 +255,7 @@ class ShapedLink:
                 except ProcessLookupError:
                     pass
                 p.wait(timeout=5)
-        for ns in (self.ns_a, self.ns_b):
+        for ns in (self.ns_a, self.ns_b) + ((self.ns_m,) if self.delay_by == "delay_line" else ()):
             _kill_netns_pids(ns)
             _ip("ip", "netns", "del", ns, check=False)
         with _lock:
@@ -267,12 +286,21 @@ class ShapedLink:
         """Change the shape of both directions in place (rate None: unshaped)."""
         if rate_mbit is not None and not rate_mbit > 0:
             raise ValueError(f"rate_mbit must be > 0 Mbit/s or None (unshaped), got {rate_mbit}")
-        if (delay_ms > 0 or loss_pct > 0) and netem_unavailable_reason():
+        if loss_pct > 0 and netem_unavailable_reason():
             raise LinkError(netem_unavailable_reason())
+        if self.delay_by == "delay_line":
+            self._start_delay_line(delay_ms)
+            delay_tc = 0.0
+        elif delay_ms > 0 and netem_unavailable_reason():
+            raise LinkError(f"{netem_unavailable_reason()}. Without netem, create the link with delay_ms > 0 "
+                            "to get the user-space delay line")
+        else:
+            delay_tc = delay_ms
+            self.delay_by = "netem" if delay_ms > 0 else None
         for ns, dev in ((self.ns_a, self.dev_a), (self.ns_b, self.dev_b)):
             cur = _ip("tc", "-n", ns, "qdisc", "show", "dev", dev, check=False).stdout
             kind_now = cur.split()[1] if cur.split()[:1] == ["qdisc"] else ""
-            wanted = self.qdisc_commands(dev, rate_mbit, delay_ms, loss_pct)
+            wanted = self.qdisc_commands(dev, rate_mbit, delay_tc, loss_pct)
             want_kind = wanted[0][wanted[0].index("1:") + 1] if wanted else None
             if kind_now in ("tbf", "netem") and kind_now != want_kind:
                 _ip("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
@@ -281,6 +309,19 @@ class ShapedLink:
             for cmd in wanted:
                 _ip(*cmd[:1], "-n", ns, *cmd[1:])
         self.rate_mbit, self.delay_ms, self.loss_pct = rate_mbit, float(delay_ms), float(loss_pct)
+
+    def _start_delay_line(self, delay_ms: float) -> None:
+        if self._line is not None and self._line.poll() is None:
+            os.killpg(self._line.pid, signal.SIGKILL)
+            self._line.wait(timeout=5)
+        self._line = subprocess.Popen(["ip", "netns", "exec", self.ns_m, sys.executable, "-m", "shared.links",
+                                       "delayline", "veth-ma", "veth-mb", str(delay_ms)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=_child_env(), start_new_session=True)
+        self._procs.append(self._line)
+        ready = self._line.stdout.readline()             # the sockets are bound once it prints
+        if ready.strip() != "ready":
+            raise LinkError(f"the delay line did not start: {ready.strip()} {self._line.stderr.read()[-600:]}")
 
     def qdiscs(self, side: str = "a") -> str:
         """`tc qdisc show` of one end (for logs)."""
@@ -427,15 +468,79 @@ def _source(host: str, port: int, nbytes: int, pings: int, timeout: float) -> No
     print(" ".join(f"{r:.4f}" for r in rtts[1:]))
 
 
+def delay_line(dev1: str, dev2: str, delay_ms: float) -> None:
+    """Forward every frame between dev1 and dev2 after delay_ms (run inside the middle namespace).
+    AF_PACKET with PACKET_VNET_HDR: each frame comes with its offload header (GSO size, checksum to
+    fill in), and goes out with it, so TCP's 64 KB segments cross whole and checksums stay right."""
+    import collections
+
+    delay = delay_ms / 1e3
+    try:   # the wire runs at the default priority even when the run that made it is niced
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        pass
+    socks = []
+    for dev in (dev1, dev2):
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+        s.setsockopt(SOL_PACKET, PACKET_VNET_HDR, 1)
+        s.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+        s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)            # SO_RCVBUFFORCE (root)
+        s.bind((dev, 0))
+        socks.append(s)
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        queue_, cv = collections.deque(), threading.Condition()
+
+        def rx():
+            while True:
+                frame = src.recv(1 << 17)
+                with cv:
+                    queue_.append((time.monotonic() + delay, frame))
+                    cv.notify()
+
+        def tx():
+            while True:
+                with cv:
+                    while not queue_:
+                        cv.wait()
+                    due, frame = queue_.popleft()
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                dst.send(frame)
+
+        for fn in (rx, tx):
+            threading.Thread(target=fn, daemon=True).start()
+
+    pump(socks[0], socks[1])
+    pump(socks[1], socks[0])
+    print("ready", flush=True)
+    threading.Event().wait()
+
+
+@lru_cache(maxsize=None)
+def delay_unavailable_reason() -> str | None:
+    """None if links with added delay can be made here (netem, or else the user-space delay line)."""
+    why = link_unavailable_reason()
+    if why or netem_unavailable_reason() is None:
+        return why
+    try:
+        with ShapedLink(rate_mbit=10, delay_ms=1.0) as link:
+            if link.delay_by != "delay_line":
+                return "no delay mechanism"
+    except (LinkError, OSError, subprocess.TimeoutExpired) as e:
+        return f"no netem and the user-space delay line failed: {e}"
+    return None
+
+
 def _selfcheck() -> None:
     why = link_unavailable_reason()
     if why:
         print(f"shaped links unavailable: {why}")
         return
-    print("added delay:", netem_unavailable_reason() or "available")
-    for rate, delay in ((1000, 0.0), (100, 0.0), (100, 10.0), (50, 0.0), (None, 0.0)):
-        if delay and netem_unavailable_reason():
-            continue
+    print("added delay:", "netem" if netem_unavailable_reason() is None else
+          f"user-space delay line ({netem_unavailable_reason()})")
+    for rate, delay in ((1000, 0.0), (1000, 10.0), (100, 0.0), (100, 10.0), (50, 0.0), (None, 0.0)):
         with ShapedLink(rate_mbit=rate, delay_ms=delay) as link:
             nbytes = (8 << 20) if rate is None or rate >= 1000 else (4 << 20) if rate >= 100 else (2 << 20)
             m = link.measure(nbytes=nbytes)
@@ -445,7 +550,9 @@ def _selfcheck() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "sink":
+    if len(sys.argv) > 1 and sys.argv[1] == "delayline":
+        delay_line(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "sink":
         _sink(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "source":
         _source(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))

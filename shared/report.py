@@ -244,8 +244,10 @@ def wire_simulation() -> str | None:
         m = g.set_index("metric").value
         if "measured_ms_per_tensor" not in m:
             continue
-        where = f"{rate:g} Mbit/s tbf" + (f" + {delay:g} ms" if delay and delay == delay else "") \
-            if part == "link" else f"pinned PCIe H2D ({g.device.iloc[0]})"
+        by = g.delay_by.iloc[0] if "delay_by" in g else "netem"
+        where = (f"{rate:g} Mbit/s tbf" + (f" + {delay:g} ms ({'user-space delay line' if by == 'delay_line' else by})"
+                                           if delay and delay == delay else "")
+                 if part == "link" else f"pinned PCIe H2D ({g.device.iloc[0]})")
         rows.append([where, backend, f"{m.measured_ms_per_tensor:.2f}", f"{m.model_ms_per_tensor:.2f}",
                      f"{m.model_error_pct:.1f}%", f"{m['model_error_pct_run_stages']:.1f}%"
                      if "model_error_pct_run_stages" in m else "-",
@@ -255,7 +257,7 @@ def wire_simulation() -> str | None:
     cross_txt = "; ".join(f"{r.backend} {r.value:.3g} Gbit/s" if r.value == r.value else f"{r.backend}: {r.reason}"
                           for r in cross.itertuples())
     missing = df[df.metric.isin(["gpu_rows_missing", "link_unavailable"])].reason.dropna().unique()
-    notes = "".join(f" {m}." for m in missing)
+    notes = "".join(f" {m[0].upper()}{m[1:]}." for m in missing)
     return (_table(rows, ["link", "codec", "measured ms/tensor", "model ms/tensor", "model error",
                           "error with the run's own stage times", "measured speed-up", "ratio"])
             + f"\n\nModel crossover bandwidths (compression pays below): {cross_txt}.{notes} "
