@@ -93,6 +93,7 @@ NAMED_LINKS = [("NVLink 4 (450 GB/s a direction, nominal)", 450e9), ("PCIe gen5 
                ("100 GbE", 100e9 / 8), ("10 GbE", 10e9 / 8), ("1 GbE", 1e9 / 8), ("100 Mbit/s", 100e6 / 8),
                ("50 Mbit/s", 50e6 / 8)]
 GPU_STREAM_TENSORS, GPU_REPEATS = 32, 10   # --gpu: tensors per PCIe stream, timed repeats (median)
+GPU_CHUNKS = 10                      # --gpu-only: chunks captured (calibration + the stream's first tokens)
 QUICK = dict(chunks=4, chunk_tokens=256, calib=1, sizes=[0.125, 0.25], stream_mb=0.125, layers=[3, 15],
              links=[(100, 0.0)], repeats=1)
 
@@ -448,13 +449,20 @@ def gpu_pcie_check(res, tensors, cfg, source) -> None:
     inputs = [h.to(dev) for h in host_blob[:2]] if resident else blobs[:2]
     dec_s = float(np.median([wall_ms(lambda c=c, b=b: c.decode(b, device="cuda"), GPU_REPEATS, 2, sync)
                              for c, b in zip(codecs[:2], inputs)])) / 1e3
-    bw = nbytes / one_copy_s
+    big = torch.cat([h.view(torch.uint8).reshape(-1) for h in host_raw]).pin_memory()   # PCIe bandwidth alone
+    bw = big.numel() / (wall_ms(lambda: big.to(dev, non_blocking=True), GPU_REPEATS, 2, sync) / 1e3)
+    latency = max(0.0, one_copy_s - nbytes / bw)          # a lone copy's launch + sync beyond its bytes
     ratio = n * nbytes / sum(len(b) for b in blobs)
-    model_raw = n * one_copy_s
+    model_raw = latency + n * nbytes / bw
     if resident:   # copy of blob i+1 overlaps the decode of blob i
-        model_coded = blob_copy_s + dec_s + (n - 1) * max(blob_copy_s, dec_s)
+        wire = nbytes / ratio / bw
+        model_coded = latency + wire + dec_s + (n - 1) * max(wire, dec_s)
     else:          # each decode call copies its own bytes first
         model_coded = n * dec_s
+    res.add(backend="compute codec (GPU)", metric="blob_copy_ms", value=blob_copy_s * 1e3, unit="ms",
+            device=device_name(True), part="gpu_link", source=source)
+    res.add(backend="compute codec (GPU)", metric="decode_ms", value=dec_s * 1e3, unit="ms",
+            device=device_name(True), part="gpu_link", source=source)
     gdev = device_name(True)
     common = dict(source=source, part="gpu_link", link="pcie_h2d_pinned", tensors=n, tensor_mb=cfg["stream_mb"],
                   device=gdev, decode_takes_gpu_blob=resident)
@@ -597,6 +605,8 @@ def main(args) -> None:
                layers=STREAM_LAYERS, links=LINKS, repeats=REPEATS)
     if args.quick:
         cfg.update(QUICK)
+    elif args.gpu_only:    # the same stream tensors come from the first chunks: capture only those
+        cfg.update(chunks=GPU_CHUNKS)
     res = ResultsWriter("13", "wire_simulation")
     t0 = time.time()
     tensors, source = kv_tensors(cfg)
