@@ -108,8 +108,8 @@ class ResultsWriter:
         for col, value in match.items():
             hit &= old[col] == value if col in old else False
         pd.concat([old[~hit], self.frame()]).to_csv(self.path, index=False)
-        print(f"merged {len(self.rows)} rows into {self.path.relative_to(ROOT)} (replacing {int(hit.sum())} rows "
-              f"with {match})")
+        where = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        print(f"merged {len(self.rows)} rows into {where} (replacing {int(hit.sum())} rows with {match})")
         return self.path
 
 
