@@ -96,6 +96,22 @@ class ResultsWriter:
         print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} ({len(self.rows)} rows)")
         return path
 
+    def merge(self, **match) -> Path:
+        """Write this run's rows into the existing CSV, replacing its rows whose columns equal `match`
+        (e.g. part="gpu_link": a GPU-only rerun on another machine); a plain save() if there is no CSV."""
+        if not self.path.exists():
+            return self.save()
+        import pandas as pd
+
+        old = pd.read_csv(self.path, dtype={"poc": str})
+        hit = pd.Series(True, index=old.index)
+        for col, value in match.items():
+            hit &= old[col] == value if col in old else False
+        pd.concat([old[~hit], self.frame()]).to_csv(self.path, index=False)
+        where = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        print(f"merged {len(self.rows)} rows into {where} (replacing {int(hit.sum())} rows with {match})")
+        return self.path
+
 
 def load(poc_name: str):
     """Read results/<poc_name>.csv into a DataFrame."""
