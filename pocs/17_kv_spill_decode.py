@@ -71,7 +71,7 @@ CONTEXTS_CPU = [256, 512]
 ROPE_THETA = 1e6
 CHUNK_TOKENS = 1024                                    # recent-window tokens before a flush (timing model)
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
-TIMED_SECONDS = 2.0                                    # aim of each timed loop, seconds
+TIMED_SECONDS = 1.5                                    # aim of each timed loop, seconds
 MIN_STEPS, MAX_STEPS = 4, 32                           # timed decode steps per (mode, context)
 BASIS_SAMPLE = 16384                                   # prompt tokens per layer K/V for its basis (evenly spaced)
 STEP_SAMPLE = 8192                                     # of those, tokens the step search sees
@@ -80,6 +80,8 @@ SEARCH_COS = 0.9992                                    # what the step search ai
                                                        # tokens and the GPU quantizer's bf16 arithmetic
 STEP_ITERS = 20                                        # bisection steps of the step search
 SEED = 0
+TIMING_BUDGET_S = 330                                  # the timing model's whole run; a context that would not
+                                                       # fit (from the last one's time x its growth) is skipped
 
 # -- the quality model (SmolLM2) ------------------------------------------------------------------------
 CAL_CHUNKS, EVAL_CHUNKS, TOKENS, PREFIX = 4, 4, 1024, 512   # calibration / evaluated chunks of text, tokens
@@ -344,6 +346,7 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
              f"{shape['kv_heads']} KV heads of {shape['head_dim']}, MLP {shape['mlp']}), "
              f"{str(dtype).removeprefix('torch.')}, timing only")
     print(f"timing model: {label}")
+    begin = time.perf_counter()
     model = RandomDecoder(shape, device, dtype, max_positions=max(contexts) + WARMUP_STEPS + MAX_STEPS + 2)
     print(f"  weights {model.param_bytes() / 1e9:.1f} GB")
     ids = torch.randint(0, shape["vocab"], (max(contexts) + 1,), generator=torch.Generator().manual_seed(SEED))
@@ -363,9 +366,20 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             print(f"  CUDA graphs not used ({type(error).__name__}: {error}); the step runs eagerly")
     common = dict(model=label, shape=str(shape), dtype=str(dtype).removeprefix("torch."), chunk_tokens=CHUNK_TOKENS,
                   cuda_graphs=graphs, bases="fitted on the model's own prompt KV (in-sample)",
-                  target_cos=TARGET_COS, driver=DRIVERS["timing"])
+                  target_cos=TARGET_COS, driver=DRIVERS["timing"],
+                  fetch_path="pinned host memory -> GPU over PCIe" if on_cuda else
+                  "a CPU smoke run: host-to-host copies, blobs decoded once (keep_decoded); no PCIe, not a fetch measurement")
     kv_bf16_per_token = 2 * shape["layers"] * model.kv_dim * 2
+    last = None  # (context, seconds it took)
     for context in tqdm(contexts, desc="contexts", unit="context"):
+        elapsed = time.perf_counter() - begin
+        if last is not None and elapsed + last[1] * context / last[0] > TIMING_BUDGET_S:
+            tqdm.write(f"  {context:>6} tokens  skipped: {elapsed:.0f} s spent, about {last[1] * context / last[0]:.0f} s "
+                       f"more needed, budget {TIMING_BUDGET_S} s (TIMING_BUDGET_S)")
+            res.add(metric="skipped_context", value=context, unit="tokens", backend="none", mode="all",
+                    context=context, **common)
+            continue
+        context_start = time.perf_counter()
         tokens_s, reference_logits = {}, None
         for mode in ("gpu_resident", "raw_fetch", "compressed_fetch"):
             cache = SpillCache(shape["layers"], mode, codecs=codecs if mode == "compressed_fetch" else None,
@@ -416,6 +430,7 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
                     **dict(common, mode=mode, context=context, backend="rans" if mode == "compressed_fetch" else "none"))
         tqdm.write(f"  {context:>6} tokens  compressed / raw = {tokens_s['compressed_fetch'] / tokens_s['raw_fetch']:.2f}x,"
                    f"  gpu_resident / raw = {tokens_s['gpu_resident'] / tokens_s['raw_fetch']:.2f}x")
+        last = (context, time.perf_counter() - context_start)
     del model, kv
     if on_cuda:
         torch.cuda.empty_cache()
@@ -622,6 +637,8 @@ def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
     key = 32768 if 32768 in at else (max(at) if at else None)
     title = (f"compressed fetch is {at[key]:.2f}x raw fetch at {key // 1024 if key >= 1024 else key}"
              f"{'K' if key >= 1024 else ''} context" if key else "decode with the KV cache in host memory")
+    if device == "cpu":
+        title = "a CPU smoke run (host-to-host copies, no PCIe): not a fetch measurement"
     ax.set_title(f"PoC 17: {title} ({device}); labels: compressed / raw")
     text = [f"timing model: {timing.model.iloc[0]}" if len(timing) else ""]
     lm = df[(df.driver == "transformers forward / generate()") & (df["mode"] == "compressed_fetch")]

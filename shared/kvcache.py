@@ -148,6 +148,8 @@ class SpillLayer(DynamicLayer):
     The cache moves the data; this object answers the Cache API's per-layer questions."""
 
     is_compileable = False
+    is_croppable = False  # only the recent window can be cropped (see SpillCache.crop)
+    supports_early_init = False  # the cache sets itself up at the first update
 
     def __init__(self):
         super().__init__()
@@ -344,9 +346,10 @@ class SpillCache(Cache):
         self._staged.clear()
 
     def close(self) -> None:
-        """Stop the worker thread (also done when the cache is garbage-collected)."""
+        """Wait for queued fetches and stop the worker thread (which also stops when the cache is
+        garbage-collected)."""
+        self.drain()
         if self._jobs is not None:
-            self.drain()
             self._jobs.put(None)
             self._jobs = None
 
@@ -361,6 +364,7 @@ class SpillCache(Cache):
         self._check(key_states, value_states, layer, layer_idx)
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
+        if self.device is None or not self._slots_fit(layer):
             self._setup(layer)
         k_new, v_new = states_to_rows(key_states), states_to_rows(value_states)
         n = k_new.shape[0]
@@ -425,15 +429,17 @@ class SpillCache(Cache):
             raise InvalidTensorError(f"this cache computes on {self.device}; layer {idx} sent KV on {k.device}. "
                                      "Fix: one cache per device (the model on one device)")
 
+    def _slots_fit(self, layer: SpillLayer) -> bool:
+        return not self._slots or (self._slots[0].k.shape[1] == layer.dim and self._slots[0].k.dtype == layer.dtype)
+
     def _setup(self, layer: SpillLayer) -> None:
-        first = self.device is None
-        self.device = layer.device
-        if self._slots and (self._slots[0].k.shape[1] != layer.dim or self._slots[0].k.dtype != layer.dtype):
+        if not self._slots_fit(layer):
             raise InvalidTensorError("every layer of a SpillCache must hold the same number of KV channels and "
                                      f"dtype (staging is shared): got {layer.dim} {layer.dtype} after "
                                      f"{self._slots[0].k.shape[1]} {self._slots[0].k.dtype}")
-        if not first:
+        if self.device is not None:
             return
+        self.device = layer.device
         if self.keep_decoded is None:
             self.keep_decoded = not self.on_cuda
         if self.on_cuda and self.mode != "gpu_resident":
@@ -458,7 +464,12 @@ class SpillCache(Cache):
         self._slots = []
         for _ in range(SLOTS):
             k = torch.empty((capacity, dim), dtype=dtype, device=self.device)
-            self._slots.append(_Slot(k, torch.empty_like(k), torch.cuda.Event() if self.on_cuda else None))
+            slot = _Slot(k, torch.empty_like(k), torch.cuda.Event() if self.on_cuda else None)
+            for stream in (self._copy_stream, self._decode_stream):  # written there: freed only once it is done
+                if stream is not None:
+                    slot.k.record_stream(stream)
+                    slot.v.record_stream(stream)
+            self._slots.append(slot)
 
     # -- storing -----------------------------------------------------------------------------------------
     def _append_resident(self, layer: SpillLayer, k_new, v_new):
@@ -504,7 +515,7 @@ class SpillCache(Cache):
                 if layer.store_k is not None and self.on_cuda:
                     self.drain()  # queued copies may still read the old host buffer
                 k_host = torch.empty((capacity, layer.dim), dtype=layer.dtype, pin_memory=self._pin())
-                v_host = torch.empty_like(k_host, pin_memory=self._pin())
+                v_host = torch.empty((capacity, layer.dim), dtype=layer.dtype, pin_memory=self._pin())
                 if layer.stored:
                     k_host[:layer.stored].copy_(layer.store_k[:layer.stored])
                     v_host[:layer.stored].copy_(layer.store_v[:layer.stored])
