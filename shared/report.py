@@ -270,6 +270,9 @@ def kv_spill() -> str | None:
         v = {(r.mode, r.metric): r.value for r in lm.itertuples()}
         comp = "compressed_fetch"
         if (comp, "ppl_change_pct") in v:
+            same = [m for m in ("raw_fetch", "gpu_resident") if v.get((m, "greedy_identical")) == 1.0]
+            exact = (f"{' and '.join(same)} gave DynamicCache's greedy output exactly." if same else "") + \
+                ("" if len(same) == 2 else " WARNING: an uncompressed mode differed from DynamicCache.")
             gen = [f"{m} {v[(m, 'tokens_per_s')]:.1f}" for m in ("dynamic_cache", "raw_fetch", comp, "gpu_resident")
                    if (m, "tokens_per_s") in v]
             parts.append(
@@ -277,9 +280,10 @@ def kv_spill() -> str | None:
                 f"uncompressed: KV cos {v[(comp, 'cos')]:.5f} (worst layer {v[(comp, 'cos_min')]:.5f}) at "
                 f"{v[(comp, 'ratio')]:.2f}x; perplexity {v[(comp, 'perplexity_dynamic_cache')]:.4f} -> "
                 f"{v[(comp, 'perplexity')]:.4f} (**{v[(comp, 'ppl_change_pct')]:+.3f}%**); next-token agreement "
-                f"{v[(comp, 'top1_agreement')]:.4f}; greedy output agreement {v[(comp, 'agreement')]:.3f} "
-                f"(first divergence at token {int(v[(comp, 'first_divergence')])}). raw_fetch and gpu_resident give "
-                f"DynamicCache's output exactly. generate() tokens/s: {', '.join(gen)} "
+                f"{v[(comp, 'top1_agreement')]:.4f}; greedy-output agreement {v[(comp, 'agreement')]:.4f} (along "
+                f"DynamicCache's greedy output; a free run first differs at token "
+                f"{int(v[(comp, 'first_divergence')])}). {exact} "
+                f"generate() tokens/s: {', '.join(gen)} "
                 f"({', '.join(sorted(set(lm.device.astype(str))))}).")
     return "\n\n".join(parts) + "\n\n" + _source(df, "17_kv_spill_decode") if parts else None
 
