@@ -54,7 +54,6 @@ Sample output (a 2-core CPU machine; SmolLM2 at full size, --only quality):
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -634,15 +633,13 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
 
 # ---------------------------------------------------------------- run, plot
 
-def run(quick: bool, device: str, only: str | None) -> tuple[ResultsWriter, set[str]]:
-    res = ResultsWriter("17", "kv_spill_decode", gpu=torch.device(device).type == "cuda")
-    measured = set()
+def run(res: ResultsWriter, measured: set[str], quick: bool, device: str, only: str | None) -> None:
+    """Both parts (or `only` one); `measured` names the parts whose rows replace an earlier run's."""
     if only in (None, "quality") and quality_rows(res, device, quick):
         measured.add("quality")
     if only in (None, "timing"):
-        timing_rows(res, device, quick)
         measured.add("timing")
-    return res, measured
+        timing_rows(res, device, quick)
 
 
 def save(res: ResultsWriter, measured: set[str]) -> None:
@@ -725,5 +722,10 @@ if __name__ == "__main__":
     if not args.plot_only:
         if args.device == "cpu":
             torch.set_num_threads(1)  # threads spin on a shared 2-core machine: one is faster
-        save(*run(args.quick, args.device, args.only))
+        res, measured = ResultsWriter("17", "kv_spill_decode", gpu=args.device.startswith("cuda")), set()
+        try:
+            run(res, measured, args.quick, args.device, args.only)
+        finally:  # a run that fails part-way still writes the rows it measured (and then fails)
+            if res.rows:
+                save(res, measured)
     plot()
