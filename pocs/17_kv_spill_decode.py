@@ -691,7 +691,7 @@ def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
     at = dict(ratios)
     key = 32768 if 32768 in at else (max(at) if at else None)
     title = (f"compressed fetch is {at[key]:.2f}x raw fetch at {key // 1024 if key >= 1024 else key}"
-             f"{'K' if key >= 1024 else ''} context" if key else "decode with the KV cache in host memory")
+             f"{'K' if key >= 1024 else ''} context (target 2.5x)" if key else "decode with the KV cache in host memory")
     if device == "cpu":
         title = "a CPU smoke run (host-to-host copies, no PCIe): not a fetch measurement"
     ax.set_title(f"PoC 17: {title} ({device}); labels: compressed / raw")
