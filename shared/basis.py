@@ -101,14 +101,19 @@ class CovarianceAccumulator:
         if not 1 <= k <= self.dim:
             raise InvalidTensorError(f"K={k} must be in 1..D={self.dim}")
         eigvals, eigvecs = np.linalg.eigh(cov)
-        order = np.argsort(eigvals)[::-1]
-        eigvals, eigvecs = eigvals[order].clip(min=0), eigvecs[:, order]
-        # Fix each eigenvector's sign (largest entry positive) so bases are reproducible.
-        signs = np.sign(eigvecs[np.abs(eigvecs).argmax(axis=0), np.arange(self.dim)])
-        eigvecs = eigvecs * np.where(signs == 0, 1, signs)
         meta = {"n_captures": self.n_captures, "n_tokens": self.count, **meta}
-        return PCABasis(mean.astype(np.float32), np.ascontiguousarray(eigvecs[:, :k], np.float32),
-                        eigvals.astype(np.float32), meta)
+        return _basis_from_eigh(mean, eigvals, eigvecs, k, meta)
+
+
+def _basis_from_eigh(mean: np.ndarray, eigvals: np.ndarray, eigvecs: np.ndarray, k: int, meta: dict) -> "PCABasis":
+    """The PCABasis of a symmetric eigendecomposition (any order): largest first, signs fixed."""
+    order = np.argsort(eigvals)[::-1]
+    eigvals, eigvecs = eigvals[order].clip(min=0), eigvecs[:, order]
+    # Fix each eigenvector's sign (largest entry positive) so bases are reproducible.
+    signs = np.sign(eigvecs[np.abs(eigvecs).argmax(axis=0), np.arange(eigvecs.shape[1])])
+    eigvecs = eigvecs * np.where(signs == 0, 1, signs)
+    return PCABasis(np.asarray(mean, np.float32), np.ascontiguousarray(eigvecs[:, :k], np.float32),
+                    eigvals.astype(np.float32), meta)
 
 
 @dataclasses.dataclass
@@ -188,6 +193,30 @@ def fit_basis(captures: Iterable, k: int, **meta) -> PCABasis:
     if acc is None:
         raise InvalidTensorError("fit_basis got no captures")
     return acc.basis(k, **meta)
+
+
+def fit_basis_torch(x, k: int, **meta) -> PCABasis:
+    """fit_basis for one torch tensor [T, D] (any float dtype), computed on its device: the float64
+    mean and covariance and their eigendecomposition stay there, so a GPU fits a D=1024 basis in
+    milliseconds where the CPU needs a second. Same result as fit_basis([x], k) up to rounding."""
+    import torch
+
+    if not hasattr(x, "detach") or not torch.is_floating_point(x) or x.dim() != 2 or x.numel() == 0:
+        raise InvalidTensorError(f"fit_basis_torch takes a non-empty 2-D float torch tensor [T, D], got "
+                                 f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}")
+    if x.shape[0] < 2:
+        raise InvalidTensorError("need at least 2 tokens to estimate a covariance")
+    if not 1 <= k <= x.shape[1]:
+        raise InvalidTensorError(f"K={k} must be in 1..D={x.shape[1]}")
+    xd = x.detach().double()
+    if not bool(torch.isfinite(xd).all()):
+        raise InvalidTensorError("tensor holds NaN/Inf values; fix the producer, nothing is clipped here")
+    mean = xd.mean(0)
+    centred = xd - mean
+    cov = centred.T @ centred / (x.shape[0] - 1)
+    eigvals, eigvecs = torch.linalg.eigh((cov + cov.T) / 2)
+    meta = {"n_captures": 1, "n_tokens": int(x.shape[0]), **meta}
+    return _basis_from_eigh(mean.cpu().numpy(), eigvals.cpu().numpy(), eigvecs.cpu().numpy(), k, meta)
 
 
 def leave_one_out(captures: Sequence, k: int, groups: Sequence | None = None, **meta) -> Iterator[tuple[int, PCABasis]]:

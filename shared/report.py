@@ -354,6 +354,59 @@ def dual_lane() -> str | None:
             + "\n\nReported elsewhere: 1.69x over all-direct at 1 Gbit (github.com/shootthesound/torch-nvenc-compress, "
               "README; RTX 5090, NVENC, wire simulated by a sleep in each lane's thread). "
             + _source(df, "14_dual_lane"))
+def kv_spill() -> str | None:
+    df = _csv("17_kv_spill_decode")
+    if df is None:
+        return None
+    parts = []
+    timing = df[df.driver == "own decode loop"]
+    if (timing.device != "cpu").any():
+        timing = timing[timing.device != "cpu"]
+    if len(timing):
+        rows = []
+        for context, g in timing.groupby("context"):
+            v = {(r.mode, r.metric): r.value for r in g.itertuples()}
+            tps = {m: v.get((m, "tokens_per_s")) for m in ("raw_fetch", "compressed_fetch", "gpu_resident")}
+            if None in tps.values():
+                continue
+            rows.append([f"{int(context) // 1024}K" if context >= 1024 else int(context),
+                         f"{tps['raw_fetch']:.2f}", f"{tps['compressed_fetch']:.2f}", f"{tps['gpu_resident']:.2f}",
+                         f"**{tps['compressed_fetch'] / tps['raw_fetch']:.2f}x**",
+                         f"{v[('raw_fetch', 'fetched_bytes_per_step')] / 1e9:.2f} / "
+                         f"{v[('compressed_fetch', 'fetched_bytes_per_step')] / 1e9:.2f}",
+                         f"{v[('raw_fetch', 'fetch_gb_per_s')]:.1f}",
+                         f"{v[('compressed_fetch', 'ratio')]:.2f}x", f"{v[('compressed_fetch', 'cos')]:.5f}"])
+        first = timing.iloc[0]
+        graphs = "CUDA graphs for each layer's dense parts" if str(first.cuda_graphs) == "True" else "eager"
+        api = timing[timing["mode"] == "compressed_fetch"].decode_api.dropna()
+        parts.append(
+            f"Decode tokens/s (batch 1) with every layer's KV in host memory, fetched each step ({first.model}; "
+            f"own decode loop, {graphs}; bases fitted on the model's own prompt; {first.fetch_path}):\n\n"
+            + _table(rows, ["context", "raw_fetch tok/s", "compressed_fetch tok/s", "gpu_resident tok/s (bound)",
+                            "compressed / raw", "GB fetched per step (raw / compressed)", "raw fetch GB/s",
+                            "ratio", "KV cos"])
+            + (f"\n\nCompressed blobs decoded by: {api.iloc[0]}." if len(api) else ""))
+    lm = df[df.driver != "own decode loop"]
+    if len(lm):
+        v = {(r.mode, r.metric): r.value for r in lm.itertuples()}
+        comp = "compressed_fetch"
+        if (comp, "ppl_change_pct") in v:
+            same = [m for m in ("raw_fetch", "gpu_resident") if v.get((m, "greedy_identical")) == 1.0]
+            exact = (f"{' and '.join(same)} gave DynamicCache's greedy output exactly." if same else "") + \
+                ("" if len(same) == 2 else " WARNING: an uncompressed mode differed from DynamicCache.")
+            gen = [f"{m} {v[(m, 'tokens_per_s')]:.1f}" for m in ("dynamic_cache", "raw_fetch", comp, "gpu_resident")
+                   if (m, "tokens_per_s") in v]
+            parts.append(
+                f"SmolLM2-135M through transformers' forward and generate() with the cache, compressed vs "
+                f"uncompressed: KV cos {v[(comp, 'cos')]:.5f} (worst layer {v[(comp, 'cos_min')]:.5f}) at "
+                f"{v[(comp, 'ratio')]:.2f}x; perplexity {v[(comp, 'perplexity_dynamic_cache')]:.4f} -> "
+                f"{v[(comp, 'perplexity')]:.4f} (**{v[(comp, 'ppl_change_pct')]:+.3f}%**); next-token agreement "
+                f"{v[(comp, 'top1_agreement')]:.4f}; greedy-output agreement {v[(comp, 'agreement')]:.4f} (along "
+                f"DynamicCache's greedy output; a free run first differs at token "
+                f"{int(v[(comp, 'first_divergence')])}). {exact} "
+                f"generate() tokens/s: {', '.join(gen)} "
+                f"({', '.join(sorted(set(lm.device.astype(str))))}).")
+    return "\n\n".join(parts) + "\n\n" + _source(df, "17_kv_spill_decode") if parts else None
 
 
 SECTIONS = [
@@ -367,6 +420,7 @@ SECTIONS = [
     ("The compute codec through its API, by tensor size (PoC 09 --api)", api_speed),
     ("Compressed vs raw over real links, and the pipelined model (PoC 13)", wire_simulation),
     ("Raw lane + codec lane at once (PoC 14)", dual_lane),
+    ("KV cache spilled to host memory: decode tokens/s (PoC 17)", kv_spill),
 ]
 
 

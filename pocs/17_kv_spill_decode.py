@@ -1,0 +1,731 @@
+"""PoC 17 - A decode loop whose KV cache lives in host memory: does fetching it compressed beat fetching it raw?
+
+When the KV cache does not fit next to the weights, it spills to host RAM and every decode step pulls
+every layer's KV back over PCIe. shared/kvcache.py's SpillCache (a transformers Cache) does that three
+ways, with the next layer's fetch queued on side CUDA streams while the current layer computes:
+
+  raw_fetch         pinned host rows -> GPU, one copy per layer per K/V (what transformers' offloaded
+                    caches do)
+  compressed_fetch  compute-codec blobs (per-layer PCA basis, one shared quantization step, rANS) in
+                    pinned host memory -> GPU -> decoded on the GPU
+  gpu_resident      no fetch: the bound
+
+Two models:
+- Timing only: a Llama-shaped decoder with RANDOM bf16 weights in a 32B-class shape (64 layers,
+  hidden 5120, 40 query heads, 8 KV heads of 128, MLP 27648, the shape of Qwen2.5-32B; vocab 32000),
+  written here (fused QKV and gate/up GEMMs, F.rms_norm, GEMV attention on the fetched KV in place,
+  the dense parts of each layer replayed as CUDA graphs), so that the step is fast and the fetch is
+  what is measured (transformers' generate() on this shape is compute-overhead-bound; see the issue).
+  It drives the same SpillCache through the same Cache.update calls as generate() does. Its prompt is
+  64K random tokens through the same decoder; each context is a prefix of it. Its PCA bases and steps
+  are fitted on its own prompt KV (in-sample: the random model has no held-out text; the quality of
+  compression is judged on SmolLM2 below). Tokens/s at contexts 4K..64K, a few steps each (fewer than
+  chunk_tokens, so no flush happens while timing).
+- Quality: SmolLM2-135M through transformers' own forward and generate() with the SpillCache,
+  compressed vs uncompressed (DynamicCache): perplexity of each evaluated chunk's second half from a
+  cache of its first half (flushed: every prefix token is read back from its blob), next-token
+  agreement on those tokens, and greedy-output agreement: along DynamicCache's greedy output of 128
+  tokens, how often the cache's greedy choice is the same token, decoded step by step so that the
+  cache flushes a 64-token chunk twice as in generate() (a free-running generate() also gives the
+  first token where the two outputs part, and tokens/s). Bases (all components) and steps per layer
+  K/V come from calibration chunks of the same text that are not evaluated (shared.llm.capture_kv,
+  shared.basis.fit_basis, shared.rdquant.find_step aiming at cos 0.9992 on the calibration KV).
+
+Correctness first: before any timing, every layer's fetched KV is compared with what went in
+(bit-exact for raw_fetch and gpu_resident, cosine stated for compressed_fetch), and the raw_fetch
+decode loop must produce the gpu_resident loop's logits bit for bit (a race in the prefetch would
+show there). On SmolLM2, raw_fetch must give DynamicCache's logits and greedy tokens exactly.
+
+Command:   make poc-17 PYTHON=python3                (an NVIDIA GPU: both models, full size)
+           python pocs/17_kv_spill_decode.py --quick  (CI: SmolLM2 on a small text, a tiny random model)
+           python pocs/17_kv_spill_decode.py --plot-only
+Writes:    results/17_kv_spill_decode.csv, figures/17_kv_spill_decode.png
+Sample output (a 2-core CPU machine; SmolLM2 at full size, --only quality):
+    SmolLM2: 30 layers; bases and steps from 4 calibration chunks of 1024 tokens (step 0.006292..0.3822); 4 other chunks evaluated
+      raw_fetch: fetched KV bit-exact; perplexity 12.4027 vs DynamicCache 12.4027 (+0.000%)
+      compressed_fetch: KV cos 0.99918 (min over layers/K/V 0.99903), ratio 3.86x of bf16; perplexity 12.4027 -> 12.3762 (-0.214%), next-token agreement 0.9618
+      generate() compressed_fetch     2.7 tokens/s  free-running greedy output first differs from DynamicCache's at token 3 of 128 (2 flushes per layer)
+      raw_fetch: greedy-output agreement 1.0000 over 128 steps of DynamicCache's greedy output (1 prompts)
+      compressed_fetch: greedy-output agreement 0.9766 over 128 steps of DynamicCache's greedy output (1 prompts)
+(the same machine, --quick: the timing model's CPU smoke, host-to-host copies, not a fetch measurement)
+         512 tokens  raw_fetch          476.74 tokens/s (32 steps, 0.002 GB fetched per step)  fetched KV bit-exact, logits = gpu_resident's bit for bit
+         512 tokens  compressed_fetch   167.80 tokens/s (32 steps, 0.000 GB fetched per step)  ratio 3.36x, cos 0.99920 (min 0.99920)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import LogitsProcessorList
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared import llm  # noqa: E402
+from shared.basis import fit_basis, fit_basis_torch  # noqa: E402
+from shared.errors import BackendUnavailable, WeightsUnavailable  # noqa: E402
+from shared.kvcache import MODES, SpillCache, cache_kwarg, rows_to_states  # noqa: E402
+from shared.pipeline import TensorCodec  # noqa: E402
+from shared.rdquant import find_step, quality  # noqa: E402
+from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+
+# -- the timing model ---------------------------------------------------------------------------------
+SHAPE = dict(layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128, mlp=27648, vocab=32000)  # 32B class
+SHAPE_SMOKE = dict(SHAPE, layers=4)                    # --quick on a GPU: the real layer shape, 4 layers
+SHAPE_CPU = dict(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, mlp=512, vocab=512)  # --quick on a CPU
+CONTEXTS = [4096, 8192, 16384, 32768, 65536]           # tokens of context
+CONTEXTS_SMOKE = [4096, 8192]
+CONTEXTS_CPU = [256, 512]
+ROPE_THETA = 1e6
+CHUNK_TOKENS = 1024                                    # recent-window tokens before a flush (timing model)
+WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
+TIMED_SECONDS = 1.0                                    # aim of each timed loop, seconds
+MIN_STEPS, MAX_STEPS = 3, 32                           # timed decode steps per (mode, context)
+BASIS_SAMPLE = 16384                                   # prompt tokens per layer K/V for its basis (evenly spaced)
+STEP_SAMPLE = 8192                                     # of those, tokens the step search sees
+TARGET_COS = 0.999                                     # the quality target (mean over tokens of the cosine)
+SEARCH_COS = 0.9992                                    # what the step search aims at: a margin for held-out
+                                                       # tokens and the GPU quantizer's bf16 arithmetic
+STEP_ITERS = 20                                        # bisection steps of the step search
+SEED = 0
+TIMING_BUDGET_S = 240                                  # the timing model's whole run; a context that would not
+                                                       # fit (from the last one's time x its growth) is skipped
+
+# -- the quality model (SmolLM2) ------------------------------------------------------------------------
+CAL_CHUNKS, EVAL_CHUNKS, TOKENS, PREFIX = 4, 4, 1024, 512   # calibration / evaluated chunks of text, tokens
+GEN_TOKENS, GEN_CHUNK = 128, 64                        # greedy tokens generated; chunk_tokens while generating
+DRIVERS = {"timing": "own decode loop", "quality": "transformers forward / generate()"}
+AGREEMENT_BUDGET_S = 30                                # greedy-agreement prompts are added while within this
+QUICK_LM = dict(cal=2, eval=1, tokens=256, prefix=128, gen=20, gen_chunk=16)
+
+
+# ---------------------------------------------------------------- the random-weight decoder
+
+class RandomDecoder:
+    """A Llama-shaped decoder stack with random weights (x @ W layout, W ~ N(0, 1/fan_in)): RMSNorm,
+    fused QKV, RoPE, grouped-query attention, SwiGLU MLP. prefill() runs a prompt with causal SDPA and
+    returns every layer's K/V rows; step() decodes one token against a Cache (cache.update per layer)."""
+
+    def __init__(self, shape: dict, device, dtype=torch.bfloat16, seed: int = SEED, max_positions: int = 8192):
+        self.s, self.device, self.dtype = dict(shape), torch.device(device), dtype
+        s = self.s
+        self.q_dim, self.kv_dim = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+
+        def weight(rows, cols):
+            return torch.randn(rows, cols, generator=gen, device=self.device, dtype=dtype).mul_(rows ** -0.5)
+
+        self.embed = torch.randn(s["vocab"], s["hidden"], generator=gen, device=self.device, dtype=dtype)
+        self.layers = []
+        for _ in tqdm(range(s["layers"]), desc="random weights", unit="layer", leave=False):
+            self.layers.append(dict(
+                wqkv=weight(s["hidden"], self.q_dim + 2 * self.kv_dim), wo=weight(self.q_dim, s["hidden"]),
+                wgu=weight(s["hidden"], 2 * s["mlp"]), wd=weight(s["mlp"], s["hidden"]),
+                n1=torch.ones(s["hidden"], device=self.device, dtype=dtype),
+                n2=torch.ones(s["hidden"], device=self.device, dtype=dtype)))
+        self.norm = torch.ones(s["hidden"], device=self.device, dtype=dtype)
+        self.lm_head = weight(s["hidden"], s["vocab"])
+        half = s["head_dim"] // 2
+        self.inv_freq = ROPE_THETA ** (-torch.arange(half, device=self.device, dtype=torch.float32) / half)
+        self.cos, self.sin = self.rope_tables(torch.arange(max_positions))  # [positions, head_dim] float32
+        self.graphs = None  # per layer (pre, post) CUDA graphs, made by capture_graphs()
+
+    def param_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values()) + \
+            (self.embed.numel() + self.lm_head.numel()) * self.embed.element_size()
+
+    # -- the pieces -----------------------------------------------------------------------------------
+    def rope_tables(self, positions: torch.Tensor):
+        angles = positions.to(self.device, torch.float32)[:, None] * self.inv_freq[None]
+        return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, head_dim] float32
+
+    @staticmethod
+    def _rope(x, cos, sin):
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+    def pre(self, i: int, h, cos, sin):
+        """h [T, hidden] -> q [1, heads, T, d], k and v [1, kv_heads, T, d] (RoPE applied to q and k)."""
+        s, w = self.s, self.layers[i]
+        x = F.rms_norm(h, (s["hidden"],), w["n1"], 1e-5)
+        q, k, v = (x @ w["wqkv"]).split([self.q_dim, self.kv_dim, self.kv_dim], -1)
+        T, d = h.shape[0], s["head_dim"]
+        q = q.view(T, s["heads"], d).transpose(0, 1).unsqueeze(0)
+        k = k.view(T, s["kv_heads"], d).transpose(0, 1).unsqueeze(0)
+        v = v.view(T, s["kv_heads"], d).transpose(0, 1).unsqueeze(0).contiguous()
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def post(self, i: int, h, o):
+        """In place: h += o @ Wo; h += MLP(h). o [T, heads * d]."""
+        s, w = self.s, self.layers[i]
+        h.add_(o @ w["wo"])
+        gate, up = (F.rms_norm(h, (s["hidden"],), w["n2"], 1e-5) @ w["wgu"]).chunk(2, -1)
+        h.add_((F.silu(gate) * up) @ w["wd"])
+        return h
+
+    def attend(self, q, K, V):
+        """One query token against the cache: q [1, heads, 1, d]; K, V [1, kv_heads, S, d] (views of the
+        fetched rows, read in place) -> [1, heads * d]. Reads K and V once (two GEMVs and a softmax)."""
+        s = self.s
+        groups = s["heads"] // s["kv_heads"]
+        qg = q[0, :, 0].reshape(s["kv_heads"], groups, s["head_dim"])
+        scores = torch.matmul(qg, K[0].transpose(-1, -2)).float() * s["head_dim"] ** -0.5
+        probs = torch.softmax(scores, -1).to(V.dtype)
+        return torch.matmul(probs, V[0]).reshape(1, self.q_dim)
+
+    # -- whole passes ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, progress: bool = True):
+        """ids [T] -> (K rows, V rows) per layer, each [T, kv_heads * d], and the last logits [vocab]."""
+        s = self.s
+        T = ids.shape[0]
+        cos, sin = self.cos[:T], self.sin[:T]
+        h = self.embed[ids.to(self.device)]
+        kv = []
+        groups = s["heads"] // s["kv_heads"]
+        for i in tqdm(range(s["layers"]), desc=f"prefill {T} tokens", unit="layer", leave=False,
+                      disable=not progress):
+            q, k, v = self.pre(i, h, cos, sin)
+            kv.append((k[0].transpose(0, 1).reshape(T, self.kv_dim).contiguous(),
+                       v[0].transpose(0, 1).reshape(T, self.kv_dim).contiguous()))
+            o = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                               is_causal=True)
+            del q, k, v
+            self.post(i, h, o[0].transpose(0, 1).reshape(T, self.q_dim))
+            del o
+        logits = F.rms_norm(h[-1:], (s["hidden"],), self.norm, 1e-5) @ self.lm_head
+        return kv, logits[0]
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs of each layer's dense parts for one token (pre: norm, QKV, RoPE; post: Wo, norm,
+        MLP), reading static buffers: the hidden state and this step's RoPE row."""
+        s = self.s
+        self.h_buf = torch.zeros(1, s["hidden"], device=self.device, dtype=self.dtype)
+        self.cos_buf, self.sin_buf = (torch.zeros(1, s["head_dim"], device=self.device) for _ in range(2))
+        self.o_buf = torch.zeros(1, self.q_dim, device=self.device, dtype=self.dtype)
+        graphs = []
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm up (cuBLAS handles, workspaces) off the capture
+            for i in range(s["layers"]):
+                self.pre(i, self.h_buf.clone(), self.cos_buf, self.sin_buf)
+                self.post(i, self.h_buf.clone(), self.o_buf)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for i in tqdm(range(s["layers"]), desc="CUDA graphs", unit="layer", leave=False):
+            pre, post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(pre, pool=pool):
+                qkv = self.pre(i, self.h_buf, self.cos_buf, self.sin_buf)
+            pool = pre.pool()
+            with torch.cuda.graph(post, pool=pool):
+                self.post(i, self.h_buf, self.o_buf)
+            graphs.append((pre, post, qkv))
+        self.graphs = graphs
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
+        """Decode one token (a [1] int64 tensor on the device) at `position` -> the next token (argmax) and
+        the logits; every layer's new K/V goes through cache.update and attention reads what it returns."""
+        s = self.s
+        cos, sin = self.cos[position:position + 1], self.sin[position:position + 1]
+        h = self.embed.index_select(0, token)
+        if self.graphs is not None:
+            self.h_buf.copy_(h)
+            self.cos_buf.copy_(cos)
+            self.sin_buf.copy_(sin)
+            for i, (pre, post, (q, k, v)) in enumerate(self.graphs):
+                pre.replay()
+                K, V = cache.update(k, v, i)
+                self.o_buf.copy_(self.attend(q, K, V))
+                post.replay()
+            h = self.h_buf
+        else:
+            for i in range(s["layers"]):
+                q, k, v = self.pre(i, h, cos, sin)
+                K, V = cache.update(k, v, i)
+                self.post(i, h, self.attend(q, K, V))
+        logits = F.rms_norm(h, (s["hidden"],), self.norm, 1e-5) @ self.lm_head
+        return logits.argmax(-1), logits[0]
+
+
+# ---------------------------------------------------------------- helpers
+
+def cosine(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Mean over tokens of the cosine similarity (rdquant.quality, float64 on the tensors' device)."""
+    return quality(reference, approx.to(reference.device), "cos")
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def codec_pair(basis_k, step_k, basis_v, step_v):
+    return TensorCodec(basis_k, backend="rans", step=step_k), TensorCodec(basis_v, backend="rans", step=step_v)
+
+
+def fit_codecs_on_prompt(kv, progress: bool = True):
+    """Per layer K/V: a PCA basis (all components) on an evenly spaced sample of the prompt's rows, and
+    the largest shared step whose reconstruction reaches SEARCH_COS on part of that sample."""
+    codecs, steps = [], []
+    for i, (k_rows, v_rows) in enumerate(tqdm(kv, desc="bases and steps", unit="layer", leave=False,
+                                              disable=not progress)):
+        pair = []
+        for kind, rows in (("k", k_rows), ("v", v_rows)):
+            stride = max(1, rows.shape[0] // BASIS_SAMPLE)
+            sample = rows[::stride][:BASIS_SAMPLE].float()
+            basis = fit_basis_torch(sample, rows.shape[1], model="random-32b-shape", layer=f"{i}.{kind}")
+            mean = torch.as_tensor(basis.mean, device=rows.device)
+            comps = torch.as_tensor(basis.components, device=rows.device)
+            part = sample[:STEP_SAMPLE]
+            q = find_step((part - mean) @ comps, SEARCH_COS, "cos", reconstruct=lambda c: c @ comps.T + mean,
+                          reference=part, iters=STEP_ITERS)
+            pair += [basis, q.step]
+            steps.append(q.step)
+        codecs.append(codec_pair(*pair))
+    return codecs, steps
+
+
+def fill(cache, kv, context: int, heads: int) -> None:
+    """Put the first `context` tokens of every layer's prompt KV into the cache, layer by layer, as a
+    prefill's Cache.update calls do (the cache stores them in its own form)."""
+    for i, (k_rows, v_rows) in enumerate(kv):
+        cache.update(rows_to_states(k_rows[:context], heads), rows_to_states(v_rows[:context], heads), i)
+    cache.flush()
+
+
+def check_fetch(cache, kv, context: int) -> dict:
+    """Every layer's fetched K/V against the prompt's: bit-exact (raw, resident) and cosine (compressed)."""
+    exact, cos = True, []
+    for i, (k_rows, v_rows) in enumerate(kv):
+        k, v = cache.fetched_kv(i)
+        exact &= torch.equal(k, k_rows[:context]) and torch.equal(v, v_rows[:context])
+        if cache.mode == "compressed_fetch":
+            cos += [cosine(k_rows[:context], k), cosine(v_rows[:context], v)]
+    return {"exact": bool(exact), "cos_mean": float(np.mean(cos)) if cos else 1.0,
+            "cos_min": float(np.min(cos)) if cos else 1.0}
+
+
+def timed_decode(model: RandomDecoder, cache, context: int, first_token: int):
+    """WARMUP_STEPS untimed steps, then enough timed steps for about TIMED_SECONDS: (tokens/s, steps,
+    fetched bytes per timed step, the logits of the last untimed step: the same position in every mode)."""
+    device = model.device
+    token = torch.tensor([first_token], device=device)
+    position = context
+    for _ in range(WARMUP_STEPS):
+        token, logits = model.step(token, position, cache)
+        position += 1
+    check_logits = logits.clone()
+    sync(device)
+    start = time.perf_counter()
+    token, logits = model.step(token, position, cache)
+    position += 1
+    sync(device)
+    one = time.perf_counter() - start
+    steps = int(min(MAX_STEPS, max(MIN_STEPS, round(TIMED_SECONDS / max(one, 1e-6)))))
+    bytes_before = cache.stats.fetched_bytes
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        token, logits = model.step(token, position, cache)
+        position += 1
+    sync(device)
+    elapsed = time.perf_counter() - start
+    return steps / elapsed, steps, (cache.stats.fetched_bytes - bytes_before) / steps, check_logits
+
+
+def decode_api(cache) -> str:
+    from shared import pipeline
+    many = "decode_many" if hasattr(pipeline, "decode_many") else "TensorCodec.decode per blob"
+    return f"{many}, blobs as {cache.input_kind}" if cache.mode == "compressed_fetch" and cache.on_cuda else \
+        (many if cache.mode == "compressed_fetch" else "")
+
+
+# ---------------------------------------------------------------- the timing model rows
+
+def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
+    on_cuda = torch.device(device).type == "cuda"
+    shape = (SHAPE_SMOKE if quick else SHAPE) if on_cuda else SHAPE_CPU
+    contexts = (CONTEXTS_SMOKE if quick else CONTEXTS) if on_cuda else CONTEXTS_CPU
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    label = (f"random weights, {shape['layers']} layers x (hidden {shape['hidden']}, {shape['heads']} q heads, "
+             f"{shape['kv_heads']} KV heads of {shape['head_dim']}, MLP {shape['mlp']}), "
+             f"{str(dtype).removeprefix('torch.')}, timing only")
+    print(f"timing model: {label}")
+    begin = time.perf_counter()
+    model = RandomDecoder(shape, device, dtype, max_positions=max(contexts) + WARMUP_STEPS + MAX_STEPS + 2)
+    print(f"  weights {model.param_bytes() / 1e9:.1f} GB")
+    ids = torch.randint(0, shape["vocab"], (max(contexts) + 1,), generator=torch.Generator().manual_seed(SEED))
+    start = time.perf_counter()
+    kv, _ = model.prefill(ids[:max(contexts)])
+    sync(device)
+    print(f"  prompt of {max(contexts)} random tokens through the decoder: {time.perf_counter() - start:.1f} s")
+    codecs, steps = fit_codecs_on_prompt(kv)
+    print(f"  bases and steps on the prompt's own KV (in-sample): step {min(steps):.4g}..{max(steps):.4g}")
+    graphs = False
+    if on_cuda:
+        try:
+            model.capture_graphs()
+            graphs = True
+        except Exception as error:  # eager fallback, said in every row
+            model.graphs = None
+            print(f"  CUDA graphs not used ({type(error).__name__}: {error}); the step runs eagerly")
+    common = dict(model=label, shape=str(shape), dtype=str(dtype).removeprefix("torch."), chunk_tokens=CHUNK_TOKENS,
+                  cuda_graphs=graphs, bases="fitted on the model's own prompt KV (in-sample)",
+                  target_cos=TARGET_COS, driver=DRIVERS["timing"],
+                  fetch_path="pinned host memory -> GPU over PCIe" if on_cuda else
+                  "a CPU smoke run: host-to-host copies, blobs decoded once (keep_decoded); no PCIe, not a fetch measurement")
+    kv_bf16_per_token = 2 * shape["layers"] * model.kv_dim * 2
+    last = None  # (context, seconds it took)
+    for context in tqdm(contexts, desc="contexts", unit="context"):
+        elapsed = time.perf_counter() - begin
+        if last is not None and elapsed + last[1] * context / last[0] > TIMING_BUDGET_S:
+            tqdm.write(f"  {context:>6} tokens  skipped: {elapsed:.0f} s spent, about {last[1] * context / last[0]:.0f} s "
+                       f"more needed, budget {TIMING_BUDGET_S} s (TIMING_BUDGET_S)")
+            res.add(metric="skipped_context", value=context, unit="tokens", backend="none", mode="all",
+                    context=context, **common)
+            continue
+        context_start = time.perf_counter()
+        tokens_s, reference_logits = {}, None
+        for mode in ("gpu_resident", "raw_fetch", "compressed_fetch"):
+            cache = SpillCache(shape["layers"], mode, codecs=codecs if mode == "compressed_fetch" else None,
+                               chunk_tokens=CHUNK_TOKENS, max_tokens=context + WARMUP_STEPS + MAX_STEPS + 2,
+                               contiguous=False)
+            start = time.perf_counter()
+            fill(cache, kv, context, shape["kv_heads"])
+            sync(device)
+            fill_s = time.perf_counter() - start
+            check = check_fetch(cache, kv, context)
+            if mode != "compressed_fetch" and not check["exact"]:
+                raise SystemExit(f"{mode} at {context}: the fetched KV differs from the prompt's: a bug")
+            rate, n_steps, fetched, logits = timed_decode(model, cache, context, int(ids[context]))
+            same = diff = None
+            if mode == "gpu_resident":
+                reference_logits = logits
+            else:
+                same = bool(torch.equal(logits, reference_logits))
+                diff = float((logits.float() - reference_logits.float()).abs().max())
+                scale = float(reference_logits.float().abs().max())
+                if mode == "raw_fetch" and not same:
+                    if diff > 1e-2 * scale:  # not rounding: data from the wrong place or time
+                        raise SystemExit(f"raw_fetch at {context}: the decode loop's logits differ from gpu_resident's "
+                                         f"by {diff:.3g} (max |logit| {scale:.3g}): the fetch pipeline races")
+                    tqdm.write(f"  WARNING: raw_fetch logits differ from gpu_resident's by {diff:.3g} (rounding-sized)")
+            tokens_s[mode] = rate
+            row = dict(common, mode=mode, context=context, steps=n_steps, decode_api=decode_api(cache),
+                       backend="rans" if mode == "compressed_fetch" else "none")
+            res.add(metric="tokens_per_s", value=rate, unit="tokens/s", **row)
+            res.add(metric="step_ms", value=1e3 / rate, unit="ms", **row)
+            res.add(metric="fetched_bytes_per_step", value=fetched, unit="bytes", **row)
+            res.add(metric="fetch_gb_per_s", value=fetched * rate / 1e9, unit="GB/s", **row)
+            res.add(metric="fill_s", value=fill_s, unit="s", **row)
+            if mode == "compressed_fetch":
+                ratio = kv_bf16_per_token * context / cache.stored_bytes()
+                res.add(metric="ratio", value=ratio, unit="x", **row)
+                res.add(metric="cos", value=check["cos_mean"], unit="cos", **row)
+                res.add(metric="cos_min", value=check["cos_min"], unit="cos", **row)
+                res.add(metric="logits_max_abs_diff_vs_resident", value=diff, unit="logit", **row)
+                note = f"ratio {ratio:.2f}x, cos {check['cos_mean']:.5f} (min {check['cos_min']:.5f})"
+            else:
+                res.add(metric="fetch_exact", value=float(check["exact"]), unit="bool", **row)
+                note = "fetched KV bit-exact"
+                if same is not None:
+                    res.add(metric="logits_match_resident", value=float(same), unit="bool", **row)
+                    note += ", logits = gpu_resident's bit for bit" if same else f", logits within {diff:.2g}"
+            tqdm.write(f"  {context:>6} tokens  {mode:<16} {rate:8.2f} tokens/s ({n_steps} steps, "
+                       f"{fetched / 1e9:.3f} GB fetched per step)  {note}")
+            cache.close()
+            del cache
+            if on_cuda:
+                torch.cuda.empty_cache()
+        for mode in ("compressed_fetch", "gpu_resident"):
+            res.add(metric="speedup_vs_raw", value=tokens_s[mode] / tokens_s["raw_fetch"], unit="x",
+                    **dict(common, mode=mode, context=context, backend="rans" if mode == "compressed_fetch" else "none"))
+        tqdm.write(f"  {context:>6} tokens  compressed / raw = {tokens_s['compressed_fetch'] / tokens_s['raw_fetch']:.2f}x,"
+                   f"  gpu_resident / raw = {tokens_s['gpu_resident'] / tokens_s['raw_fetch']:.2f}x")
+        last = (context, time.perf_counter() - context_start)
+    del model, kv
+    if on_cuda:
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- the quality rows (SmolLM2)
+
+class _StepClock:
+    """A logits processor that notes the time of every generate() step (after the GPU finished it)."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores):
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def smollm2_codecs(model, cal: torch.Tensor, quick: bool):
+    """Per layer K/V: a basis of all components from the calibration chunks' captures, and the largest
+    shared step whose reconstruction of those captures reaches SEARCH_COS."""
+    store = llm.capture_kv(model, cal, f"smollm2_kv_{cal.shape[0]}x{cal.shape[1]}")
+    captures = [store.load(key) for key in store.keys()]
+    codecs, steps = [], []
+    for layer in tqdm(range(model.config.num_hidden_layers), desc="SmolLM2 bases and steps", unit="layer",
+                      leave=False):
+        pair = []
+        for kind in ("k", "v"):
+            rows = [c[f"layer{layer}.{kind}"].float().numpy() for c in captures]
+            basis = fit_basis(rows, rows[0].shape[1], model="smollm2", layer=f"{layer}.{kind}")
+            values = np.concatenate(rows)
+            q = find_step(basis.project(values), SEARCH_COS, "cos", reconstruct=basis.reconstruct,
+                          reference=values, iters=STEP_ITERS)
+            pair += [basis, q.step]
+            steps.append(q.step)
+        codecs.append(codec_pair(*pair))
+    return codecs, steps
+
+
+def make_cache(mode: str, layers: int, codecs, chunk_tokens: int):
+    from transformers import DynamicCache
+
+    if mode == "dynamic":
+        return DynamicCache()
+    return SpillCache(layers, mode, codecs=codecs if mode == "compressed_fetch" else None, chunk_tokens=chunk_tokens)
+
+
+def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
+    """The SmolLM2 rows; False (and a message) when this machine cannot load SmolLM2."""
+    try:
+        model, tokenizer = llm.load_smollm2(device)
+    except (WeightsUnavailable, BackendUnavailable) as error:
+        print(f"SmolLM2 quality rows skipped: {error}")
+        return False
+    q = QUICK_LM if quick else dict(cal=CAL_CHUNKS, eval=EVAL_CHUNKS, tokens=TOKENS, prefix=PREFIX, gen=GEN_TOKENS,
+                                    gen_chunk=GEN_CHUNK)
+    layers = model.config.num_hidden_layers
+    chunks = llm.text_chunks(tokenizer, q["cal"] + q["eval"], q["tokens"])
+    cal, evaluated = chunks[:q["cal"]], chunks[q["cal"]:]
+    codecs, steps = smollm2_codecs(model, cal, quick)
+    label = llm.model_label(model)
+    print(f"SmolLM2: {layers} layers; bases and steps from {q['cal']} calibration chunks of {q['tokens']} tokens "
+          f"(step {min(steps):.4g}..{max(steps):.4g}); {q['eval']} other chunks evaluated")
+    common = dict(model=label, driver=DRIVERS["quality"], target_cos=TARGET_COS,
+                  bases=f"{q['cal']} calibration chunks x {q['tokens']} tokens, not evaluated")
+    # perplexity: the second half of each evaluated chunk from a cache of its first half
+    prefix = q["prefix"]
+    nll = {m: [] for m in ("dynamic", "raw_fetch", "compressed_fetch")}
+    top1 = {m: [] for m in nll}
+    cos, raw_bytes, coded_bytes, raw_exact = [], 0, 0, True
+    with torch.no_grad():
+        for chunk in tqdm(evaluated, desc="perplexity", unit="chunk", leave=False):
+            ids = chunk[None].to(device)
+            reference_rows = None
+            for mode in nll:
+                # chunk_tokens above the chunk: nothing flushes by itself; flush() spills the prefix
+                cache = make_cache(mode, layers, codecs, 4 * q["tokens"])
+                model(ids[:, :prefix], **cache_kwarg(model, cache))
+                if mode == "dynamic":
+                    reference_rows = [(llm.kv_to_rows(k).clone(), llm.kv_to_rows(v).clone())
+                                      for k, v in llm.cache_kv(cache)]
+                else:
+                    cache.flush()
+                    for i, (k_ref, v_ref) in enumerate(reference_rows):
+                        k, v = cache.fetched_kv(i)
+                        if mode == "raw_fetch":
+                            raw_exact &= torch.equal(k, k_ref) and torch.equal(v, v_ref)
+                        else:
+                            cos += [cosine(k_ref, k), cosine(v_ref, v)]
+                    if mode == "compressed_fetch":
+                        raw_bytes += sum(2 * k.numel() * 2 for k, _ in reference_rows)  # at 2 bytes per value
+                        coded_bytes += cache.stored_bytes()
+                logits = model(ids[:, prefix:], **cache_kwarg(model, cache)).logits[0, :-1].float()
+                nll[mode].append(float(F.cross_entropy(logits, ids[0, prefix + 1:])))
+                top1[mode].append(logits.argmax(-1).cpu())
+                if mode != "dynamic":
+                    cache.close()
+    if not raw_exact:
+        raise SystemExit("raw_fetch: the fetched KV differs from DynamicCache's: a bug")
+    ppl = {m: float(np.exp(np.mean(v))) for m, v in nll.items()}
+    for mode in ("raw_fetch", "compressed_fetch"):
+        change = 100 * (ppl[mode] / ppl["dynamic"] - 1)
+        agree = float(torch.cat([a == b for a, b in zip(top1[mode], top1["dynamic"])]).float().mean())
+        row = dict(common, mode=mode, context=prefix, backend="rans" if mode == "compressed_fetch" else "none",
+                   chunks=q["eval"], scored_tokens=q["eval"] * (q["tokens"] - prefix - 1))
+        res.add(metric="perplexity", value=ppl[mode], unit="ppl", **row)
+        res.add(metric="perplexity_dynamic_cache", value=ppl["dynamic"], unit="ppl", **row)
+        res.add(metric="ppl_change_pct", value=change, unit="%", **row)
+        res.add(metric="top1_agreement", value=agree, unit="fraction", **row)
+        if mode == "compressed_fetch":
+            res.add(metric="cos", value=float(np.mean(cos)), unit="cos", **row)
+            res.add(metric="cos_min", value=float(np.min(cos)), unit="cos", **row)
+            res.add(metric="ratio", value=raw_bytes / coded_bytes, unit="x", **row)
+            print(f"  compressed_fetch: KV cos {np.mean(cos):.5f} (min over layers/K/V {np.min(cos):.5f}), ratio "
+                  f"{raw_bytes / coded_bytes:.2f}x of bf16; perplexity {ppl['dynamic']:.4f} -> {ppl[mode]:.4f} "
+                  f"({change:+.3f}%), next-token agreement {agree:.4f}")
+        else:
+            res.add(metric="fetch_exact", value=1.0, unit="bool", **row)
+            print(f"  raw_fetch: fetched KV bit-exact; perplexity {ppl[mode]:.4f} vs DynamicCache {ppl['dynamic']:.4f} "
+                  f"({change:+.3f}%)")
+    # greedy generation through generate() with each cache: speed, and where the free run first diverges
+    prompt = evaluated[0, :prefix][None].to(device)
+    outputs = {}
+    for mode in ("dynamic",) + MODES:
+        cache = make_cache(mode, layers, codecs, q["gen_chunk"])
+        clock = _StepClock(device)
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=q["gen"],
+                                 min_new_tokens=q["gen"], do_sample=False, logits_processor=LogitsProcessorList([clock]),
+                                 pad_token_id=tokenizer.eos_token_id, **cache_kwarg(model, cache))
+        outputs[mode] = out[0, prefix:].cpu()
+        rate = (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
+        row = dict(common, mode=mode if mode != "dynamic" else "dynamic_cache", context=prefix, steps=q["gen"],
+                   gen_chunk_tokens=q["gen_chunk"], backend="rans" if mode == "compressed_fetch" else "none",
+                   decode_api=decode_api(cache) if mode != "dynamic" else "")
+        res.add(metric="tokens_per_s", value=rate, unit="tokens/s", **row)
+        if mode == "dynamic":
+            print(f"  generate() DynamicCache     {rate:7.1f} tokens/s")
+            continue
+        same = outputs[mode] == outputs["dynamic"]
+        diverged = int((~same).nonzero()[0]) if not bool(same.all()) else len(same)
+        res.add(metric="first_divergence", value=diverged, unit="tokens", **row)
+        res.add(metric="greedy_identical", value=float(bool(same.all())), unit="bool", **row)
+        if mode != "compressed_fetch" and not bool(same.all()):
+            print(f"  WARNING: {mode}'s greedy output differs from DynamicCache's (its fetched KV was bit-exact)")
+        print(f"  generate() {mode:<16} {rate:7.1f} tokens/s  free-running greedy output first differs from "
+              f"DynamicCache's at token {diverged} of {len(same)} ({cache.stats.flushes // layers} flushes per layer)")
+        cache.close()
+    # greedy-output agreement: along DynamicCache's greedy output of each evaluated prompt, how often the
+    # cache's greedy choice is the same token (decoded step by step, so the cache flushes as in generate)
+    start, hits, prompts_used = time.perf_counter(), {"raw_fetch": [], "compressed_fetch": []}, 0
+    for chunk in evaluated:
+        if prompts_used and time.perf_counter() - start > AGREEMENT_BUDGET_S:
+            break
+        ids = chunk[:prefix][None].to(device)
+        with torch.no_grad():
+            reference = outputs["dynamic"].to(device) if prompts_used == 0 else model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=q["gen"], min_new_tokens=q["gen"],
+                do_sample=False, pad_token_id=tokenizer.eos_token_id)[0, prefix:]
+            for mode in hits:
+                cache = make_cache(mode, layers, codecs, q["gen_chunk"])
+                logits = model(ids, **cache_kwarg(model, cache)).logits[0, -1]
+                for t in range(q["gen"]):
+                    hits[mode].append(bool(logits.argmax() == reference[t]))
+                    if t + 1 < q["gen"]:
+                        logits = model(reference[None, t:t + 1], **cache_kwarg(model, cache)).logits[0, -1]
+                cache.close()
+        prompts_used += 1
+    for mode, h in hits.items():
+        row = dict(common, mode=mode, context=prefix, steps=q["gen"], gen_chunk_tokens=q["gen_chunk"],
+                   prompts=prompts_used, backend="rans" if mode == "compressed_fetch" else "none")
+        res.add(metric="agreement", value=float(np.mean(h)), unit="fraction", **row)
+        print(f"  {mode}: greedy-output agreement {np.mean(h):.4f} over {len(h)} steps of DynamicCache's greedy "
+              f"output ({prompts_used} prompts)")
+        if mode == "raw_fetch" and np.mean(h) != 1.0:
+            print("  WARNING: raw_fetch disagreed with DynamicCache's greedy output")
+    return True
+
+
+# ---------------------------------------------------------------- run, plot
+
+def run(res: ResultsWriter, measured: set[str], quick: bool, device: str, only: str | None) -> None:
+    """Both parts (or `only` one); `measured` names the parts whose rows replace an earlier run's."""
+    if only in (None, "quality") and quality_rows(res, device, quick):
+        measured.add("quality")
+    if only in (None, "timing"):
+        measured.add("timing")
+        timing_rows(res, device, quick)
+
+
+def save(res: ResultsWriter, measured: set[str]) -> None:
+    """Write the CSV, keeping an earlier run's rows of the part (timing / quality) this run did not
+    measure; rows measured on a GPU are never replaced by a run without it (results/local/ then)."""
+    import pandas as pd
+
+    new, path = res.frame(), res.path
+    if path.exists():
+        old = pd.read_csv(path, dtype={"poc": str})
+        replaced = old.driver.isin([DRIVERS[part] for part in measured])
+        lost = set(old[replaced].device.astype(str)) - set(new.device.astype(str)) - {"cpu"}
+        if lost:
+            path = path.parent / "local" / path.name
+            print(f"results/{path.name} holds rows measured on {', '.join(sorted(lost))}: writing {path} instead")
+        new = pd.concat([old[~replaced], new])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new.to_csv(path, index=False)
+    print(f"wrote {path} ({len(new)} rows)")
+
+
+def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
+    plt = apply_style()
+    df = load(csv)
+    timing = df[(df.metric == "tokens_per_s") & (df.driver == "own decode loop")]
+    gpu = timing[timing.device != "cpu"]
+    timing = gpu if len(gpu) else timing
+    fig, ax = plt.subplots(figsize=(8.5, 4.6))
+    styles = {"gpu_resident": ("s--", "#009E73"), "compressed_fetch": ("o-", "#D55E00"), "raw_fetch": ("^-", "#0072B2")}
+    for mode, (marker, color) in styles.items():
+        part = timing[timing["mode"] == mode].sort_values("context")
+        if len(part):
+            ax.plot(part.context, part.value, marker, color=color, label=mode.replace("_", " "))
+    ratios = []
+    for context, group in timing.groupby("context"):
+        values = dict(zip(group["mode"], group.value))
+        if "raw_fetch" in values and "compressed_fetch" in values:
+            ratio = values["compressed_fetch"] / values["raw_fetch"]
+            ratios.append((context, ratio))
+            ax.annotate(f"{ratio:.2f}x", (context, values["compressed_fetch"]), textcoords="offset points",
+                        xytext=(0, 7), ha="center", fontsize=8, color="#D55E00")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    contexts = sorted(timing.context.unique())
+    ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 else str(c) for c in contexts])
+    ax.set_xlabel("context (tokens of KV cache in host memory)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    device = timing.device.iloc[0] if len(timing) else "?"
+    at = dict(ratios)
+    key = 32768 if 32768 in at else (max(at) if at else None)
+    title = (f"compressed fetch is {at[key]:.2f}x raw fetch at {key // 1024 if key >= 1024 else key}"
+             f"{'K' if key >= 1024 else ''} context (target 2.5x)" if key else "decode with the KV cache in host memory")
+    if device == "cpu":
+        title = "a CPU smoke run (host-to-host copies, no PCIe): not a fetch measurement"
+    ax.set_title(f"PoC 17: {title} ({device}); labels: compressed / raw")
+    text = [f"timing model: {timing.model.iloc[0]}" if len(timing) else ""]
+    lm = df[(df.driver == "transformers forward / generate()") & (df["mode"] == "compressed_fetch")]
+    for metric, fmt in (("ppl_change_pct", "perplexity change {:+.3f}%"), ("agreement", "greedy agreement {:.3f}"),
+                        ("cos", "KV cos {:.5f}"), ("ratio", "ratio {:.2f}x")):
+        values = lm[lm.metric == metric].value
+        if len(values):
+            text.append("SmolLM2 compressed: " + fmt.format(float(values.iloc[0])))
+    if len(timing):
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="mode")
+    else:
+        ax.text(0.5, 0.5, "no timing rows yet (a GPU run makes them)", ha="center", transform=ax.transAxes)
+    fig.text(0.01, -0.02, "\n".join(t for t in text if t), fontsize=7, va="top")
+    save_figure(fig, name, f"{csv}.csv")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI-sized run (a GPU: a 4-layer smoke of the timing model)")
+    ap.add_argument("--only", choices=["quality", "timing"], help="one of the two models")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--search-cos", type=float, default=SEARCH_COS, help="cosine the step search aims at")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
+    args = ap.parse_args()
+    SEARCH_COS = args.search_cos
+    if not args.plot_only:
+        if args.device == "cpu":
+            torch.set_num_threads(1)  # threads spin on a shared 2-core machine: one is faster
+        res, measured = ResultsWriter("17", "kv_spill_decode", gpu=args.device.startswith("cuda")), set()
+        try:
+            run(res, measured, args.quick, args.device, args.only)
+        finally:  # a run that fails part-way still writes the rows it measured (and then fails)
+            if res.rows:
+                save(res, measured)
+    plot()

@@ -1,0 +1,697 @@
+"""SpillCache: a transformers Cache whose KV lives off the GPU between uses and is fetched back layer by
+layer, the next layer prefetched on side CUDA streams while the current one computes.
+
+    from shared.kvcache import SpillCache, cache_kwarg
+    cache = SpillCache(model.config.num_hidden_layers, "raw_fetch")           # pinned host memory
+    cache = SpillCache(n_layers, "compressed_fetch", codecs=codecs)          # codecs[i] = (codec_k, codec_v)
+    out = model.generate(**inputs, **cache_kwarg(model, cache), max_new_tokens=64, do_sample=False)
+
+Modes
+- raw_fetch: each layer's stored KV sits in pinned host memory in the model's dtype and crosses to the GPU
+  whole at every step (what transformers' offloaded caches do).
+- compressed_fetch: each layer's stored KV is a list of compute-codec blobs (TensorCodec backend "rans",
+  one per K and V per flushed chunk) in pinned host memory; a step moves the blobs to the GPU and decodes
+  them there (`decode_many` of shared.pipeline when present, else `codec.decode(blob, device=...)` per blob).
+- gpu_resident: everything stays in GPU memory (the upper bound; no fetch).
+
+Layout and the recent window
+A layer's K (and V) is handled as rows [T, kv_heads * head_dim] (token-major, channel = head * head_dim + d),
+the codec's layout; the tensors handed to attention are views [1, kv_heads, T, head_dim] of such rows
+(copied to contiguous tensors when `contiguous=True`, the default, so attention sees exactly the tensors a
+DynamicCache would hand it). New tokens go to a recent window kept on the compute device; when it reaches
+`chunk_tokens` tokens it is flushed to the stored form as one piece (one host copy, or one blob per K/V),
+so appending never re-codes stored KV. A call that brings `chunk_tokens` or more tokens at once (a prompt)
+flushes them all as one piece: the prompt becomes one large blob per layer per K/V, and a step decodes few,
+large blobs. Tokens are attended exactly within the call that produced them and from their stored form in
+every later call once flushed; tokens still in the recent window are exact.
+
+Fetch pipeline (CUDA)
+Two staging slots of [capacity, D] per K and V take the fetched KV of one layer each; update(i) waits
+(GPU-side, on an event) for layer i's fetch, queues layer i+1's into the other slot, and copies the recent
+window after the fetched rows. A slot is reused only after an event recorded at the next update call, i.e.
+after the attention that read it was queued. raw_fetch: one H2D copy per K/V on a copy stream. compressed_fetch:
+the blobs of layer i+2 are copied to the GPU on the copy stream while layer i+1 decodes on a decode stream
+and layer i computes on the current stream; the copies and decodes are issued by one worker thread, so a
+decoder that synchronizes with the host does not hold up the compute being queued. On a CPU the same code
+runs synchronously (stored blobs decoded by the numpy coder; `keep_decoded`, on by default there, decodes
+each blob once and keeps the result, which gives attention the same values as decoding at every step).
+
+Limits: batch 1; `crop` removes recent-window tokens only; beam search (reorder_cache) is refused.
+"""
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .errors import InvalidTensorError, TensorCodecError
+
+MODES = ("raw_fetch", "compressed_fetch", "gpu_resident")
+SLOTS = 2  # staging slots: the layer in use and the one being fetched
+CAPACITY_STEP = 1024  # staging and host buffers grow in multiples of this many tokens
+
+
+# ---------------------------------------------------------------- the codec calls (many at once when available)
+
+def _pipeline_many():
+    from . import pipeline
+    return getattr(pipeline, "encode_many", None), getattr(pipeline, "decode_many", None)
+
+
+def encode_blobs(codecs, tensors) -> list:
+    """One blob per (codec, [T, D] tensor): shared.pipeline.encode_many when present, else one encode each."""
+    encode_many, _ = _pipeline_many()
+    if encode_many is not None:
+        return list(encode_many(list(codecs), list(tensors)))
+    return [codec.encode(x) for codec, x in zip(codecs, tensors)]
+
+
+def decode_blobs(codecs, blobs, device=None) -> list:
+    """The tensors of blobs (device None: the CPU decoder): shared.pipeline.decode_many when present,
+    else one decode each."""
+    _, decode_many = _pipeline_many()
+    if decode_many is not None:
+        return list(decode_many(list(codecs), list(blobs), device=device))
+    return [codec.decode(blob, device=device) for codec, blob in zip(codecs, blobs)]
+
+
+def _host_blob(blob, pin: bool) -> torch.Tensor:
+    """bytes or a uint8 tensor (CPU or CUDA) -> a 1-D uint8 CPU tensor, pinned when `pin`."""
+    if isinstance(blob, torch.Tensor):
+        if blob.dtype != torch.uint8:
+            raise InvalidTensorError(f"a codec blob must be bytes or a uint8 tensor, got a {blob.dtype} tensor")
+        flat = blob.reshape(-1)
+        out = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=pin)
+        out.copy_(flat)
+        return out
+    out = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return out.pin_memory() if pin else out
+
+
+def _as_bytes(blob) -> bytes:
+    return bytes(blob.numpy()) if isinstance(blob, torch.Tensor) else bytes(blob)
+
+
+def probe_decode_input(codec, dim: int, dtype, device) -> str:
+    """How blobs reach the GPU decoder: "cuda" (this cache copies them to the GPU on its copy stream and
+    the decoder reads GPU memory), "pinned" (the decoder takes the pinned host tensor) or "bytes" (the
+    decoder takes bytes and moves them itself). Tensor inputs are tried only when shared.pipeline has
+    decode_many (the API that takes them); each is checked against the bytes path on a small blob."""
+    if _pipeline_many()[1] is None:
+        return "bytes"
+    x = (torch.randn(256, dim, generator=torch.Generator().manual_seed(0))).to(device, dtype)
+    host = _host_blob(codec.encode(x), pin=True)
+    reference = decode_blobs([codec], [_as_bytes(host)], device)[0]
+    for kind in ("cuda", "pinned"):
+        try:
+            got = decode_blobs([codec], [host.to(device) if kind == "cuda" else host], device)[0]
+        except Exception:  # an API without this input form: try the next one
+            continue
+        if got.shape == reference.shape and torch.equal(got.to(reference.device), reference):
+            return kind
+    return "bytes"
+
+
+def cache_kwarg(model, cache) -> dict:
+    """{name: cache} for model(...) / model.generate(...): transformers >= 5.2x calls it `cache`,
+    earlier releases `past_key_values`."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+# ---------------------------------------------------------------- layout helpers
+
+def states_to_rows(states: torch.Tensor) -> torch.Tensor:
+    """[1, heads, T, head_dim] -> [T, heads * head_dim] (contiguous)."""
+    _, heads, tokens, head_dim = states.shape
+    return states[0].transpose(0, 1).reshape(tokens, heads * head_dim).contiguous()
+
+
+def rows_to_states(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """[T, heads * head_dim] -> a [1, heads, T, head_dim] view (no copy)."""
+    tokens, channels = rows.shape
+    return rows.view(tokens, heads, channels // heads).permute(1, 0, 2).unsqueeze(0)
+
+
+def _round_up(n: int, step: int = CAPACITY_STEP) -> int:
+    return max(step, -(-n // step) * step)
+
+
+# ---------------------------------------------------------------- the layer
+
+class SpillLayer(DynamicLayer):
+    """One layer of a SpillCache: its stored KV (host rows, blobs, or GPU rows) and its recent window.
+    The cache moves the data; this object answers the Cache API's per-layer questions."""
+
+    is_compileable = False
+    is_croppable = False  # only the recent window can be cropped (see SpillCache.crop)
+    supports_early_init = False  # the cache sets itself up at the first update
+
+    def __init__(self):
+        super().__init__()
+        self.length = 0  # tokens held: stored + recent
+        self.stored = 0  # tokens in the stored form
+        self.version = 0  # bumped when the stored form changes (a prefetch made before is refetched)
+        self.heads = self.head_dim = self.dim = None
+        self.dtype = None
+        self.recent = 0  # valid rows of recent_k / recent_v
+        self.recent_k = self.recent_v = None  # [chunk_tokens, D] on the compute device
+        self.store_k = self.store_v = None  # raw_fetch: host rows [capacity, D]; gpu_resident: device rows
+        self.blobs: list[tuple[int, object, object]] = []  # compressed_fetch: (tokens, k_blob, v_blob) per chunk
+        self.decoded: list[tuple[torch.Tensor, torch.Tensor]] = []  # keep_decoded: decoded rows per blob
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.heads, self.head_dim = int(key_states.shape[1]), int(key_states.shape[3])
+        self.dim = self.heads * self.head_dim
+        self.is_initialized = True
+
+    def update(self, *args, **kwargs):
+        raise TensorCodecError("a SpillLayer is filled through its cache: call cache.update(k, v, layer_idx)")
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query, *args, **kwargs) -> tuple[int, int]:
+        # transformers >= 5 passes the query length, 4.5x the cache_position tensor
+        query_length = query if isinstance(query, int) else int(query.shape[0])
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def offload(self):  # the cache places the data itself
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise TensorCodecError("SpillCache holds one sequence: beam search is not supported. Fix: num_beams=1, "
+                               "or use DynamicCache for beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise TensorCodecError("SpillCache holds one sequence (batch 1); it cannot be repeated. Fix: "
+                                   "num_return_sequences=1 and num_beams=1")
+
+    def batch_select_indices(self, indices) -> None:
+        if len(indices) != 1:
+            raise TensorCodecError("SpillCache holds one sequence (batch 1)")
+
+    def nbytes_stored(self) -> int:
+        """Bytes of the stored form (host rows, blobs, or GPU rows)."""
+        if self.blobs:
+            return sum(_nbytes(k) + _nbytes(v) for _, k, v in self.blobs)
+        return 2 * self.stored * (self.dim or 0) * (self.dtype.itemsize if self.dtype else 0)
+
+
+def _nbytes(blob) -> int:
+    return blob.numel() if isinstance(blob, torch.Tensor) else len(blob)
+
+
+# ---------------------------------------------------------------- the fetch machinery
+
+@dataclass
+class _Fetch:
+    layer: int
+    slot: int
+    version: int
+    tokens: int  # stored tokens this fetch brings
+    blobs: list = field(default_factory=list)  # compressed_fetch: the layer's blobs when it was issued
+    ready: object = None  # torch.cuda.Event recorded when the slot holds the data
+    done: threading.Event | None = None  # set by the worker once `ready` is recorded (or on error)
+    error: BaseException | None = None
+
+
+@dataclass
+class _Staged:
+    version: int
+    inputs: list  # what the decoder takes: GPU uint8 tensors, pinned tensors or bytes (k0, v0, k1, v1, ...)
+    event: object = None  # the copy stream's event after the H2D copies
+    error: BaseException | None = None
+
+
+@dataclass
+class _Slot:
+    k: torch.Tensor
+    v: torch.Tensor
+    released: object = None  # torch.cuda.Event recorded once the last reader was queued
+
+
+def _worker_loop(jobs: "queue.Queue", device) -> None:
+    with torch.cuda.device(device):
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            job()
+
+
+@dataclass
+class _Stats:
+    fetches: int = 0
+    fetched_bytes: int = 0  # bytes that crossed host -> device for fetches
+    flushes: int = 0
+    flushed_tokens: int = 0
+
+
+class SpillCache(Cache):
+    """A KV cache that spills every layer to host memory (raw or compute-codec blobs) and fetches it
+    back each step; see the module docstring. `codecs[i] = (codec_k, codec_v)` for compressed_fetch."""
+
+    def __init__(self, num_layers: int, mode: str = "raw_fetch", *, codecs=None, chunk_tokens: int = 1024,
+                 max_tokens: int | None = None, prefetch: bool = True, keep_decoded: bool | None = None,
+                 contiguous: bool = True):
+        if mode not in MODES:
+            raise InvalidTensorError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if mode == "compressed_fetch":
+            if codecs is None or len(codecs) != num_layers or any(len(pair) != 2 for pair in codecs):
+                raise InvalidTensorError(
+                    f"compressed_fetch needs codecs: one (codec_k, codec_v) pair per layer ({num_layers}); got "
+                    f"{'none' if codecs is None else len(codecs)}. Fix: codecs=[(TensorCodec(basis_k[i], "
+                    f"backend='rans', step=s), TensorCodec(basis_v[i], ...)) for i in range({num_layers})]")
+        if int(chunk_tokens) < 1:
+            raise InvalidTensorError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        super().__init__(layers=[SpillLayer() for _ in range(num_layers)])
+        self.mode, self.codecs = mode, codecs
+        self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens
+        self.prefetch_enabled, self.keep_decoded, self.contiguous = prefetch, keep_decoded, contiguous
+        self.device = None
+        self.input_kind = None  # compressed_fetch on CUDA: "cuda" | "pinned" | "bytes" (probe_decode_input)
+        self.stats = _Stats()
+        self._slots: list[_Slot] = []
+        self._next_slot = 0
+        self._in_use: int | None = None
+        self._pending: dict[int, _Fetch] = {}
+        self._staged: dict[int, _Staged] = {}  # written by the worker
+        self._stage_asked: dict[int, int] = {}  # layer -> version asked of the worker
+        self._jobs = None
+        self._copy_stream = self._decode_stream = None
+
+    # -- public helpers --------------------------------------------------------------------------------
+    @property
+    def on_cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def stored_bytes(self) -> int:
+        """Bytes of every layer's stored form (host memory, or GPU memory for gpu_resident)."""
+        return sum(layer.nbytes_stored() for layer in self.layers)
+
+    def stored_tokens(self) -> int:
+        return self.layers[0].stored if self.layers else 0
+
+    def fetched_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K rows, V rows) [T, D] of one layer as attention would see them now (fetched through the same
+        path as a step: stored form + recent window), as new tensors: for checking a round trip."""
+        layer = self.layers[layer_idx]
+        if layer.length == 0:
+            raise TensorCodecError(f"layer {layer_idx} holds no tokens yet")
+        if self.mode == "gpu_resident":
+            return layer.store_k[:layer.length].clone(), layer.store_v[:layer.length].clone()
+        self.drain()
+        self._release()
+        fetch = self._take(layer_idx)
+        k, v = self._assemble(layer, fetch, None, None)
+        self._in_use = fetch.slot
+        return k.clone(), v.clone()
+
+    def flush(self) -> None:
+        """Move every layer's recent window to the stored form now (e.g. right after a prompt)."""
+        for i, layer in enumerate(self.layers):
+            if self.mode != "gpu_resident" and layer.recent:
+                self._flush(i, layer.recent_k[:layer.recent].contiguous(), layer.recent_v[:layer.recent].contiguous())
+                layer.recent = 0
+
+    def drain(self) -> None:
+        """Wait for every queued fetch and forget the prefetched ones."""
+        for fetch in self._pending.values():
+            if fetch.done is not None:
+                fetch.done.wait()
+        self._pending.clear()
+        self._stage_asked.clear()
+        if self._jobs is not None:
+            done = threading.Event()
+            self._jobs.put(done.set)
+            done.wait()
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+        self._staged.clear()
+
+    def close(self) -> None:
+        """Wait for queued fetches and stop the worker thread (which also stops when the cache is
+        garbage-collected)."""
+        self.drain()
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
+    def __del__(self):
+        jobs = getattr(self, "_jobs", None)
+        if jobs is not None:
+            jobs.put(None)
+
+    # -- the Cache API ----------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        self._check(key_states, value_states, layer, layer_idx)
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        if self.device is None or not self._slots_fit(layer):
+            self._setup(layer)
+        k_new, v_new = states_to_rows(key_states), states_to_rows(value_states)
+        n = k_new.shape[0]
+        if self.mode == "gpu_resident":
+            k, v = self._append_resident(layer, k_new, v_new)
+            return self._out(k, layer), self._out(v, layer)
+        if layer.length == 0:  # nothing stored yet: attention needs only the new tokens
+            self._release()
+            self._append(layer_idx, k_new, v_new)
+            layer.length = n
+            self._prefetch_after(layer_idx)
+            return key_states, value_states
+        self._release()
+        self._ensure_slots(layer.length + n, layer.dim, layer.dtype)
+        fetch = self._take(layer_idx)
+        k, v = self._assemble(layer, fetch, k_new, v_new)
+        self._in_use = fetch.slot
+        self._append(layer_idx, k_new, v_new)
+        layer.length += n
+        self._prefetch_after(layer_idx)
+        return self._out(k, layer), self._out(v, layer)
+
+    def reset(self) -> None:
+        self.drain()
+        for i in range(len(self.layers)):
+            self.layers[i] = SpillLayer()
+        self._in_use = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last tokens (negative count, as transformers passes it, or a positive final length
+        as older releases did); only tokens still in the recent window can be removed."""
+        if tokens_to_remove == 0:
+            return
+        for layer in self.layers:
+            target = tokens_to_remove if tokens_to_remove > 0 else layer.length + tokens_to_remove
+            drop = layer.length - max(target, 0)
+            if drop <= 0:
+                continue
+            if self.mode == "gpu_resident":
+                layer.length = layer.stored = layer.length - drop
+                continue
+            if drop <= layer.recent:
+                layer.recent -= drop
+                layer.length -= drop
+                continue
+            raise TensorCodecError(f"SpillCache can crop only tokens of its recent window ({layer.recent} now); "
+                                   f"asked to remove {drop}. Fix: a larger chunk_tokens keeps more tokens there")
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def _check(self, k: torch.Tensor, v: torch.Tensor, layer: SpillLayer, idx: int) -> None:
+        if k.dim() != 4 or k.shape != v.shape:
+            raise InvalidTensorError(f"layer {idx}: key and value states must be [batch, kv_heads, T, head_dim] "
+                                     f"of one shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[0] != 1:
+            raise InvalidTensorError(f"SpillCache holds one sequence (batch 1); got batch {k.shape[0]}. Fix: run "
+                                     "sequences one at a time, or use DynamicCache for batched generation")
+        if layer.is_initialized and (k.shape[1] * k.shape[3] != layer.dim or k.dtype != layer.dtype
+                                     or k.device != layer.device):
+            raise InvalidTensorError(f"layer {idx} holds {layer.dtype} KV of {layer.dim} channels on {layer.device}; "
+                                     f"got {k.dtype} {tuple(k.shape)} on {k.device}")
+        if self.device is not None and k.device != self.device:
+            raise InvalidTensorError(f"this cache computes on {self.device}; layer {idx} sent KV on {k.device}. "
+                                     "Fix: one cache per device (the model on one device)")
+
+    def _slots_fit(self, layer: SpillLayer) -> bool:
+        return not self._slots or (self._slots[0].k.shape[1] == layer.dim and self._slots[0].k.dtype == layer.dtype)
+
+    def _setup(self, layer: SpillLayer) -> None:
+        if not self._slots_fit(layer):
+            raise InvalidTensorError("every layer of a SpillCache must hold the same number of KV channels and "
+                                     f"dtype (staging is shared): got {layer.dim} {layer.dtype} after "
+                                     f"{self._slots[0].k.shape[1]} {self._slots[0].k.dtype}")
+        if self.device is not None:
+            return
+        self.device = layer.device
+        if self.keep_decoded is None:
+            self.keep_decoded = not self.on_cuda
+        if self.on_cuda and self.mode != "gpu_resident":
+            self._copy_stream = torch.cuda.Stream(self.device)
+            if self.mode == "compressed_fetch":
+                self._decode_stream = torch.cuda.Stream(self.device)
+                self.input_kind = probe_decode_input(self.codecs[0][0], layer.dim, layer.dtype, self.device)
+                self._jobs = queue.Queue()
+                threading.Thread(target=_worker_loop, args=(self._jobs, self.device), daemon=True,
+                                 name="spillcache-fetch").start()
+
+    def _pin(self) -> bool:
+        return self.on_cuda
+
+    def _ensure_slots(self, tokens: int, dim: int, dtype) -> None:
+        if self._slots and self._slots[0].k.shape[0] >= tokens:
+            return
+        capacity = _round_up(max(tokens + self.chunk_tokens, self.max_tokens or 0))
+        if self._slots:  # grow: nothing may still read or write the old slots
+            self.drain()
+            self._in_use = None
+        self._slots = []
+        for _ in range(SLOTS):
+            k = torch.empty((capacity, dim), dtype=dtype, device=self.device)
+            slot = _Slot(k, torch.empty_like(k), torch.cuda.Event() if self.on_cuda else None)
+            for stream in (self._copy_stream, self._decode_stream):  # written there: freed only once it is done
+                if stream is not None:
+                    slot.k.record_stream(stream)
+                    slot.v.record_stream(stream)
+            self._slots.append(slot)
+
+    # -- storing -----------------------------------------------------------------------------------------
+    def _append_resident(self, layer: SpillLayer, k_new, v_new):
+        need = layer.length + k_new.shape[0]
+        if layer.store_k is None or layer.store_k.shape[0] < need:
+            capacity = _round_up(max(need + self.chunk_tokens, self.max_tokens or 0))
+            k_store = torch.empty((capacity, layer.dim), dtype=layer.dtype, device=layer.device)
+            v_store = torch.empty_like(k_store)
+            if layer.length:
+                k_store[:layer.length].copy_(layer.store_k[:layer.length])
+                v_store[:layer.length].copy_(layer.store_v[:layer.length])
+            layer.store_k, layer.store_v = k_store, v_store
+        layer.store_k[layer.length:need].copy_(k_new)
+        layer.store_v[layer.length:need].copy_(v_new)
+        layer.length = layer.stored = need
+        return layer.store_k[:need], layer.store_v[:need]
+
+    def _append(self, layer_idx: int, k_new, v_new) -> None:
+        """New rows into the recent window; a full window (or a call of chunk_tokens or more) is flushed."""
+        layer = self.layers[layer_idx]
+        n = k_new.shape[0]
+        if layer.recent + n < self.chunk_tokens:
+            if layer.recent_k is None:
+                layer.recent_k = torch.empty((self.chunk_tokens, layer.dim), dtype=layer.dtype, device=layer.device)
+                layer.recent_v = torch.empty_like(layer.recent_k)
+            layer.recent_k[layer.recent:layer.recent + n].copy_(k_new)
+            layer.recent_v[layer.recent:layer.recent + n].copy_(v_new)
+            layer.recent += n
+            return
+        if layer.recent:
+            k_new = torch.cat([layer.recent_k[:layer.recent], k_new])
+            v_new = torch.cat([layer.recent_v[:layer.recent], v_new])
+        self._flush(layer_idx, k_new.contiguous(), v_new.contiguous())
+        layer.recent = 0
+
+    def _flush(self, layer_idx: int, k_rows, v_rows) -> None:
+        layer = self.layers[layer_idx]
+        m = k_rows.shape[0]
+        if self.mode == "raw_fetch":
+            need = layer.stored + m
+            if layer.store_k is None or layer.store_k.shape[0] < need:
+                capacity = _round_up(max(need + self.chunk_tokens, self.max_tokens or 0))
+                if layer.store_k is not None and self.on_cuda:
+                    self.drain()  # queued copies may still read the old host buffer
+                k_host = torch.empty((capacity, layer.dim), dtype=layer.dtype, pin_memory=self._pin())
+                v_host = torch.empty((capacity, layer.dim), dtype=layer.dtype, pin_memory=self._pin())
+                if layer.stored:
+                    k_host[:layer.stored].copy_(layer.store_k[:layer.stored])
+                    v_host[:layer.stored].copy_(layer.store_v[:layer.stored])
+                layer.store_k, layer.store_v = k_host, v_host
+            layer.store_k[layer.stored:need].copy_(k_rows)  # device -> pinned host (waits for the stream)
+            layer.store_v[layer.stored:need].copy_(v_rows)
+        else:
+            codec_k, codec_v = self.codecs[layer_idx]
+            blob_k, blob_v = encode_blobs([codec_k, codec_v], [k_rows, v_rows])
+            if self.on_cuda and self.input_kind in ("cuda", "pinned"):
+                blob_k, blob_v = _host_blob(blob_k, pin=True), _host_blob(blob_v, pin=True)
+            else:
+                blob_k, blob_v = _as_bytes(blob_k), _as_bytes(blob_v)
+            layer.blobs.append((m, blob_k, blob_v))
+        layer.stored += m
+        layer.version += 1
+        self.stats.flushes += 1
+        self.stats.flushed_tokens += m
+
+    # -- fetching ----------------------------------------------------------------------------------------
+    def _release(self) -> None:
+        """Everything queued so far (the attention that read the slot in use) comes before the slot's reuse."""
+        if self._in_use is not None and self.on_cuda:
+            self._slots[self._in_use].released.record(torch.cuda.current_stream(self.device))
+        self._in_use = None
+
+    def _issue(self, layer_idx: int) -> _Fetch:
+        layer = self.layers[layer_idx]
+        self._ensure_slots(layer.length + 1, layer.dim, layer.dtype)
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % SLOTS
+        for other in [i for i, f in self._pending.items() if f.slot == slot]:
+            del self._pending[other]  # its slot is taken: fetched again when needed
+        fetch = _Fetch(layer_idx, slot, layer.version, layer.stored, layer.blobs[:])
+        if self.on_cuda:
+            fetch.ready = torch.cuda.Event()
+        self.stats.fetches += 1
+        if self._jobs is not None:
+            fetch.done = threading.Event()
+            self._stage_asked.pop(layer_idx, None)
+            self._jobs.put(lambda: self._run_in_worker(fetch))
+        else:
+            self._run(fetch)
+        return fetch
+
+    def _take(self, layer_idx: int) -> _Fetch:
+        fetch = self._pending.pop(layer_idx, None)
+        if fetch is None or fetch.version != self.layers[layer_idx].version:
+            fetch = self._issue(layer_idx)
+        if fetch.done is not None:
+            fetch.done.wait()
+        if fetch.error is not None:
+            raise fetch.error
+        if self.on_cuda:
+            torch.cuda.current_stream(self.device).wait_event(fetch.ready)
+        return fetch
+
+    def _prefetch_after(self, layer_idx: int) -> None:
+        if not (self.prefetch_enabled and self.on_cuda):
+            return
+        n = len(self.layers)
+        nxt = (layer_idx + 1) % n
+        if self._jobs is not None:  # compressed: the blobs of the layer after next start crossing now
+            ahead = (layer_idx + 2) % n
+            layer = self.layers[ahead]
+            if layer.stored and self._stage_asked.get(ahead) != layer.version:
+                self._stage_asked[ahead] = layer.version
+                version, blobs = layer.version, layer.blobs[:]
+                self._jobs.put(lambda: self._stage_in_worker(ahead, version, blobs))
+        if nxt not in self._pending and self.layers[nxt].stored:
+            self._pending[nxt] = self._issue(nxt)
+
+    def _run(self, fetch: _Fetch) -> None:
+        """Fill the fetch's slot with the layer's stored rows (queued on side streams on CUDA)."""
+        layer, slot, n = self.layers[fetch.layer], self._slots[fetch.slot], fetch.tokens
+        if n == 0:  # everything is in the recent window
+            if self.on_cuda:
+                fetch.ready.record(torch.cuda.current_stream(self.device))
+            return
+        if self.mode == "raw_fetch":
+            self.stats.fetched_bytes += 2 * n * layer.dim * layer.dtype.itemsize
+            if not self.on_cuda:
+                slot.k[:n].copy_(layer.store_k[:n])
+                slot.v[:n].copy_(layer.store_v[:n])
+                return
+            stream = self._copy_stream
+            stream.wait_event(slot.released)
+            with torch.cuda.stream(stream):
+                slot.k[:n].copy_(layer.store_k[:n], non_blocking=True)
+                slot.v[:n].copy_(layer.store_v[:n], non_blocking=True)
+                fetch.ready.record(stream)
+            return
+        codec_k, codec_v = self.codecs[fetch.layer]
+        blobs = fetch.blobs
+        self.stats.fetched_bytes += sum(_nbytes(k) + _nbytes(v) for _, k, v in blobs)
+        if not self.on_cuda:
+            if self.keep_decoded:
+                for _, blob_k, blob_v in blobs[len(layer.decoded):]:
+                    layer.decoded.append(tuple(decode_blobs([codec_k, codec_v], [blob_k, blob_v])))
+                outs = [t for pair in layer.decoded for t in pair]
+            else:
+                outs = decode_blobs([codec_k, codec_v] * len(blobs), [b for _, k, v in blobs for b in (k, v)])
+            self._place(slot, blobs, outs)
+            return
+        staged = self._staged.pop(fetch.layer, None)
+        if staged is None or staged.version != fetch.version:
+            staged = self._stage(fetch.version, blobs)
+        if staged.error is not None:
+            raise staged.error
+        stream = self._decode_stream
+        if staged.event is not None:
+            stream.wait_event(staged.event)
+        stream.wait_event(slot.released)
+        with torch.cuda.stream(stream):
+            outs = decode_blobs([codec_k, codec_v] * len(blobs), staged.inputs, self.device)
+            self._place(slot, blobs, outs)
+            fetch.ready.record(stream)
+        for x in staged.inputs:  # allocated on the copy stream, read on the decode stream
+            if isinstance(x, torch.Tensor) and x.is_cuda:
+                x.record_stream(stream)
+
+    @staticmethod
+    def _place(slot: _Slot, blobs, outs) -> None:
+        offset = 0
+        for (m, _, _), k_rows, v_rows in zip(blobs, outs[0::2], outs[1::2]):
+            if k_rows.shape[0] != m or v_rows.shape[0] != m:
+                raise TensorCodecError(f"a blob decoded to {k_rows.shape[0]} / {v_rows.shape[0]} tokens, "
+                                       f"{m} were stored")
+            slot.k[offset:offset + m].copy_(k_rows)
+            slot.v[offset:offset + m].copy_(v_rows)
+            offset += m
+
+    def _stage(self, version: int, blobs: list) -> _Staged:
+        """Blobs in the form the decoder takes; "cuda": copied to the GPU on the copy stream."""
+        flat = [b for _, k, v in blobs for b in (k, v)]
+        if self.input_kind != "cuda":
+            return _Staged(version, flat)
+        with torch.cuda.stream(self._copy_stream):
+            inputs = [b.to(self.device, non_blocking=True) for b in flat]
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return _Staged(version, inputs, event)
+
+    def _stage_in_worker(self, layer_idx: int, version: int, blobs: list) -> None:
+        try:
+            self._staged[layer_idx] = self._stage(version, blobs)
+        except BaseException as error:  # raised by the fetch that needs it
+            self._staged[layer_idx] = _Staged(version, [], error=error)
+
+    def _run_in_worker(self, fetch: _Fetch) -> None:
+        try:
+            self._run(fetch)
+        except BaseException as error:  # raised in the thread that waits for this fetch
+            fetch.error = error
+        finally:
+            fetch.done.set()
+
+    def _assemble(self, layer: SpillLayer, fetch: _Fetch, k_new, v_new):
+        """The slot's fetched rows + the recent window (+ the new rows): views [T, D] of the slot."""
+        slot = self._slots[fetch.slot]
+        start = fetch.tokens
+        if start != layer.stored:
+            raise TensorCodecError("internal: a fetch of a stale stored form was used")
+        end = start + layer.recent
+        if layer.recent:
+            slot.k[start:end].copy_(layer.recent_k[:layer.recent])
+            slot.v[start:end].copy_(layer.recent_v[:layer.recent])
+        if k_new is not None:
+            n = k_new.shape[0]
+            if end + n > slot.k.shape[0]:
+                raise TensorCodecError("internal: staging slot too small")
+            slot.k[end:end + n].copy_(k_new)
+            slot.v[end:end + n].copy_(v_new)
+            end += n
+        return slot.k[:end], slot.v[:end]
+
+    def _out(self, rows: torch.Tensor, layer: SpillLayer) -> torch.Tensor:
+        states = rows_to_states(rows, layer.heads)
+        return states.contiguous() if self.contiguous else states

@@ -1,0 +1,302 @@
+"""SpillCache (shared/kvcache.py): driven by transformers' forward and generate() it gives DynamicCache's
+output exactly in raw_fetch and gpu_resident modes and stays within its stated quality compressed;
+it flushes in chunks, fetches bit-exact, refuses what it cannot do; PoC 17's decoder agrees with its
+own prefill. GPU tests (marked gpu) run the CUDA streams, the prefetch worker and the CUDA graphs."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from shared.basis import fit_basis, fit_basis_torch
+from shared.errors import InvalidTensorError, TensorCodecError
+from shared.kvcache import MODES, SpillCache, cache_kwarg, rows_to_states, states_to_rows
+from shared.llm import cache_kv, kv_to_rows
+from shared.pipeline import TensorCodec
+from shared.rdquant import find_step, quality
+
+PROMPT, NEW, CHUNK = 40, 24, 8  # prompt tokens, generated tokens, chunk_tokens (so generation flushes)
+HEADS, KV_HEADS, HIDDEN = 4, 2, 64  # D = 2 KV heads x 16 = 32 channels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(device="cpu"):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval().to(device)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def prefill_kv(model, ids):
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids, **cache_kwarg(model, cache))
+    return [(kv_to_rows(k).clone(), kv_to_rows(v).clone()) for k, v in cache_kv(cache)]
+
+
+def make_codecs(kv, cos=0.9995):
+    codecs = []
+    for k_rows, v_rows in kv:
+        pair = []
+        for rows in (k_rows, v_rows):
+            basis = fit_basis([rows], rows.shape[1])
+            values = rows.numpy()
+            step = find_step(basis.project(values), cos, "cos", reconstruct=basis.reconstruct, reference=values).step
+            pair.append(TensorCodec(basis, backend="rans", step=step))
+        codecs.append(tuple(pair))
+    return codecs
+
+
+@pytest.fixture(scope="module")
+def codecs(llama, prompt):
+    return make_codecs(prefill_kv(llama, prompt))
+
+
+def generate(model, ids, cache, new=NEW):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0, **cache_kwarg(model, cache))
+
+
+def test_rows_and_states_round_trip():
+    states = torch.randn(1, 3, 5, 4)
+    rows = states_to_rows(states)
+    assert rows.shape == (5, 12) and rows.is_contiguous()
+    assert torch.equal(rows, kv_to_rows(states))
+    back = rows_to_states(rows, 3)
+    assert torch.equal(back, states) and back.data_ptr() == rows.data_ptr()  # a view
+
+
+@pytest.mark.parametrize("mode", ["raw_fetch", "gpu_resident"])
+def test_generate_matches_dynamic_cache_exactly(llama, prompt, mode):
+    reference = generate(llama, prompt, DynamicCache())
+    cache = SpillCache(2, mode, chunk_tokens=CHUNK)
+    assert torch.equal(generate(llama, prompt, cache), reference)
+    if mode == "raw_fetch":  # the prompt flushed at once, then every CHUNK generated tokens
+        assert cache.stats.flushes == 2 * (1 + (NEW - 1) // CHUNK)
+        assert cache.stored_tokens() == PROMPT + CHUNK * ((NEW - 1) // CHUNK)
+        assert cache.stats.fetched_bytes > 0
+
+
+@pytest.mark.parametrize("mode", ["raw_fetch", "gpu_resident"])
+def test_forward_logits_and_fetched_kv_bit_exact(llama, prompt, mode):
+    ids = torch.cat([prompt, prompt.flip(1)], 1)
+    dyn, spill = DynamicCache(), SpillCache(2, mode, chunk_tokens=16)
+    with torch.no_grad():
+        for cache in (dyn, spill):
+            llama(ids[:, :PROMPT], **cache_kwarg(llama, cache))
+        a = llama(ids[:, PROMPT:PROMPT + 5], **cache_kwarg(llama, dyn)).logits
+        b = llama(ids[:, PROMPT:PROMPT + 5], **cache_kwarg(llama, spill)).logits
+    assert torch.equal(a, b)
+    assert spill.get_seq_length() == dyn.get_seq_length() == PROMPT + 5
+    for i, (k, v) in enumerate(cache_kv(dyn)):  # stored form + the recent window (5 tokens)
+        fk, fv = spill.fetched_kv(i)
+        assert torch.equal(fk, kv_to_rows(k)) and torch.equal(fv, kv_to_rows(v))
+
+
+def test_compressed_within_stated_quality(llama, prompt, codecs):
+    kv = prefill_kv(llama, prompt)
+    cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
+    with torch.no_grad():
+        llama(prompt, **cache_kwarg(llama, cache))
+    assert cache.stored_tokens() == PROMPT and cache.stats.flushes == 2
+    for i, (k_rows, v_rows) in enumerate(kv):
+        k, v = cache.fetched_kv(i)
+        assert 0.999 <= quality(k_rows, k, "cos") < 1 and 0.999 <= quality(v_rows, v, "cos") < 1
+    raw = sum(2 * k.numel() * 2 for k, _ in kv)
+    assert 0 < cache.stored_bytes() < 4 * raw  # blobs exist (tiny tensors do not compress)
+    reference = generate(llama, prompt, DynamicCache())
+    out = generate(llama, prompt, SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK))
+    assert (out == reference).float().mean() >= 0.9
+
+
+def test_compressed_decoding_every_step_equals_decoding_once(llama, prompt, codecs):
+    outs = [generate(llama, prompt, SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK,
+                                               keep_decoded=keep), new=10) for keep in (True, False)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_flush_spills_the_recent_window(llama, prompt):
+    cache = SpillCache(2, "raw_fetch", chunk_tokens=1000)
+    with torch.no_grad():
+        llama(prompt, **cache_kwarg(llama, cache))
+    assert cache.stored_tokens() == 0 and cache.layers[0].recent == PROMPT and cache.stored_bytes() == 0
+    cache.flush()
+    assert cache.stored_tokens() == PROMPT and cache.layers[0].recent == 0
+    assert cache.stored_bytes() == 2 * 2 * PROMPT * 32 * 4  # layers x K/V x tokens x channels x float32
+
+
+def test_crop_removes_recent_tokens_only(llama, prompt):
+    cache = SpillCache(2, "raw_fetch", chunk_tokens=16)
+    with torch.no_grad():
+        llama(prompt, **cache_kwarg(llama, cache))
+        llama(prompt[:, :5], **cache_kwarg(llama, cache))
+    cache.crop(-3)
+    assert cache.get_seq_length() == PROMPT + 2
+    cache.crop(PROMPT + 1)  # the final-length form of older transformers releases
+    assert cache.get_seq_length() == PROMPT + 1
+    with pytest.raises(TensorCodecError, match="recent window"):
+        cache.crop(-5)
+
+
+def test_refuses_what_it_cannot_do(llama, prompt):
+    with pytest.raises(InvalidTensorError, match="mode must be one of"):
+        SpillCache(2, "swap")
+    with pytest.raises(InvalidTensorError, match="needs codecs"):
+        SpillCache(2, "compressed_fetch")
+    with pytest.raises(InvalidTensorError, match="chunk_tokens"):
+        SpillCache(2, chunk_tokens=0)
+    cache = SpillCache(2)
+    with pytest.raises(InvalidTensorError, match="batch 1"):
+        cache.update(torch.zeros(2, 2, 3, 16), torch.zeros(2, 2, 3, 16), 0)
+    with torch.no_grad():
+        llama(prompt, **cache_kwarg(llama, cache))
+    with pytest.raises(InvalidTensorError, match="channels"):
+        cache.update(torch.zeros(1, 3, 1, 16), torch.zeros(1, 3, 1, 16), 0)
+    with pytest.raises(TensorCodecError, match="beam search"):
+        cache.reorder_cache(torch.tensor([0]))
+    with pytest.raises(TensorCodecError, match="batch 1"):
+        cache.batch_repeat_interleave(2)
+
+
+def test_fit_basis_torch_matches_fit_basis():
+    x = torch.randn(300, 24, generator=torch.Generator().manual_seed(2)) @ torch.randn(24, 24)
+    a, b = fit_basis([x], 10), fit_basis_torch(x, 10)
+    assert np.allclose(a.components, b.components, atol=1e-5) and np.allclose(a.mean, b.mean, atol=1e-5)
+    assert np.allclose(a.eigenvalues, b.eigenvalues, rtol=1e-4)
+    with pytest.raises(InvalidTensorError):
+        fit_basis_torch(x[:1], 4)
+
+
+# ---------------------------------------------------------------- PoC 17's decoder
+
+def poc17():
+    path = Path(__file__).resolve().parent.parent / "pocs" / "17_kv_spill_decode.py"
+    spec = importlib.util.spec_from_file_location("poc17", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("poc17", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=50)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_decoder_steps_agree_with_its_prefill(mode):
+    p17 = poc17()
+    model = p17.RandomDecoder(SMALL, "cpu", torch.float32, max_positions=64)
+    ids = torch.randint(0, SMALL["vocab"], (24,), generator=torch.Generator().manual_seed(3))
+    kv, _ = model.prefill(ids[:20], progress=False)
+    codecs, _ = p17.fit_codecs_on_prompt(kv, progress=False) if mode == "compressed_fetch" else (None, None)
+    cache = SpillCache(SMALL["layers"], mode, codecs=codecs, chunk_tokens=2, contiguous=False)
+    p17.fill(cache, kv, 20, SMALL["kv_heads"])
+    assert p17.check_fetch(cache, kv, 20)["exact"] == (mode != "compressed_fetch")
+    for position in range(20, 24):  # flushes every 2 steps
+        _, logits = model.step(ids[position:position + 1], position, cache)
+        _, reference = model.prefill(ids[:position + 1], progress=False)
+        tolerance = 1e-4 if mode != "compressed_fetch" else 0.05 * float(reference.abs().max())
+        assert float((logits - reference).abs().max()) < tolerance
+    assert cache.get_seq_length() == 24
+
+
+# ---------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["raw_fetch", "gpu_resident"])
+def test_gpu_generate_matches_dynamic_cache(mode):
+    model = tiny_llama("cuda")
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
+    reference = generate(model, ids, DynamicCache())
+    cache = SpillCache(2, mode, chunk_tokens=CHUNK)
+    assert torch.equal(generate(model, ids, cache), reference)
+    if mode == "raw_fetch":
+        assert cache.layers[0].store_k.is_pinned()
+        assert cache.stats.fetches >= 2 * (NEW - 1)
+
+
+@pytest.mark.gpu
+def test_gpu_compressed_fetch_through_the_worker():
+    model = tiny_llama("cuda")
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
+    kv = prefill_kv(model, ids)
+    codecs = make_codecs([(k.cpu(), v.cpu()) for k, v in kv])
+    cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
+    with torch.no_grad():
+        model(ids, **cache_kwarg(model, cache))
+    assert cache.input_kind in ("cuda", "pinned", "bytes") and cache._jobs is not None
+    for i, (k_rows, v_rows) in enumerate(kv):
+        k, v = cache.fetched_kv(i)
+        assert k.is_cuda and quality(k_rows, k, "cos") >= 0.999 and quality(v_rows, v, "cos") >= 0.999
+    reference = generate(model, ids, DynamicCache())
+    out = generate(model, ids, SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK))
+    assert (out == reference).float().mean() >= 0.9
+    cache.close()
+
+
+@pytest.mark.gpu
+def test_gpu_worker_errors_reach_the_caller():
+    model = tiny_llama("cuda")
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
+    codecs = make_codecs([(k.cpu(), v.cpu()) for k, v in prefill_kv(model, ids)])
+    cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
+    with torch.no_grad():
+        model(ids, **cache_kwarg(model, cache))
+    cache.drain()
+    n, blob_k, blob_v = cache.layers[1].blobs[0]
+    corrupt = blob_k.clone() if isinstance(blob_k, torch.Tensor) else bytearray(blob_k)
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    cache.layers[1].blobs[0] = (n, corrupt.pin_memory() if isinstance(corrupt, torch.Tensor) else bytes(corrupt),
+                                blob_v)
+    cache.layers[1].version += 1
+    with pytest.raises(TensorCodecError):
+        cache.fetched_kv(1)
+    cache.close()
+
+
+@pytest.mark.gpu
+def test_gpu_decoder_graphs_match_eager_and_raw_matches_resident():
+    p17 = poc17()
+    shape = dict(SMALL, layers=3, hidden=256, heads=8, kv_heads=2, head_dim=64, mlp=512, vocab=512)
+    model = p17.RandomDecoder(shape, "cuda", torch.bfloat16, max_positions=600)
+    ids = torch.randint(0, shape["vocab"], (520,), generator=torch.Generator().manual_seed(4))
+    kv, _ = model.prefill(ids[:512], progress=False)
+    codecs, _ = p17.fit_codecs_on_prompt(kv, progress=False)
+    logits = {}
+    for graphs in (False, True):
+        if graphs:
+            model.capture_graphs()
+        for mode in MODES:
+            cache = SpillCache(shape["layers"], mode, codecs=codecs, chunk_tokens=4, contiguous=False)
+            p17.fill(cache, kv, 512, shape["kv_heads"])
+            check = p17.check_fetch(cache, kv, 512)
+            assert check["exact"] if mode != "compressed_fetch" else check["cos_min"] >= 0.999
+            for position in range(512, 520):  # the same tokens in every case; flushes twice
+                _, out = model.step(ids[position:position + 1].cuda(), position, cache)
+            logits[(graphs, mode)] = out.float()
+            cache.close()
+    assert torch.equal(logits[(True, "raw_fetch")], logits[(True, "gpu_resident")])
+    assert torch.equal(logits[(False, "raw_fetch")], logits[(False, "gpu_resident")])
+    assert torch.allclose(logits[(True, "gpu_resident")], logits[(False, "gpu_resident")], atol=0.05, rtol=0.05)
+    scale = float(logits[(False, "gpu_resident")].abs().max())
+    assert float((logits[(True, "compressed_fetch")] - logits[(True, "gpu_resident")]).abs().max()) < 0.2 * scale
