@@ -82,6 +82,8 @@ CONTEXTS_SMOKE = [4096, 8192]
 CONTEXTS_CPU = [256, 512]
 ROPE_THETA = 1e6
 CHUNK_TOKENS = 1024                                    # recent-window tokens before a flush (timing model)
+LANE_TOKENS = 256                                      # rANS lane length: a layer's KV decodes in 4x fewer
+                                                       # sequential steps than at the default 1024 (blobs ~2% larger)
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
 TIMED_SECONDS = 1.0                                    # aim of each timed loop, seconds
 MIN_STEPS, MAX_STEPS = 3, 32                           # timed decode steps per (mode, context)
@@ -268,7 +270,8 @@ def sync(device) -> None:
 
 
 def codec_pair(basis_k, step_k, basis_v, step_v):
-    return TensorCodec(basis_k, backend="rans", step=step_k), TensorCodec(basis_v, backend="rans", step=step_v)
+    return (TensorCodec(basis_k, backend="rans", step=step_k, lane_tokens=LANE_TOKENS),
+            TensorCodec(basis_v, backend="rans", step=step_v, lane_tokens=LANE_TOKENS))
 
 
 def fit_codecs_on_prompt(kv, progress: bool = True):
