@@ -876,11 +876,66 @@ def summary(res: ResultsWriter) -> None:
         print(piv.round(3).to_string())
 
 
+def markdown_table(csv_path: Path) -> str:
+    """The README's PoC 16 tables, from the CSV alone (python pocs/16_split_inference.py --table)."""
+    import pandas as pd
+
+    df = pd.read_csv(csv_path)
+    df["context"] = df.context.fillna(-1)
+    timed = df[df.phase.isin(["prefill", "decode", "sampler_step"]) & df.link_mbit.notna()]
+    lines = ["| task, step | link | raw ms/step | compressed ms/step | bytes ratio | step speed-up | speed-up / ratio "
+             "| hop ms raw -> compressed (encode + wire + decode) | compressed sent as |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = {"prefill": 0, "decode": 1, "sampler_step": 2}
+    keys = sorted({(t, p, c) for t, p, c in zip(timed.task, timed.phase, timed.context)}, key=lambda k: (
+        k[0] != "llm", order[k[1]], k[2]))
+    for task, phase, ctx in keys:
+        sel = timed[(timed.task == task) & (timed.phase == phase) & (timed.context == ctx)]
+        for mbit in sorted(sel.link_mbit.unique(), reverse=True):
+            at = sel[sel.link_mbit == mbit]
+
+            def get(metric, mode="compressed"):
+                v = at[(at.metric == metric) & (at["mode"] == mode)].value
+                return float(v.iloc[0]) if len(v) else float("nan")
+            what = {"prefill": f"LLM prefill {int(ctx)} tokens", "decode": f"LLM decode (after {int(ctx)})",
+                    "sampler_step": "diffusion sampler step"}[phase]
+            sent = at[(at.metric == "step_ms") & (at["mode"] == "compressed")].sent_as.iloc[0]
+            lines.append(
+                f"| {what} | {mbit:g} Mbit | {get('step_ms', 'raw'):.1f} | {get('step_ms'):.1f} | {get('ratio'):.2f}x "
+                f"| {get('speedup'):.2f}x | {get('speedup') / get('ratio'):.2f} | {get('hop_ms', 'raw'):.1f} -> "
+                f"{get('hop_ms'):.1f} ({get('encode_ms'):.1f} + {get('wire_ms'):.1f} + {get('decode_ms'):.1f}) | {sent} |")
+    q = df[df.phase.isin(["quality", "check", "calibration"])]
+
+    def val(task, phase, mode, metric, tokens=None):
+        v = q[(q.task == task) & (q.phase == phase) & (q["mode"] == mode) & (q.metric == metric)]
+        if tokens is not None:
+            v = v[v.tokens == tokens]
+        return float(v.value.iloc[0]) if len(v) else float("nan")
+    lines += ["", "| task | tokens | cos (eval, compressed) | perplexity unsplit / raw / compressed | "
+              "next-token agreement raw / compressed | greedy agreement raw / compressed |", "|---|---|---|---|---|---|"]
+    for T in sorted(q[(q.task == "llm") & (q.metric == "perplexity")].tokens.dropna().unique()):
+        lines.append(
+            f"| LLM | {int(T)} | {val('llm', 'check', 'compressed', 'cos', T):.4f} | "
+            f"{val('llm', 'quality', 'unsplit', 'perplexity', T):.3f} / {val('llm', 'quality', 'raw', 'perplexity', T):.3f}"
+            f" / {val('llm', 'quality', 'compressed', 'perplexity', T):.3f} | "
+            f"{val('llm', 'quality', 'raw', 'agreement', T):.3f} / {val('llm', 'quality', 'compressed', 'agreement', T):.3f}"
+            f" | {val('llm', 'quality', 'raw', 'greedy_agreement', T):.3f} / "
+            f"{val('llm', 'quality', 'compressed', 'greedy_agreement', T):.3f} |")
+    psnr = q[(q.task == "diffusion") & (q.metric == "psnr_db")]
+    rows = q[(q.task == "diffusion") & (q.phase == "check") & (q.metric == "cos")].tokens
+    lines.append(f"| diffusion | {int(rows.iloc[0]) if len(rows) else ''} | "
+                 f"{val('diffusion', 'check', 'compressed', 'cos'):.4f} | final-image PSNR vs unsplit: raw "
+                 f"{psnr[psnr['mode'] == 'raw'].value.median():.1f} dB, compressed "
+                 f"{psnr[psnr['mode'] == 'compressed'].value.median():.1f} dB | | |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run (under ~90 s on a 2-core CPU machine)")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     ap.add_argument("--loopback", action="store_true", help="unshaped 127.0.0.1 instead of the shaped veth link")
+    ap.add_argument("--table", action="store_true", help="print the README's tables from the CSV")
     ap.add_argument("--out", type=Path, default=None, help="write the CSV and figure into this folder instead")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -890,6 +945,10 @@ def main():
         worker(args.worker, args.master, args.port, args.quick)
         return
     csv_path = (args.out / f"{NAME}.csv") if args.out else None
+    if args.table:
+        from shared.results import RESULTS
+        print(markdown_table(csv_path or RESULTS / f"{NAME}.csv"))
+        return
     if not args.plot_only:
         t0 = time.time()
         res = make_rows(run_link_experiment(args.quick, args.loopback))
