@@ -142,7 +142,7 @@ class TensorCodec:
         return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
 
     def _encode_symbols(self, x, dtype: str) -> bytes:
-        from .codecs import rans
+        from .codecs import rans_cpu
         from .rdquant import RDQuantizer, find_step
 
         values = as_float_matrix(x)
@@ -151,7 +151,7 @@ class TensorCodec:
             coeffs, self.target_cos, "cos", reconstruct=self._reconstruct, reference=values,
             water_fill=self.water_fill)
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
-        return self._pack_symbols(values.shape, dtype, quantizer, rans.encode(symbols))
+        return self._pack_symbols(values.shape, dtype, quantizer, rans_cpu.coder().encode(symbols))
 
     def _pack_symbols(self, shape, dtype: str, quantizer, payload: bytes) -> bytes:
         """The container of a compute-codec payload (the CPU and GPU encoders write the same header)."""
@@ -281,11 +281,12 @@ class TensorCodec:
     def decode_values(self, header: dict, chunks: dict[str, bytes]) -> np.ndarray:
         self._check_basis(header)
         if header["quant"]["kind"] == "rd_shared_step":
-            from .codecs import rans
+            from .codecs import rans_cpu
             from .rdquant import RDQuantizer
 
             quantizer = RDQuantizer.from_bytes(chunks["QPAR"])
-            values = self._reconstruct(np.asarray(quantizer.dequantize(rans.decode(chunks["DATA"])), np.float32))
+            values = self._reconstruct(np.asarray(quantizer.dequantize(rans_cpu.coder().decode(chunks["DATA"])),
+                                                  np.float32))
             if list(values.shape) != header["shape"]:
                 raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
             return values

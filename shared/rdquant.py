@@ -29,6 +29,49 @@ _MAGIC = b"RDQ1"
 _HEAD = struct.Struct("<4sdIB")  # magic, step, K, has_keep_mask
 
 
+def _compiled_kernels():
+    """numba versions of the numpy quantizer and dequantizer (identical results, one pass each);
+    (None, None) without numba."""
+    try:
+        from numba import njit, prange
+    except ImportError:
+        return None, None
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def quantize(c, step, keep):
+        """round(c / step) in float64, half to even (np.rint), as int32; and max |round(c / step)|
+        (inf/nan when c holds them: the caller raises before using the symbols)."""
+        T, K = c.shape
+        out = np.empty((T, K), np.int32)
+        amax = np.zeros(T, np.float64)
+        for t in prange(T):
+            m = 0.0
+            for k in range(K):
+                v = np.rint(np.float64(c[t, k]) / step)
+                a = abs(v)
+                m = max(m, a) if a == a else a  # NaN propagates
+                out[t, k] = np.int32(v) if (a <= 2147483647.0 and keep[k]) else 0
+            amax[t] = m
+        m = 0.0
+        for t in range(T):
+            m = max(m, amax[t]) if amax[t] == amax[t] else amax[t]
+        return out, m
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def dequantize(sym, step):
+        T, K = sym.shape
+        out = np.empty((T, K), np.float32)
+        for t in prange(T):
+            for k in range(K):
+                out[t, k] = np.float32(sym[t, k]) * step
+        return out
+
+    return quantize, dequantize
+
+
+_quantize_compiled, _dequantize_compiled = _compiled_kernels()
+
+
 def _is_torch(x) -> bool:
     return hasattr(x, "detach") and hasattr(x, "device")
 
@@ -79,6 +122,14 @@ class RDQuantizer:
         c = np.asarray(coeffs)
         if c.dtype.kind != "f":
             raise InvalidTensorError(f"coefficients must be floating point, got {c.dtype}")
+        if _quantize_compiled is not None and c.dtype in (np.float32, np.float64):
+            sym, amax = _quantize_compiled(np.ascontiguousarray(c), float(self.step), self.keep if self.keep is not None
+                                           else np.ones(c.shape[1], bool))
+            if not math.isfinite(amax):
+                raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
+            if amax > INT32_MAX:
+                raise InvalidTensorError(f"quantized coefficients reach {amax:.3g}, beyond int32; use a larger step")
+            return sym
         scaled = np.rint(c.astype(np.float64) / self.step)
         if not np.isfinite(scaled).all():
             raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
@@ -96,7 +147,10 @@ class RDQuantizer:
             import torch
 
             return symbols.to(torch.float32) * self.step
-        return np.asarray(symbols).astype(np.float32) * np.float32(self.step)
+        symbols = np.asarray(symbols)
+        if _dequantize_compiled is not None and symbols.dtype == np.int32 and symbols.ndim == 2:
+            return _dequantize_compiled(np.ascontiguousarray(symbols), np.float32(self.step))
+        return symbols.astype(np.float32) * np.float32(self.step)
 
     def to_bytes(self) -> bytes:
         K = 0 if self.keep is None else len(self.keep)

@@ -499,7 +499,7 @@ def _steps_by_lane(a: np.ndarray, P, S, K, n_lanes_padded, fill) -> np.ndarray:
 
 
 def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, model, scale, mu16, group_words, group_escapes, escapes,
-              states, streams) -> bytes:
+              states, streams, checksum_fn=None) -> bytes:
     stream_words = int(group_words.astype(np.int64).sum())
     lo_bytes, w_bytes = _widths(int(lo.min()), int(lo.max()), int(W.max()))
     A = W + esc
@@ -526,18 +526,18 @@ def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, model, scale, mu16, gro
     head = HEADER.pack(MAGIC, VERSION, prob_bits, lay.G, lay.T, lay.K, lay.S, n_table, len(escapes),
                        k_coded, n_param, lo_bytes, w_bytes, 0, stream_words, 0, 0)
     tail = [bytes(meta), states.astype("<u4").tobytes(), streams.astype("<u2").tobytes()]
-    c0, c1 = checksum(head[:CHECKED_HEADER_BYTES], *tail)
+    c0, c1 = (checksum_fn or checksum)(head[:CHECKED_HEADER_BYTES], *tail)
     return b"".join([head[:CHECKED_HEADER_BYTES], struct.pack("<II", c0, c1)] + tail)
 
 
 class Parsed:
     """Header and meta of a payload, validated against the checksum; arrays are numpy."""
 
-    def __init__(self, payload: bytes):
+    def __init__(self, payload: bytes, checksum_fn=None):
         mv = memoryview(payload)
         _parse_header_only(self, bytes(mv[:HEADER.size]), len(mv))
         lay, n, K = self.layout, self.prob_bits, self.K
-        if checksum(mv[:CHECKED_HEADER_BYTES], mv[HEADER.size:]) != (self.check0, self.check1):
+        if (checksum_fn or checksum)(mv[:CHECKED_HEADER_BYTES], mv[HEADER.size:]) != (self.check0, self.check1):
             raise BitstreamError("rANS payload checksum mismatch: the payload is corrupt")
         meta = mv[HEADER.size:lay.states]
         n_table, n_esc, stream_words = self.n_table, self.n_escapes, self.stream_words
@@ -579,11 +579,12 @@ class Parsed:
         return _component_weights(codes, self.model, self.scale, self.mu16, self.W, self.esc)
 
 
-def parse(payload) -> Parsed:
-    """Read and validate the header and meta of a payload, checksum included (no decoding)."""
+def parse(payload, checksum_fn=None) -> Parsed:
+    """Read and validate the header and meta of a payload, checksum included (no decoding).
+    checksum_fn: another implementation of `checksum` (the compiled CPU coder's)."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise InvalidTensorError(f"payload must be bytes, got {type(payload).__name__}")
-    return Parsed(payload)
+    return Parsed(payload, checksum_fn)
 
 
 def decode(payload) -> np.ndarray:

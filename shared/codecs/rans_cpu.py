@@ -1,0 +1,778 @@
+"""Compiled CPU coder (numba) of the rANS format in shared/codecs/rans.py: the same bytes, fast.
+
+    from shared.codecs import rans_cpu
+    payload = rans_cpu.encode(symbols)        # numpy int32 [T, K] -> bytes, identical to rans.encode
+    symbols = rans_cpu.decode(payload)        # bytes -> numpy int32 [T, K], identical to rans.decode
+    rans_cpu.AVAILABLE, rans_cpu.WHY_NOT      # numba importable here? if not, why
+
+The format, the table rules and every integer formula are those of rans.py (its docstring is the
+specification; the numpy coder there stays the readable reference, the tests compare the two byte
+for byte). Here they run as loops compiled by numba: one pass for each column's min, max and sum,
+one for the histogram, one over components for windows, parametric models and frequency tables,
+and one coding pass over lane groups (parallel over groups with numba's prange when
+NUMBA_NUM_THREADS > 1). Compiled functions are cached on disk (cache=True), so only the first
+import on a machine pays the compile time.
+
+`benchmark_cpu_pipeline()` times TensorCodec's CPU path (bf16 tensor -> bytes -> bf16 tensor) and
+prints where the time goes, stage by stage.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..errors import BackendUnavailable, BitstreamError
+from . import rans
+
+try:
+    import numba
+    from numba import njit, prange
+
+    AVAILABLE, WHY_NOT = True, None
+except ImportError as exc:  # the numpy reference coder still works
+    AVAILABLE, WHY_NOT = False, f"numba is not installed ({exc}); pip install numba (see requirements.txt)"
+
+    def njit(*args, **kwargs):
+        return (lambda f: f) if not (len(args) == 1 and callable(args[0])) else args[0]
+
+    prange = range
+
+_JIT = dict(cache=True, nogil=True)
+_BIG = 1 << 62
+L = rans.STATE_LOW
+
+
+_WARNED = []
+
+
+def coder():
+    """The fastest CPU coder here: this module, or the numpy reference where numba is missing
+    (said once, as a warning)."""
+    if AVAILABLE:
+        import sys
+
+        return sys.modules[__name__]
+    if not _WARNED:
+        import warnings
+
+        warnings.warn(f"using the numpy rANS reference coder (about 100x slower): {WHY_NOT}", RuntimeWarning,
+                      stacklevel=2)
+        _WARNED.append(True)
+    return rans
+
+
+def _require():
+    if not AVAILABLE:
+        raise BackendUnavailable(f"compiled CPU rANS coder unavailable: {WHY_NOT}")
+
+
+# --------------------------------------------------------------------------------------------
+# integer helpers: the same formulas as rans.py's vectorized ones, one value at a time
+
+
+@njit(**_JIT)
+def _bitlen(v):
+    n = 0
+    while v > 0:
+        v >>= 1
+        n += 1
+    return n
+
+
+@njit(**_JIT)
+def _minifloat_encode(v):
+    if v < 32:
+        return v
+    e = max(_bitlen(v) - 4, 2)
+    q = (v + (1 << (e - 2))) >> (e - 1)
+    if q >= 32:
+        e += 1
+        q = 16
+    return e * 16 + q - 16
+
+
+@njit(**_JIT)
+def _minifloat_decode(c):
+    if c < 32:
+        return c
+    return (16 + (c & 15)) << max((c >> 4) - 1, 0)
+
+
+@njit(**_JIT)
+def _floordiv(a, b, inv_b):
+    """a // b for 0 <= a < 2^52, 1 <= b, given inv_b = 1.0 / b: a float product, corrected exactly."""
+    q = np.int64(a * inv_b)
+    r = a - q * b
+    return q + np.int64(r >= b) - np.int64(r < 0)
+
+
+@njit(**_JIT)
+def _model_weight(j, W, esc, shape, code, mu16, shapes, inv_sigma):
+    if j < W:
+        idx = min((abs(16 * j - mu16) * inv_sigma[code]) >> 24, shapes.shape[1] - 1)
+        return max(shapes[shape, idx], 1)
+    return 1 if (j == W and esc > 0) else 0
+
+
+@njit(**_JIT)
+def _normalize(w, A, M, prob_bits, f):
+    """f[:A] = the frequencies of weights w[:A] summing to M (rans.normalize_weights); False if impossible."""
+    total = 0
+    for j in range(A):
+        total += w[j]
+    if total <= 0:
+        return False
+    lo, hi = 1, 2 * M
+    inv = 1.0 / total
+    for _ in range(prob_bits + 2):
+        mid = (lo + hi) // 2
+        s = 0
+        for j in range(A):
+            if w[j] > 0:
+                s += max(1, _floordiv(w[j] * mid, total, inv))
+        if s <= M:
+            lo = mid
+        else:
+            hi = mid
+    s = 0
+    jmax = 0
+    for j in range(A):
+        f[j] = max(1, _floordiv(w[j] * lo, total, inv)) if w[j] > 0 else 0
+        s += f[j]
+        if w[j] > w[jmax]:
+            jmax = j
+    f[jmax] += M - s
+    return f[jmax] >= 0
+
+
+# --------------------------------------------------------------------------------------------
+# encoder passes
+
+
+@njit(parallel=True, **_JIT)
+def _column_stats(sym):
+    """Per column: min, max, sum (int64)."""
+    T, K = sym.shape
+    nchunk = max(1, min(64, T // 256))
+    mn = np.empty((nchunk, K), np.int64)
+    mx = np.empty((nchunk, K), np.int64)
+    sm = np.zeros((nchunk, K), np.int64)
+    for c in prange(nchunk):
+        t0, t1 = c * T // nchunk, (c + 1) * T // nchunk
+        for k in range(K):
+            mn[c, k] = sym[t0, k]
+            mx[c, k] = sym[t0, k]
+        for t in range(t0, t1):
+            for k in range(K):
+                v = np.int64(sym[t, k])
+                mn[c, k] = min(mn[c, k], v)
+                mx[c, k] = max(mx[c, k], v)
+                sm[c, k] += v
+    out_mn, out_mx, out_sm = mn[0].copy(), mx[0].copy(), sm[0].copy()
+    for c in range(1, nchunk):
+        for k in range(K):
+            out_mn[k] = min(out_mn[k], mn[c, k])
+            out_mx[k] = max(out_mx[k], mx[c, k])
+            out_sm[k] += sm[c, k]
+    return out_mn, out_mx, out_sm
+
+
+@njit(parallel=True, **_JIT)
+def _histogram(sym, stride, lo0, h0, H):
+    """counts [K, H] of the values of every stride-th token inside the first window."""
+    T, K = sym.shape
+    n_rows = (T + stride - 1) // stride
+    B = 16  # components per block: their counts stay in L1
+    counts = np.zeros((K, H), np.int64)
+    for kb in prange((K + B - 1) // B):
+        k0, k1 = kb * B, min(K, kb * B + B)
+        for r in range(n_rows):
+            t = r * stride
+            for k in range(k0, k1):
+                j = np.int64(sym[t, k]) - lo0[k]
+                if j >= 0 and j < h0[k]:
+                    counts[k, j] += 1
+    return counts, n_rows
+
+
+@njit(parallel=True, **_JIT)
+def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_sigma, sigma16_sq, nlog,
+            escape_cost, entry_cost, param_bytes, min_share, search):
+    """rans.choose_tables + rans.fit_models + rans.normalize_weights, one component at a time.
+
+    Returns lo, W, esc, codes [K, H+1] uint8, model, scale, mu16, freq/cum [K, H+1] int64, ok [K]."""
+    K, H = counts.shape
+    M = 1 << prob_bits
+    lo = np.empty(K, np.int64)
+    W = np.empty(K, np.int64)
+    esc = np.empty(K, np.int64)
+    codes = np.zeros((K, H + 1), np.uint8)
+    model = np.zeros(K, np.int64)
+    scale = np.zeros(K, np.int64)
+    mu16_out = np.zeros(K, np.int64)
+    freq = np.zeros((K, H + 1), np.int64)
+    cum = np.zeros((K, H + 1), np.int64)
+    ok = np.ones(K, np.bool_)
+    n_shapes = shapes.shape[0]
+    for k in prange(K):
+        cnt = counts[k].copy()
+        outside0 = n_sampled
+        for j in range(H):
+            outside0 -= cnt[j]
+        if stride > 1:
+            for j in range(min(H, h0[k])):
+                cnt[j] += 1
+        n_in = 0
+        mode = 0
+        for j in range(H):
+            n_in += cnt[j]
+            if cnt[j] > cnt[mode]:
+                mode = j
+        # trimming: a = first argmin of cost_l, b = first argmin of cost_r
+        incl = 0
+        best_l, a, left_a = _BIG, 0, 0
+        best_r, b, right_b = _BIG, 0, 0
+        for j in range(H):
+            left = incl
+            incl += cnt[j]
+            right = n_in - incl
+            cl = escape_cost * stride * left - entry_cost * j if j <= mode else _BIG
+            cr = entry_cost * j + escape_cost * stride * right if (j >= mode and j < h0[k]) else _BIG
+            if j == 0 or cl < best_l:
+                best_l, a, left_a = cl, j, left
+            if j == 0 or cr < best_r:
+                best_r, b, right_b = cr, j, right
+        n_esc = outside0 + left_a + right_b
+        Wk = b - a + 1
+        lok = lo0[k] + a
+        ek = 1 if (lok > mn[k] or lok + Wk - 1 < mx[k]) else 0
+        kept = np.zeros(H + 1, np.int64)
+        for j in range(H):
+            if j < Wk:
+                kept[j] = cnt[min(a + j, H - 1)]
+        if Wk >= 0:
+            kept[Wk] = max(n_esc, 1) if ek > 0 else 0
+        kmax = 0
+        for j in range(H + 1):
+            kmax = max(kmax, kept[j])
+        shift = max(_bitlen(kmax) - 18, 0)
+        A = Wk + ek
+        w = np.zeros(H + 1, np.int64)
+        for j in range(H + 1):
+            if kept[j] > 0:
+                codes[k, j] = _minifloat_encode(max(kept[j] >> shift, 1))
+                w[j] = _minifloat_decode(np.int64(codes[k, j]))
+        lo[k], W[k], esc[k] = lok, Wk, ek
+        # parametric models (rans.fit_models): moments of the in-window counts
+        n = 0
+        s1 = 0
+        for j in range(min(Wk, H + 1)):
+            n += kept[j]
+            s1 += kept[j] * 16 * j
+        n = max(n, 1)
+        mu16 = s1 // n
+        s2 = 0
+        for j in range(min(Wk, H + 1)):
+            d = 16 * j - mu16
+            s2 += kept[j] * d * d
+        var16 = s2 // n
+        code0 = 0
+        for c in range(sigma16_sq.shape[0]):
+            if sigma16_sq[c] < var16:
+                code0 += 1
+        f = np.zeros(H + 1, np.int64)
+        if not _normalize(w, H + 1, M, prob_bits, f):
+            ok[k] = False
+            continue
+        cost = 0
+        for j in range(A):
+            cost += kept[j] * nlog[f[j]]
+        best = cost * stride + 8 * 65536 * A
+        if min_share * 8 * 65536 * A >= best:
+            for shape in range(n_shapes):
+                for d in range(-search, search + 1):
+                    code = min(max(code0 + d, 0), 255)
+                    tot = 0
+                    for j in range(A):
+                        w[j] = _model_weight(j, Wk, ek, shape, code, mu16, shapes, inv_sigma)
+                        tot += w[j]
+                    inv = 1.0 / tot
+                    cost = 0
+                    for j in range(A):
+                        if kept[j] > 0:  # kept > 0 implies w > 0
+                            cost += kept[j] * nlog[max(1, _floordiv(w[j] * M, tot, inv))]
+                    cost = cost * stride + 8 * 65536 * param_bytes
+                    if cost < best:
+                        best = cost
+                        model[k] = 1 + shape
+                        scale[k] = code
+        if model[k] > 0:
+            mu16_out[k] = mu16
+            for j in range(H + 1):
+                w[j] = _model_weight(j, Wk, ek, model[k] - 1, scale[k], mu16, shapes, inv_sigma)
+        else:
+            for j in range(H + 1):
+                w[j] = _minifloat_decode(np.int64(codes[k, j]))
+        if not _normalize(w, H + 1, M, prob_bits, f):
+            ok[k] = False
+            continue
+        c = 0
+        for j in range(H + 1):
+            freq[k, j] = f[j]
+            cum[k, j] = c
+            c += f[j]
+    return lo, W, esc, codes, model, scale, mu16_out, freq, cum, ok
+
+
+@njit(**_JIT)
+def _lane_layout(g0, G, K, S):
+    """First token and component of each lane of the group starting at lane g0 (lane g = p * K + k)."""
+    row0 = np.empty(G, np.int64)
+    comp = np.empty(G, np.int64)
+    for l in range(G):
+        p = (g0 + l) // K
+        comp[l] = g0 + l - p * K
+        row0[l] = p * S
+    return row0, comp
+
+
+@njit(parallel=True, **_JIT)
+def _encode_lanes(sym, lo, W, fc, inv, S, G, NG, prob_bits):
+    """The coding pass. Per group: words [cap] and escapes [cap] in its slice of the buffers,
+    counts in group_words / group_escapes; final states per lane. fc: freq | cum << 16 per
+    (component, symbol), inv: 1 / freq."""
+    T, K = sym.shape
+    NL = ((T + S - 1) // S) * K
+    cap = G * S
+    words = np.empty(NG * cap, np.uint16)
+    escv = np.empty(NG * cap, np.int32)
+    group_words = np.zeros(NG, np.int64)
+    group_escapes = np.zeros(NG, np.int64)
+    states = np.empty(NG * G, np.uint32)
+    sh = 32 - prob_bits
+    for gi in prange(NG):
+        g0 = gi * G
+        n_lane = min(G, NL - g0)
+        x = np.full(G, L, np.int64)
+        row0, comp = _lane_layout(g0, G, K, S)
+        ptr = 0
+        ne = 0
+        base = gi * cap
+        k0 = comp[0]
+        if n_lane == G and k0 + G <= K and row0[0] + S <= T:
+            # the common case: the group's lanes are consecutive components of one full token chunk.
+            # Pass 1 (no branches, vectorizable) codes every lane; pass 2 writes the emitted words.
+            jj = np.empty(G, np.int64)
+            em = np.empty(G, np.int64)
+            old = np.empty(G, np.int64)
+            r0 = row0[0]
+            for i in range(S - 1, -1, -1):
+                row = sym[r0 + i]
+                n_out = 0
+                for l in range(G):
+                    j = np.int64(row[k0 + l]) - lo[k0 + l]
+                    out = (j < 0) | (j >= W[k0 + l])
+                    n_out += out
+                    j = W[k0 + l] if out else j
+                    jj[l] = j
+                    e = np.int64(fc[k0 + l, j])
+                    f = e & 0xFFFF
+                    xl = x[l]
+                    emit = np.int64((xl >> sh) >= f)
+                    old[l] = xl
+                    em[l] = emit
+                    xl >>= 16 * emit
+                    q = _floordiv(xl, f, inv[k0 + l, j])
+                    x[l] = (q << prob_bits) + (xl - q * f) + (e >> 16)
+                for l in range(G):
+                    words[base + ptr] = np.uint16(old[l] & 0xFFFF)  # kept only when emitted
+                    ptr += em[l]
+                if n_out > 0:
+                    for l in range(G):
+                        if jj[l] == W[k0 + l] and (row[k0 + l] < lo[k0 + l] or row[k0 + l] >= lo[k0 + l] + W[k0 + l]):
+                            escv[base + ne] = row[k0 + l]
+                            ne += 1
+            n_lane = 0  # done
+        for i in range(S - 1, -1, -1):
+            for l in range(n_lane):
+                t = row0[l] + i
+                if t >= T:
+                    continue
+                k = comp[l]
+                v = sym[t, k]
+                j = np.int64(v) - lo[k]
+                if j < 0 or j >= W[k]:
+                    j = W[k]
+                    escv[base + ne] = v
+                    ne += 1
+                e = np.int64(fc[k, j])
+                f = e & 0xFFFF  # prob_bits <= 15: frequencies and cumulatives fit 16 bits
+                xl = x[l]
+                emit = np.int64((xl >> sh) >= f)
+                words[base + ptr] = np.uint16(xl & 0xFFFF)  # kept only when emitted (ptr advances)
+                ptr += emit
+                xl >>= 16 * emit
+                q = _floordiv(xl, f, inv[k, j])
+                x[l] = (q << prob_bits) + (xl - q * f) + (e >> 16)
+        group_words[gi] = ptr
+        group_escapes[gi] = ne
+        for l in range(G):
+            states[g0 + l] = np.uint32(x[l])
+    return words, escv, group_words, group_escapes, states
+
+
+@njit(parallel=True, **_JIT)
+def _gather(buf, counts, cap, out):
+    """Concatenate the first counts[g] entries of each group's slice of buf into out."""
+    NG = counts.shape[0]
+    start = np.zeros(NG + 1, np.int64)
+    for g in range(NG):
+        start[g + 1] = start[g] + counts[g]
+    for g in prange(NG):
+        out[start[g]:start[g + 1]] = buf[g * cap:g * cap + counts[g]]
+
+
+@njit(parallel=True, **_JIT)
+def _checksum_parts(a, b, pos_b):
+    """rans.checksum over two byte arrays, b's positions starting at pos_b."""
+    s0 = np.uint64(0)
+    s1 = np.uint64(0)
+    for i in range(a.shape[0]):
+        s0 += np.uint64(a[i])
+        s1 += np.uint64(a[i]) * np.uint64(i % 65521 + 1)
+    n = b.shape[0]
+    block = 65521 * 16
+    nb = (n + block - 1) // block
+    p0 = np.zeros(nb, np.uint64)
+    p1 = np.zeros(nb, np.uint64)
+    for c in prange(nb):
+        i0 = c * block
+        i1 = min(n, i0 + block)
+        t0 = 0
+        t1 = 0
+        i = i0
+        while i < i1:  # segments over which the weight (position mod 65521 + 1) rises by one per byte
+            w0 = (pos_b + i) % 65521
+            e = min(i1, i + 65521 - w0)
+            u0 = 0
+            u1 = 0
+            for m in range(i, e):
+                v = np.int64(b[m])
+                u0 += v
+                u1 += v * (m - i)
+            t0 += u0
+            t1 += u1 + (w0 + 1) * u0
+            i = e
+        p0[c] = np.uint64(t0)
+        p1[c] = np.uint64(t1)
+    for c in range(nb):
+        s0 += p0[c]
+        s1 += p1[c]
+    return s0 & np.uint64(0xFFFFFFFF), s1 & np.uint64(0xFFFFFFFF)
+
+
+def checksum(*parts) -> tuple[int, int]:
+    """rans.checksum (same values), compiled: the parts are the checked header bytes and the rest."""
+    _require()
+    head = np.frombuffer(parts[0], np.uint8)
+    rest = parts[1:]
+    tail = np.frombuffer(rest[0], np.uint8) if len(rest) == 1 else np.frombuffer(b"".join(rest), np.uint8)
+    c0, c1 = _checksum_parts(head, tail, len(head))
+    return int(c0), int(c1)
+
+
+def encode(symbols: np.ndarray, prob_bits: int = rans.DEFAULT_PROB_BITS, group_lanes: int = rans.DEFAULT_GROUP_LANES,
+           lane_tokens: int | None = None) -> bytes:
+    """rans.encode, compiled: the identical payload."""
+    _require()
+    sym = rans._validate_symbols(symbols)
+    T, K = sym.shape
+    S = rans._check_settings(prob_bits, group_lanes, lane_tokens or rans.default_lane_tokens(T, K), T)
+    G = group_lanes
+    mn, mx, sm = _column_stats(sym)
+    lo0, h0 = rans.initial_windows(mn, mx, sm, T, prob_bits)
+    stride = rans.hist_row_stride(T)
+    H = int(h0.max())
+    counts, n_sampled = _histogram(sym, stride, lo0, h0, H)
+    tab = rans.model_tables()
+    lo, W, esc, codes, model, scale, mu16, freq, cum, ok = _tables(
+        counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, tab["shapes"], tab["inv_sigma"], tab["sigma16_sq"],
+        rans._neg_log2_table(prob_bits), rans.ESCAPE_COST, rans.TABLE_ENTRY_COST, rans.PARAM_BYTES,
+        rans.MODEL_MIN_SHARE, rans.MODEL_SEARCH)
+    if not ok.all():
+        raise BitstreamError("a component's frequency table cannot be normalized")
+    lay = rans.Layout(T, K, S, G, 0, 0, 0)
+    fc = ((freq & 0xFFFF) | (cum << 16)).astype(np.uint32)
+    inv = 1.0 / np.maximum(freq, 1)
+    words, escv, group_words, group_escapes, states = _encode_lanes(sym, lo, W, fc, inv, S, G, lay.n_groups,
+                                                                    prob_bits)
+    cap = G * S
+    streams = np.empty(int(group_words.sum()), np.uint16)
+    _gather(words, group_words, cap, streams)
+    escapes = np.empty(int(group_escapes.sum()), np.int32)
+    _gather(escv, group_escapes, cap, escapes)
+    coded = np.tile(W + esc > 1, lay.P)
+    return rans._assemble(lay, prob_bits, lo, W, esc, codes, model, scale, mu16, group_words.astype(np.uint32),
+                          group_escapes, escapes, states[:lay.n_lanes][coded], streams, checksum_fn=checksum)
+
+
+# --------------------------------------------------------------------------------------------
+# decoder
+
+
+@njit(parallel=True, **_JIT)
+def _decode_tables(codes_flat, model, scale, mu16, W, esc, prob_bits, shapes, inv_sigma):
+    """Per component: packed (freq | cum << 16) [K, A1] and the slot -> symbol table [K, M]."""
+    K = W.shape[0]
+    M = 1 << prob_bits
+    A = W + esc
+    A1 = 1
+    for k in range(K):
+        A1 = max(A1, A[k])
+    offs = np.zeros(K + 1, np.int64)
+    for k in range(K):
+        offs[k + 1] = offs[k] + (A[k] if model[k] == 0 else 0)
+    fc = np.zeros((K, A1), np.uint32)
+    lut = np.empty((K, M), np.uint16)
+    ok = np.ones(K, np.bool_)
+    for k in prange(K):
+        w = np.zeros(A1, np.int64)
+        for j in range(A[k]):
+            if model[k] == 0:
+                w[j] = _minifloat_decode(np.int64(codes_flat[offs[k] + j]))
+            else:
+                w[j] = _model_weight(j, W[k], esc[k], model[k] - 1, scale[k], mu16[k], shapes, inv_sigma)
+        f = np.zeros(A1, np.int64)
+        if not _normalize(w, A1, M, prob_bits, f):
+            ok[k] = False
+            continue
+        c = 0
+        for j in range(A1):
+            fc[k, j] = np.uint32(f[j] | (c << 16))
+            for s in range(c, c + f[j]):
+                lut[k, s] = j
+            c += f[j]
+    return fc, lut, ok
+
+
+@njit(parallel=True, **_JIT)
+def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, lo, W, esc, T, K, S, G, prob_bits):
+    """The decoding pass; out int32 [T, K] and an error code per group (0 ok, 1 streams, 2 escapes)."""
+    NG = group_words.shape[0]
+    NL = states.shape[0]
+    mask = (1 << prob_bits) - 1
+    out = np.empty((T, K), np.int32)
+    err = np.zeros(NG, np.int64)
+    wstart = np.zeros(NG + 1, np.int64)
+    estart = np.zeros(NG + 1, np.int64)
+    for g in range(NG):
+        wstart[g + 1] = wstart[g] + group_words[g]
+        estart[g + 1] = estart[g] + group_escapes[g]
+    esc_sym = np.where(esc > 0, W, -1)  # each component's escape symbol, -1: none
+    n_words = words.shape[0]
+    for gi in prange(NG):
+        g0 = gi * G
+        n_lane = min(G, NL - g0)
+        x = np.empty(G, np.int64)
+        row0, comp = _lane_layout(g0, G, K, S)
+        sy = np.empty(G, np.int64)
+        for l in range(n_lane):
+            x[l] = states[g0 + l]
+        ptr = group_words[gi]
+        eptr = group_escapes[gi]
+        wb = wstart[gi]
+        eb = estart[gi]
+        bad = False
+        for i in range(S):
+            # pass 1: every lane's symbol and state before renormalization
+            n_need = 0
+            n_esc = 0
+            for l in range(n_lane):
+                t = row0[l] + i
+                k = comp[l]
+                live = t < T  # lanes of the last chunk stop at its end
+                xl = x[l]
+                slot = xl & mask
+                s = np.int64(lut[k, slot])
+                e = np.int64(fc[k, s])
+                xn = (e & 0xFFFF) * (xl >> prob_bits) + slot - (e >> 16)
+                x[l] = xn if live else xl
+                sy[l] = s if live else -2
+                n_need += live & (xn < L)
+                n_esc += live & (s == esc_sym[k])
+            # pass 2: the words, read back from the end of the group's stream, lanes in order
+            if n_need > 0:
+                ptr -= n_need
+                if ptr < 0:
+                    bad = True
+                    break
+                r = wb + ptr
+                for l in range(n_lane):
+                    nd = x[l] < L
+                    w = np.int64(words[min(r, n_words - 1)])
+                    x[l] = ((x[l] << 16) | w) if nd else x[l]
+                    r += nd
+            # pass 3: values, escapes from the end of the group's escape list
+            if n_esc > 0:
+                eptr -= n_esc
+                if eptr < 0:
+                    err[gi] = 2
+                    eptr = 0
+                    n_esc = 0
+            r = eb + eptr
+            for l in range(n_lane):
+                s = sy[l]
+                if s == -2:
+                    continue
+                k = comp[l]
+                if n_esc > 0 and s == esc_sym[k]:
+                    out[row0[l] + i, k] = escapes[r]
+                    r += 1
+                else:
+                    out[row0[l] + i, k] = np.int32(s + lo[k])
+        if not bad and ptr == 0:
+            for l in range(n_lane):
+                if x[l] != L:
+                    bad = True
+        if bad or ptr != 0:
+            err[gi] = 1
+        elif eptr != 0:
+            err[gi] = 2
+    return out, err
+
+
+def parse(payload) -> rans.Parsed:
+    """rans.parse with the compiled checksum."""
+    return rans.parse(payload, checksum_fn=checksum)
+
+
+def decode(payload) -> np.ndarray:
+    """rans.decode, compiled: payload bytes -> int32 [T, K], the identical symbols and errors."""
+    _require()
+    if isinstance(payload, np.ndarray):
+        payload = payload.tobytes()
+    hdr = parse(payload)
+    lay, n = hdr.layout, hdr.prob_bits
+    tab = rans.model_tables()
+    fc, lut, ok = _decode_tables(np.asarray(hdr.codes_flat), hdr.model, hdr.scale, hdr.mu16, hdr.W, hdr.esc, n,
+                                 tab["shapes"], tab["inv_sigma"])
+    if not ok.all():
+        raise BitstreamError("a component's frequency table cannot be normalized; the payload is corrupt")
+    mv = memoryview(payload)
+    states = np.full(lay.n_lanes, L, np.uint32)
+    states[np.tile(hdr.A > 1, lay.P)] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
+    if (states < L).any():
+        raise BitstreamError("rANS payload lane states are corrupt")
+    words = np.frombuffer(mv[lay.streams:lay.total], "<u2")
+    out, err = _decode_lanes(words, hdr.group_words, states, np.asarray(hdr.escapes), hdr.group_escapes, fc, lut,
+                             hdr.lo, hdr.W, hdr.esc, hdr.T, hdr.K, hdr.S, hdr.G, n)
+    if (err == 1).any():
+        raise BitstreamError("rANS payload streams are corrupt (lane states do not return to their start)")
+    if (err == 2).any():
+        raise BitstreamError("rANS payload escape counts do not match the decoded escape symbols")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# benchmark of TensorCodec's CPU path
+
+
+def _timed(fn, reps: int):
+    """(result, best wall seconds, best CPU seconds of this thread) over reps calls."""
+    wall = cpu = float("inf")
+    out = None
+    for _ in range(reps):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = fn()
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.thread_time() - c0)
+    return out, wall, cpu
+
+
+def benchmark_cpu_pipeline(T: int = 4096, D: int = 1024, ks=(None, 1024, 256), target_cos: float = 0.999,
+                           threads: int = 1, reps: int = 5, seed: int = 0) -> list[dict]:
+    """Time TensorCodec(basis, backend="rans", step=...) on a bf16 [T, D] CPU tensor, each way, and
+    each stage of it, on `threads` cores (torch, BLAS and numba limited to that many).
+
+    ks: None = the raw channels (no PCA), else a PCA basis of K components. The tensor is synthetic
+    with a decaying channel spectrum; the basis is fitted on other draws of the same distribution;
+    the step is found once for target_cos (not timed: the timed calls are given it). Prints a table
+    and returns one dict per measurement (config, direction, stage, ms wall, ms CPU, GB/s of bf16)."""
+    import torch
+    import threadpoolctl
+
+    from ..basis import as_float_matrix, fit_basis
+    from ..pipeline import TensorCodec, _to_output, unpack
+    from ..rdquant import RDQuantizer, find_step, quality
+
+    _require()
+    torch.set_num_threads(threads)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    rng = np.random.default_rng(seed)
+    mix = (rng.standard_normal((D, D)) * (np.arange(1, D + 1) ** -1.2)[None, :]).astype(np.float32)
+
+    def draw(n):
+        return rng.standard_normal((n, D)).astype(np.float32) @ mix.T + 0.1
+
+    x = torch.from_numpy(draw(T)).bfloat16()
+    nbytes = 2 * T * D
+    rows = []
+    with threadpoolctl.threadpool_limits(threads):
+        calib = fit_basis([draw(4096) for _ in range(2)], k=D)
+        for k in ks:
+            basis = None if k is None else calib.truncate(k)
+            name = "no PCA" if k is None else f"PCA K={k}"
+            recon = (lambda c: c) if basis is None else basis.reconstruct
+            values = as_float_matrix(x)
+            coeffs = values if basis is None else basis.project(values)
+            step = find_step(coeffs, target_cos, "cos", reconstruct=recon, reference=values, water_fill=False).step
+            codec = TensorCodec(basis, backend="rans", step=step)
+            blob, enc_wall, enc_cpu = _timed(lambda: codec.encode(x), reps)
+            out, dec_wall, dec_cpu = _timed(lambda: codec.decode(blob), reps)
+            cos = quality(x.float().numpy(), out.float().numpy(), "cos")
+            ratio = nbytes / len(blob)
+            q = RDQuantizer(step)
+            header, chunks = unpack(blob)
+            sym = q.quantize(coeffs)
+            stages = [
+                ("encode", "bf16 -> float32 (as_float_matrix)", lambda: as_float_matrix(x)),
+                ("encode", "projection (x - mean) @ C", (lambda: values) if basis is None else
+                 (lambda: basis.project(values))),
+                ("encode", "quantize", lambda: q.quantize(coeffs)),
+                ("encode", "rANS encode", lambda: encode(sym)),
+                ("encode", "container (CRC32, join)", lambda: codec._pack_symbols(x.shape, "bfloat16", q,
+                                                                                  chunks["DATA"])),
+                ("decode", "container (CRC32 check)", lambda: unpack(blob)),
+                ("decode", "rANS decode", lambda: decode(chunks["DATA"])),
+                ("decode", "dequantize", lambda: q.dequantize(sym)),
+                ("decode", "reconstruct c @ C.T + mean", (lambda: coeffs) if basis is None else
+                 (lambda: basis.reconstruct(coeffs))),
+                ("decode", "float32 -> bf16 tensor", lambda: _to_output(values, "bfloat16")),
+            ]
+            if basis is not None:
+                cb = torch.from_numpy(basis.components).bfloat16()
+                stages.append(("encode", "(alternative) projection in bf16, torch", lambda: x @ cb))
+            print(f"\n{name}: 4096 x 1024 bf16 -> {len(blob)} bytes (ratio {ratio:.2f}x), cos {cos:.5f}, "
+                  f"step {step:.4g}, {threads} thread(s)")
+            print(f"  {'':44s} {'wall ms':>8s} {'CPU ms':>8s} {'GB/s':>7s}")
+            for direction, wall, cpu in (("encode", enc_wall, enc_cpu), ("decode", dec_wall, dec_cpu)):
+                print(f"  TensorCodec {direction + ' (the API)':32s} {1e3 * wall:8.1f} {1e3 * cpu:8.1f} "
+                      f"{nbytes / wall / 1e9:7.3f}")
+                rows.append(dict(config=name, k=k or D, direction=direction, stage="api", ms_wall=1e3 * wall,
+                                 ms_cpu=1e3 * cpu, gbps=nbytes / wall / 1e9, ratio=ratio, cos=cos, threads=threads))
+            for direction, stage, fn in stages:
+                _, wall, cpu = _timed(fn, reps)
+                print(f"    {direction}: {stage:34s} {1e3 * wall:8.1f} {1e3 * cpu:8.1f}")
+                rows.append(dict(config=name, k=k or D, direction=direction, stage=stage, ms_wall=1e3 * wall,
+                                 ms_cpu=1e3 * cpu, gbps=nbytes / wall / 1e9, ratio=ratio, cos=cos, threads=threads))
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="time TensorCodec's CPU path (compiled rANS coder)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    benchmark_cpu_pipeline(threads=args.threads, reps=args.reps)
