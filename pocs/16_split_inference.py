@@ -65,7 +65,8 @@ DIFF_CAL_SEEDS = [100, 101, 102, 103]  # calibration generations for the diffusi
 DIFF_EVAL_SEED = 0               # the evaluated generation (its noise)
 WORKER_THREADS = 2               # torch threads per stage process (the stages take turns)
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE",  # a waiting stage must not spin on the cores the other computes on
-              "OPENBLAS_NUM_THREADS": "1"}   # numpy's BLAS (the codec's projection) single-threaded: no spinning pool
+              "OPENBLAS_NUM_THREADS": "1",   # numpy's BLAS (the codec's projection) single-threaded: no spinning pool
+              "NUMBA_NUM_THREADS": "2"}      # the compiled rANS coder's threads
 PORT = 29516                     # TCP port of the gloo rendezvous on stage 0's address
 TIMEOUT_S = 1800                 # any gloo operation or worker command gives up after this, s
 QUICK = dict(PREFILL_TOKENS=[128], DECODE_TOKENS=8, CAL_CHUNKS=2, CAL_TOKENS=128, EVAL_CHUNKS=1, REPEATS=1,
@@ -676,9 +677,10 @@ def step_table(session0: dict, session1: dict) -> list[dict]:
 
 
 def coder_label() -> str:
-    from shared.codecs import rans
+    """Which CPU rANS coder TensorCodec used: the compiled one, or the numpy reference without numba."""
+    from shared.codecs import rans_cpu
 
-    return getattr(rans, "CPU_CODER", "numpy reference coder")
+    return "numba coder" if rans_cpu.AVAILABLE else "numpy reference coder"
 
 
 def make_rows(out: dict) -> ResultsWriter:
@@ -777,6 +779,10 @@ def make_rows(out: dict) -> ResultsWriter:
                 note="raw step_ms / compressed step_ms")
             add(task, "hop_speedup", raw["hop_ms"] / med["hop_ms"], "x", mode, phase, **kw,
                 note="raw (encode+wire+decode) / compressed (encode+wire+decode)")
+            ratio = raw["bytes"] / med["bytes"]
+            add(task, "speedup_free_codec", raw["step_ms"] / (raw["step_ms"] - raw["wire_ms"] + raw["wire_ms"] / ratio),
+                "x", mode, phase, **kw, note="the step speed-up a codec costing 0 ms would give: raw step with its "
+                "wire time divided by the ratio (the compute share of the step bounds it)")
     return res
 
 
