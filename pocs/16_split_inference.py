@@ -24,8 +24,13 @@ Command:   make poc-16            (or: python pocs/16_split_inference.py [--quic
            Needs root and iproute2 (ip netns, tc) for the shaped link; without them --quick runs over
            unshaped loopback and says so (rows: link=loopback); a full run refuses unless --loopback.
 Writes:    results/16_split_inference.csv, figures/16_split_inference.png (--out DIR: both there)
-Sample output (2-core CPU machine):
-    (filled in from the committed run)
+Sample output (`--table`, from the committed run on a 2-core CPU machine at a load average of 17-20,
+numba CPU coder; the compute of both stages dominates every LLM step there):
+    | task, step | link | raw ms/step | compressed ms/step | bytes ratio | step speed-up | speed-up / ratio | hop ms raw -> compressed (encode + wire + decode) | compressed sent as |
+    | LLM prefill 2048 tokens | 50 Mbit | 26897.4 | 28979.9 | 4.35x | 0.93x | 0.21 | 385.1 -> 275.1 (112.5 + 84.7 + 77.9) | coded |
+    | LLM decode (after 2048) | 50 Mbit | 206.6 | 236.2 | 1.00x | 0.87x | 0.87 | 4.4 -> 7.6 (0.0 + 7.0 + 0.0) | raw |
+    | diffusion sampler step | 50 Mbit | 419.9 | 453.6 | 4.43x | 0.93x | 0.21 | 112.0 -> 64.8 (37.6 + 20.2 + 4.9) | coded |
+    | LLM | 2048 | 0.9990 | 11.698 / 11.696 / 11.721 | 0.999 / 0.976 | 1.000 / 0.938 |
 """
 from __future__ import annotations
 
@@ -788,63 +793,64 @@ def make_rows(out: dict) -> ResultsWriter:
 
 # ---------------------------------------------------------------- figure
 def plot(csv_path: Path, fig_dir: Path | None = None):
+    """Top row: the whole step per link speed, raw vs compressed, split into its measured parts.
+    Bottom row: the hand-over alone (encode + wire + decode), where compression acts."""
     import pandas as pd
 
     plt = apply_style()
     df = pd.read_csv(csv_path)
-    timed = df[df.metric.isin(["stage0_ms", "stage1_ms", "encode_ms", "wire_ms", "decode_ms", "step_ms"])]
-    panels = [("llm", "prefill", t) for t in sorted(timed[timed.phase == "prefill"].context.dropna().unique())]
-    panels += [("llm", "decode", max(t for _, _, t in panels))] if panels else []
+    df["link_mbit"] = df.link_mbit.fillna(-1)
+    timed = df[df.phase.isin(["prefill", "decode", "sampler_step"])]
+    prefills = sorted(timed[timed.phase == "prefill"].context.dropna().unique())
+    panels = [("llm", "prefill", t) for t in prefills] + [("llm", "decode", max(prefills))] if prefills else []
     panels += [("diffusion", "sampler_step", None)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.5, 3.8))
-    axes = np.atleast_1d(axes)
-    parts = [("stage0_ms", "stage 0 compute", "#0072B2"), ("stage1_ms", "stage 1 compute", "#56B4E9"),
-             ("encode_ms", "encode", "#D55E00"), ("wire_ms", "wire", "#009E73"), ("decode_ms", "decode", "#E69F00")]
-    links = list(dict.fromkeys(timed.link_mbit.fillna(-1).tolist()))
-    takeaways = []
-    for ax, (task, phase, ctx_tokens) in zip(axes, panels):
-        sel = timed[(timed.task == task) & (timed.phase == phase)]
-        if ctx_tokens is not None:
-            sel = sel[sel.context == ctx_tokens]
-        ticks, labels = [], []
-        for i, link in enumerate(links):
-            at = sel[sel.link_mbit.fillna(-1) == link]
-            for j, mode in enumerate(("raw", "compressed")):
-                m = at[at["mode"] == mode].set_index("metric").value
-                if m.empty:
-                    continue
-                x, bottom = i * 3 + j, 0.0
-                for key, label, colour in parts:
-                    v = float(m.get(key, 0.0))
-                    ax.bar(x, v, bottom=bottom, color=colour, label=label if (i, j) == (0, 0) else None,
-                           hatch="//" if mode == "compressed" else None, edgecolor="white", width=0.85)
-                    bottom += v
-                ax.text(x, float(m["step_ms"]), f"{float(m['step_ms']):.0f}", ha="center", va="bottom", fontsize=7)
-            ratio = df[(df.metric == "ratio") & (df.task == task) & (df.phase == phase) &
-                       (df.link_mbit.fillna(-1) == link)]
-            speed = df[(df.metric == "speedup") & (df.task == task) & (df.phase == phase) &
-                       (df.link_mbit.fillna(-1) == link)]
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.7 * len(panels) + 1.6, 7.4), squeeze=False)
+    compute = [("stage0_ms", "stage 0 compute", "#0072B2"), ("stage1_ms", "stage 1 compute", "#56B4E9")]
+    hop = [("encode_ms", "encode", "#D55E00"), ("wire_ms", "wire", "#009E73"), ("decode_ms", "decode", "#E69F00")]
+    rows = [(compute + hop, "step_ms", "speedup", "step", "ms per step"),
+            (hop, "hop_ms", "hop_speedup", "hand-over", "ms per hand-over (encode + wire + decode)")]
+    links = sorted(timed.link_mbit.unique(), reverse=True)
+    for r, (parts, total, speed_metric, speed_name, ylabel) in enumerate(rows):
+        for ax, (task, phase, ctx_tokens) in zip(axes[r], panels):
+            sel = df[(df.task == task) & (df.phase == phase)]
             if ctx_tokens is not None:
-                ratio, speed = ratio[ratio.context == ctx_tokens], speed[speed.context == ctx_tokens]
-            ticks.append(i * 3 + 0.5)
-            name = "loopback" if link == -1 else (f"{link / 1000:g} Gbit" if link >= 1000 else f"{link:g} Mbit")
-            extra = (f"\nratio {ratio.value.iloc[0]:.1f}x\nstep {speed.value.iloc[0]:.2f}x"
-                     if len(ratio) and len(speed) else "")
-            labels.append(name + extra)
-            if len(speed) and link not in (-1,) and link <= 100 and phase != "decode":
-                takeaways.append(speed.value.iloc[0] / ratio.value.iloc[0])
-        ax.set_xticks(ticks, labels, fontsize=7)
-        ax.set_ylabel("ms per step")
-        sent = set(df[(df.metric == "step_ms") & (df.task == task) & (df.phase == phase) &
-                      (df["mode"] == "compressed")].sent_as.dropna())
-        what = {"prefill": f"LLM prefill, {int(ctx_tokens) if ctx_tokens else ''} tokens",
-                "decode": "LLM decode, 1 token per step", "sampler_step": "diffusion, one sampler step"}[phase]
-        how = "compressed mode sends it raw (container > raw)" if sent == {"raw"} else "hatched: compressed"
-        ax.set_title(f"{what}\n(plain: raw bf16; {how})", fontsize=9)
-    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
-    worst = f"; on links <= 100 Mbit the step speed-up is {min(takeaways):.2f}-{max(takeaways):.2f}x of the ratio " \
-            f"(target 0.8)" if takeaways else ""
-    fig.suptitle(f"Split inference over a tc-shaped veth link, CPU codec ({coder_label_from(df)}){worst}", fontsize=10)
+                sel = sel[sel.context == ctx_tokens]
+            ticks, labels = [], []
+            for i, link in enumerate(links):
+                at = sel[sel.link_mbit == link]
+                for j, mode in enumerate(("raw", "compressed")):
+                    m = at[at["mode"] == mode].drop_duplicates("metric").set_index("metric").value
+                    if total not in m:
+                        continue
+                    x, bottom = i * 3 + j, 0.0
+                    for key, label, colour in parts:
+                        v = float(m.get(key, 0.0))
+                        ax.bar(x, v, bottom=bottom, color=colour, label=label if (i, j) == (0, 0) else None,
+                               hatch="//" if mode == "compressed" else None, edgecolor="white", width=0.85)
+                        bottom += v
+                    ax.text(x, max(bottom, float(m[total])), f"{float(m[total]):.0f}", ha="center", va="bottom",
+                            fontsize=7)
+                c = at[at["mode"] == "compressed"].drop_duplicates("metric").set_index("metric").value
+                name = "loopback" if link == -1 else (f"{link / 1000:g} Gbit" if link >= 1000 else f"{link:g} Mbit")
+                extra = (f"\nbytes {c['ratio']:.1f}x less\n{speed_name} {c[speed_metric]:.2f}x"
+                         if "ratio" in c and speed_metric in c else "")
+                ticks.append(i * 3 + 0.5)
+                labels.append(name + extra)
+            ax.set_xticks(ticks, labels, fontsize=7)
+            ax.set_ylabel(ylabel, fontsize=8)
+            sent = set(sel[(sel.metric == "step_ms") & (sel["mode"] == "compressed")].sent_as.dropna())
+            what = {"prefill": f"LLM prefill, {int(ctx_tokens) if ctx_tokens else ''} tokens",
+                    "decode": "LLM decode, 1 token per step", "sampler_step": "diffusion, one sampler step"}[phase]
+            how = "both modes send it raw (container > raw)" if sent == {"raw"} else "hatched: compressed"
+            ax.set_title(f"{what} ({speed_name})\nplain: raw bf16; {how}", fontsize=8)
+        axes[r, -1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    gains = df[(df.metric.isin(["speedup", "hop_speedup"])) & (df.link_mbit.between(0, 100)) & (df.phase != "decode")]
+    title = "Split inference across a tc-shaped veth link (CPU codec: " + coder_label_from(df) + ")"
+    if len(gains):
+        hs, ss = gains[gains.metric == "hop_speedup"].value, gains[gains.metric == "speedup"].value
+        title += (f": at <= 100 Mbit compression speeds the hand-over {hs.min():.2f}-{hs.max():.2f}x, "
+                  f"the whole step {ss.min():.2f}-{ss.max():.2f}x (compute-bound on this CPU)")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     if fig_dir is None:
         save_figure(fig, NAME, f"{NAME}.csv")
