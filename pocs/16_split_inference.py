@@ -345,12 +345,13 @@ def calibrated_step(tensors: list[torch.Tensor], basis, target: float) -> tuple[
 def min_coded_rows(codec, x: torch.Tensor) -> tuple[int, list[dict]]:
     """The fewest rows (tokens) of x, in powers of two, for which the container is smaller than raw,
     and the measured sizes (container, its header, raw) at each size tried."""
+    from shared.pipeline import unpack
+
     sizes, found = [], None
     rows = 1
     while rows <= x.shape[0]:
         part = x[1: 1 + rows] if x.shape[0] > rows else x[:rows]  # skip the first (attention-sink) token
         blob = encode_tensor(codec, part)
-        from shared.pipeline import unpack
         _, chunks = unpack(blob)
         sizes.append({"rows": rows, "container_bytes": len(blob), "payload_bytes": len(chunks["DATA"]),
                       "raw_bytes": part.numel() * part.element_size()})
@@ -381,7 +382,7 @@ def setup_stage0(ctx: dict) -> dict:
     from shared.pipeline import TensorCodec
 
     cfg, model, flux = ctx["cfg"], ctx["model"], ctx["flux"]
-    cal, evals = text_split(ctx["tokenizer"], cfg)
+    cal, _ = text_split(ctx["tokenizer"], cfg)
     with torch.no_grad():
         hidden = [llm_stage0(model, c[None], 0, None, cfg["SPLIT_LAYER"]).to(torch.bfloat16)
                   for c in tqdm(cal, desc="calibration: LLM hidden states", unit="chunk")]
@@ -845,7 +846,8 @@ def plot(csv_path: Path, fig_dir: Path | None = None):
             ax.set_title(f"{what} ({speed_name})\nplain: raw bf16; {how}", fontsize=8)
         axes[r, -1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     gains = df[(df.metric.isin(["speedup", "hop_speedup"])) & (df.link_mbit.between(0, 100)) & (df.phase != "decode")]
-    title = "Split inference across a tc-shaped veth link (CPU codec: " + coder_label_from(df) + ")"
+    where = "a tc-shaped veth link" if (df.link == "veth+tc").any() else "unshaped loopback (no namespaces here)"
+    title = f"Split inference across {where} (CPU codec: {coder_label_from(df)})"
     if len(gains):
         hs, ss = gains[gains.metric == "hop_speedup"].value, gains[gains.metric == "speedup"].value
         title += (f": at <= 100 Mbit compression speeds the hand-over {hs.min():.2f}-{hs.max():.2f}x, "
@@ -893,8 +895,8 @@ def markdown_table(csv_path: Path) -> str:
     import pandas as pd
 
     df = pd.read_csv(csv_path)
-    df["context"] = df.context.fillna(-1)
-    timed = df[df.phase.isin(["prefill", "decode", "sampler_step"]) & df.link_mbit.notna()]
+    df["context"], df["link_mbit"] = df.context.fillna(-1), df.link_mbit.fillna(-1)  # -1: loopback
+    timed = df[df.phase.isin(["prefill", "decode", "sampler_step"])]
     lines = ["| task, step | link | raw ms/step | compressed ms/step | bytes ratio | step speed-up | speed-up / ratio "
              "| hop ms raw -> compressed (encode + wire + decode) | compressed sent as |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -913,7 +915,7 @@ def markdown_table(csv_path: Path) -> str:
                     "sampler_step": "diffusion sampler step"}[phase]
             sent = at[(at.metric == "step_ms") & (at["mode"] == "compressed")].sent_as.iloc[0]
             lines.append(
-                f"| {what} | {mbit:g} Mbit | {get('step_ms', 'raw'):.1f} | {get('step_ms'):.1f} | {get('ratio'):.2f}x "
+                f"| {what} | {'loopback' if mbit == -1 else f'{mbit:g} Mbit'} | {get('step_ms', 'raw'):.1f} | {get('step_ms'):.1f} | {get('ratio'):.2f}x "
                 f"| {get('speedup'):.2f}x | {get('speedup') / get('ratio'):.2f} | {get('hop_ms', 'raw'):.1f} -> "
                 f"{get('hop_ms'):.1f} ({get('encode_ms'):.1f} + {get('wire_ms'):.1f} + {get('decode_ms'):.1f}) | {sent} |")
     q = df[df.phase.isin(["quality", "check", "calibration"])]
