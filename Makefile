@@ -18,7 +18,7 @@ POCS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14 15 16 17 18 19
 RESULTS := $(wildcard results/[0-9][0-9]_*.csv)
 FIGURES := $(patsubst results/%.csv,figures/%.png,$(RESULTS))
 
-.PHONY: help test pocs figures readme planes clean setup models $(addprefix poc-,$(POCS))
+.PHONY: help test fuzz pocs figures readme planes clean setup models $(addprefix poc-,$(POCS))
 
 help:
 	@echo "make poc-01 .. poc-19   run one PoC (writes results/NN_*.csv and figures/NN_*.png); ARGS=--quick for a small run"
@@ -27,6 +27,7 @@ help:
 	@echo "make readme             rewrite README.md's results tables from results/*.csv"
 	@echo "make planes             export real quantized PCA planes for the GPU benchmarks (data/planes/)"
 	@echo "make test               the test suite (GPU tests skip without a GPU)"
+	@echo "make fuzz               20,000 mutated bitstreams over every CPU backend (writes results/fuzz_summary.csv)"
 	@echo "make models             retrain the embedded diffusion model"
 	@echo "make clean              remove caches and captured activations (keeps results/ and figures/)"
 
@@ -63,6 +64,11 @@ planes: $(SETUP)
 
 test: $(SETUP)
 	$(PYTHON) -m pytest
+
+# The decoder against hostile bitstreams; FUZZ_CASES mutants per backend (5 backends).
+FUZZ_CASES ?= 4000
+fuzz: $(SETUP)
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(PYTHON) -m shared.fuzz --cases $(FUZZ_CASES) $(ARGS)
 
 models: $(SETUP)
 	$(PYTHON) models/train_tiny_flux.py

@@ -48,7 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared import frames as framing  # noqa: E402
 from shared.basis import as_float_matrix, leave_one_out  # noqa: E402
-from shared.codecs import get_backend, rans  # noqa: E402
+from shared.codecs import get_backend, rans, rans_cuda  # noqa: E402
 from shared.errors import BackendUnavailable  # noqa: E402
 from shared.quant import PerChannelQuantizer  # noqa: E402
 from shared.rdquant import CudaProjection, find_step, quality  # noqa: E402
@@ -384,12 +384,12 @@ def gpu_rans_sizes(symbols, n_bf16: int) -> dict:
     total, t_enc, t_dec = 0, 0.0, 0.0
     for s in symbols:
         t = torch.from_numpy(s).cuda()
-        payload = rans.encode_cuda(t)
-        if bytes(payload.cpu().numpy()) != rans.encode(s) or not torch.equal(rans.decode_cuda(payload), t):
+        payload = rans_cuda.encode_cuda(t)
+        if bytes(payload.cpu().numpy()) != rans.encode(s) or not torch.equal(rans_cuda.decode_cuda(payload), t):
             raise AssertionError("GPU rANS does not match the CPU coder on real symbols")
         total += len(payload)
-        t_enc += cuda_ms(lambda i: rans.encode_cuda(t), GPU_CAPTURE_REPEATS, 2, stream)
-        t_dec += cuda_ms(lambda i: rans.decode_cuda(payload), GPU_CAPTURE_REPEATS, 2, stream)
+        t_enc += cuda_ms(lambda i: rans_cuda.encode_cuda(t), GPU_CAPTURE_REPEATS, 2, stream)
+        t_dec += cuda_ms(lambda i: rans_cuda.decode_cuda(payload), GPU_CAPTURE_REPEATS, 2, stream)
     return dict(bytes=total, encode_gbps=n_bf16 / (t_enc * 1e-3) / 1e9, decode_gbps=n_bf16 / (t_dec * 1e-3) / 1e9)
 
 
@@ -455,16 +455,16 @@ def benchmark_cuda(T: int, D: int, K: int, target_cos: float = BENCH_TARGET_COS,
 
     def encode():  # one host sync: the coder's (the quantizer's overflow check rides along as guard)
         sym, stats, amax = proj.quantize_unchecked(x, step)
-        return rans.encode_cuda(sym, stats=stats, guard=amax, lane_tokens=lane_tokens)
+        return rans_cuda.encode_cuda(sym, stats=stats, guard=amax, lane_tokens=lane_tokens)
 
     def decode(payload):
-        return proj.reconstruct(rans.decode_cuda(payload), step)
+        return proj.reconstruct(rans_cuda.decode_cuda(payload), step)
 
     sym, stats = proj.quantize(x, step)
-    payload = rans.encode_cuda(sym, stats=stats, lane_tokens=lane_tokens)
-    sym_back = rans.decode_cuda(payload)
+    payload = rans_cuda.encode_cuda(sym, stats=stats, lane_tokens=lane_tokens)
+    sym_back = rans_cuda.decode_cuda(payload)
     matches = bool(torch.equal(sym_back, sym)) and bool(
-        torch.equal(rans.encode_cuda(sym, lane_tokens=lane_tokens), payload))
+        torch.equal(rans_cuda.encode_cuda(sym, lane_tokens=lane_tokens), payload))
     if not matches:
         raise AssertionError("GPU rANS round trip is not bit-exact")
     x_hat = decode(payload)
@@ -480,9 +480,9 @@ def benchmark_cuda(T: int, D: int, K: int, target_cos: float = BENCH_TARGET_COS,
     t_enc = cuda_ms(lambda i: encode(), repeats, warmup, stream)
     t_dec = cuda_ms(lambda i: decode(payload), repeats, warmup, stream)
     t_quant = cuda_ms(lambda i: proj.quantize(x, step), repeats, warmup, stream)
-    t_rans_enc = cuda_ms(lambda i: rans.encode_cuda(sym, stats=stats, lane_tokens=lane_tokens), repeats, warmup,
+    t_rans_enc = cuda_ms(lambda i: rans_cuda.encode_cuda(sym, stats=stats, lane_tokens=lane_tokens), repeats, warmup,
                          stream)
-    t_rans_dec = cuda_ms(lambda i: rans.decode_cuda(payload), repeats, warmup, stream)
+    t_rans_dec = cuda_ms(lambda i: rans_cuda.decode_cuda(payload), repeats, warmup, stream)
     t_recon = cuda_ms(lambda i: proj.reconstruct(sym, step), repeats, warmup, stream)
     gbps = lambda ms: n_bytes / (ms * 1e-3) / 1e9  # noqa: E731
     out.update(encode_ms=t_enc, decode_ms=t_dec, encode_gbps=gbps(t_enc), decode_gbps=gbps(t_dec),

@@ -310,22 +310,186 @@ def run(args) -> ResultsWriter:
 def bench_rans(bench: Bench, torch, planes, stream, repeats, warmup, bf16_bytes):
     """The compute codec's entropy coder (shared/codecs/rans.py, Triton) on the same planes as symbols:
     per-component tables, so it sees the [T, K] matrix, not frames."""
-    from shared.codecs import rans
+    from shared.codecs import rans, rans_cuda
 
     symbols = torch.from_numpy(planes.astype(np.int32)).cuda()
     with torch.cuda.stream(stream):
-        payload = rans.encode_cuda(symbols)
-        back = rans.decode_cuda(payload)
+        payload = rans_cuda.encode_cuda(symbols)
+        back = rans_cuda.decode_cuda(payload)
     stream.synchronize()
     head = symbols[:16384]  # the numpy decoder is slow: cross-check the formats on a slice
-    same_format = np.array_equal(rans.decode(rans.encode_cuda(head).cpu().numpy().tobytes()), head.cpu().numpy())
+    same_format = np.array_equal(rans.decode(rans_cuda.encode_cuda(head).cpu().numpy().tobytes()), head.cpu().numpy())
     exact = bool(torch.equal(back, symbols)) and same_format
     if not exact:
         raise AssertionError("rans: GPU round trip (or the CPU decode of a GPU payload) is not bit-exact")
-    enc_ms = cuda_ms(lambda i=0: rans.encode_cuda(symbols), repeats, warmup, stream)
-    dec_ms = cuda_ms(lambda i=0: rans.decode_cuda(payload), repeats, warmup, stream)
+    enc_ms = cuda_ms(lambda i=0: rans_cuda.encode_cuda(symbols), repeats, warmup, stream)
+    dec_ms = cuda_ms(lambda i=0: rans_cuda.decode_cuda(payload), repeats, warmup, stream)
     bench.add("rans", "per-component tables", 0, "gpu_planes", 1, planes.nbytes, enc_ms, dec_ms, payload.numel(),
               exact, bf16_bytes=bf16_bytes, timing="cuda_events", repeats=repeats, layout="token_major_symbols")
+
+
+# ---------------------------------------------------------------------------------------------
+# The compute codec through the API a user calls (TensorCodec.encode / decode, encode_many /
+# decode_many), by tensor size, beside the pinned PCIe copy of the same bytes in the same run.
+
+API_MB = [0.25, 1, 4, 16, 64, 128, 256, 512]  # tensor sizes, MB of bf16
+API_TARGET_COS = 0.999        # the step is calibrated for this on held-out-free calibration rows
+API_BATCH = 60                # tensors in one batched call: one 30-layer model's K and V of one step
+API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one layer's K of a 1K chunk)
+API_REPEATS = 10              # timed calls per point (median)
+API_BATCH_LANES = [None, 256]
+API_SHORT_LANES_MB = (4, 128)  # single tensors of these sizes also run with 256-token lanes  # lane tokens of the batched rows: the default (1024 here), and shorter lanes
+
+
+def api_source():
+    """(calibration rows, test rows, description): SmolLM2's exported layer-15 K cache (make planes),
+    calibration on chunks 0-3, test rows from chunks 4-5; synthetic PCA-like rows where absent."""
+    real = real_planes("act_llm_k15")
+    if real is not None:
+        k = real[0].astype(np.float32)
+        return k[:4096], k[4096:], "SmolLM2-135M layer-15 K (6 x 1024 tokens, D=192), rows cycled"
+    from shared.sources import synthetic_activation
+
+    x = synthetic_activation(6144, 192, seed=0)
+    return x[:4096], x[4096:], "synthetic PCA-like [T, 192] (no exported captures; run make planes)"
+
+
+def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
+    """Round trip checked first (quality, and GPU decode == CPU decode of the same container), then timed."""
+    import time
+
+    from shared.basis import fit_basis
+    from shared.metrics import quality
+    from shared.pipeline import TensorCodec
+    from shared.rdquant import calibrate_step
+
+    calib, test, desc = api_source()
+    D = calib.shape[1]
+    basis = calibrate_step(fit_basis([calib], k=D), [calib], API_TARGET_COS)
+    test_t = torch.from_numpy(test).to(torch.bfloat16)
+
+    def wall(fn):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    def add(path, metric, value, unit, mb, **kw):
+        res.add(backend="rans", path=path, metric=metric, value=value, unit=unit, tensor_mb=mb, source=desc,
+                target_cos=API_TARGET_COS, **kw)
+
+    print(f"{'path':12s} {'MB':>7s} {'T':>8s} {'ratio':>6s} {'cos':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s} "
+          f"{'D2H GB/s':>9s} {'H2D GB/s':>9s}")
+    runs = [(mb, None) for mb in sizes_mb] + [(mb, 256) for mb in sizes_mb if API_SHORT_LANES_MB[0] <= mb <= API_SHORT_LANES_MB[1]]
+    for mb, lane_tokens in runs:
+        T = max(1, int(round(mb * 1e6 / (2 * D))))
+        x = test_t[torch.arange(T) % len(test_t)].cuda()
+        codec = TensorCodec(basis, backend="rans", lane_tokens=lane_tokens)
+        blob = codec.encode(x)
+        y = codec.decode(blob, device="cuda")
+        q = quality(x.float().cpu().numpy(), y.float().cpu().numpy())
+        same = torch.equal(y.cpu(), codec.decode(bytes(blob.cpu().numpy())).to(torch.bfloat16)) if mb <= 16 else None
+        if q["cos_mean"] < API_TARGET_COS - 5e-4:
+            raise SystemExit(f"round trip at {mb} MB gives cos {q['cos_mean']:.5f} < {API_TARGET_COS}")
+        nbytes = x.numel() * 2
+        lanes = dict(lane_tokens=lane_tokens or "default")
+        t_enc = wall(lambda: codec.encode(x))
+        t_dec = wall(lambda: codec.decode(blob, device="cuda"))
+        pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        flat = x.view(-1).view(torch.uint8)
+        t_d2h = wall(lambda: pinned.copy_(flat, non_blocking=True))
+        t_h2d = wall(lambda: flat.copy_(pinned, non_blocking=True))
+        ratio = nbytes / blob.numel()
+        for metric, t in (("encode_gbps", t_enc), ("decode_gbps", t_dec)):
+            add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D, **lanes)
+        add("api", "encode_ms", t_enc * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
+        add("api", "decode_ms", t_dec * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
+        add("api", "ratio", ratio, "x vs bf16", mb, tokens=T, channels=D, **lanes)
+        add("api", "cos_mean", q["cos_mean"], "cos", mb, tokens=T, channels=D, **lanes)
+        if same is not None:
+            add("api", "gpu_decode_equals_cpu_decode", float(same), "bool", mb, tokens=T, channels=D, **lanes)
+        if lane_tokens is None:
+            add("pcie_copy", "d2h_gbps", nbytes / t_d2h / 1e9, "GB/s", mb, tokens=T, channels=D)
+            add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, tokens=T, channels=D)
+        print(f"{'api S=' + str(lane_tokens or 'def'):12s} {mb:7.2f} {T:8d} {ratio:6.2f} {q['cos_mean']:7.4f} {nbytes / t_enc / 1e9:9.2f} "
+              f"{nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} {nbytes / t_h2d / 1e9:9.2f}")
+
+    for lane_tokens in API_BATCH_LANES:
+        bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens)
+
+
+def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
+    """API_BATCH tensors of one step, one codec each, in one call per direction."""
+    from shared.metrics import quality
+    from shared.pipeline import TensorCodec, decode_many, encode_many
+
+    codecs = [TensorCodec(basis, backend="rans", lane_tokens=lane_tokens) for _ in range(API_BATCH)]
+    xs = [test_t[(torch.arange(API_BATCH_TOKENS) + 97 * i) % len(test_t)].cuda() for i in range(API_BATCH)]
+    blobs = encode_many(codecs, xs)
+    ys = decode_many(codecs, blobs, device="cuda")
+    cos = min(quality(a.float().cpu().numpy(), b.float().cpu().numpy())["cos_mean"] for a, b in zip(xs, ys))
+    if cos < API_TARGET_COS - 5e-4:
+        raise SystemExit(f"batched round trip gives cos {cos:.5f} < {API_TARGET_COS}")
+    nbytes = sum(a.numel() * 2 for a in xs)
+    mb = nbytes / 1e6
+    t_enc = wall(lambda: encode_many(codecs, xs))
+    t_dec = wall(lambda: decode_many(codecs, blobs, device="cuda"))
+    flat = torch.cat([a.view(-1) for a in xs]).view(torch.uint8)
+    pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    t_d2h = wall(lambda: pinned.copy_(flat, non_blocking=True))
+    t_h2d = wall(lambda: flat.copy_(pinned, non_blocking=True))
+    ratio = nbytes / sum(b.numel() for b in blobs)
+    kw = dict(tokens=API_BATCH_TOKENS, channels=D, tensors=API_BATCH, lane_tokens=lane_tokens or "default")
+    add("api_batched", "encode_gbps", nbytes / t_enc / 1e9, "GB/s of bf16", mb, **kw)
+    add("api_batched", "decode_gbps", nbytes / t_dec / 1e9, "GB/s of bf16", mb, **kw)
+    add("api_batched", "encode_us_per_tensor", t_enc / API_BATCH * 1e6, "us", mb, **kw)
+    add("api_batched", "decode_us_per_tensor", t_dec / API_BATCH * 1e6, "us", mb, **kw)
+    add("api_batched", "ratio", ratio, "x vs bf16", mb, **kw)
+    add("api_batched", "cos_min", cos, "cos", mb, **kw)
+    add("pcie_copy", "d2h_gbps", nbytes / t_d2h / 1e9, "GB/s", mb, batched=API_BATCH, **kw)
+    add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, batched=API_BATCH, **kw)
+    print(f"{'api_batched':12s} {mb:7.2f} {API_BATCH}x{API_BATCH_TOKENS} S={lane_tokens or 'def':<4} {ratio:6.2f} {cos:7.4f} "
+          f"{nbytes / t_enc / 1e9:9.2f} {nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} "
+          f"{nbytes / t_h2d / 1e9:9.2f}")
+
+
+def plot_api(df, name: str = "09_backend_bench_api"):
+    """GB/s of bf16 through the API against tensor size, beside the pinned PCIe copy."""
+    plt = apply_style()
+    rows = df[df.path.isin(["api", "api_batched", "pcie_copy"])] if "path" in df else df.iloc[:0]
+    if rows.empty:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for ax, direction, copy_metric in zip(axes, ("encode", "decode"), ("d2h_gbps", "h2d_gbps")):
+        api = rows[(rows.path == "api") & (rows.metric == f"{direction}_gbps")].sort_values("tensor_mb")
+        pcie = rows[(rows.path == "pcie_copy") & (rows.metric == copy_metric) & rows.batched.isna()] \
+            if "batched" in rows else rows[(rows.path == "pcie_copy") & (rows.metric == copy_metric)]
+        pcie = pcie.sort_values("tensor_mb")
+        batch = rows[(rows.path == "api_batched") & (rows.metric == f"{direction}_gbps")]
+        lanes = batch.lane_tokens.astype(str) if "lane_tokens" in batch else None
+        ax.plot(api.tensor_mb, api.value, "o-", color="#0072B2", label=f"TensorCodec.{direction} (one tensor a call)")
+        ax.plot(pcie.tensor_mb, pcie.value, "s--", color="#D55E00",
+                label=f"pinned PCIe copy, {'device->host' if direction == 'encode' else 'host->device'}")
+        for (lane, g), marker, color in zip(batch.groupby(lanes) if lanes is not None else [("default", batch)],
+                                            "D^v", ("#009E73", "#CC79A7", "#56B4E9")):
+            ax.plot(g.tensor_mb, g.value, marker, color=color, ms=9,
+                    label=f"{direction}_many: 60 tensors of 1024x192 in one call (lane tokens {lane})")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tensor size (MB of bf16)")
+        ax.set_title(direction)
+    axes[0].set_ylabel("GB/s of original bf16 bytes (log)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9)
+    device = rows.device.iloc[0]
+    fig.suptitle(f"PoC 09: the compute codec through its API on {device} vs the PCIe copy it must beat "
+                 f"(cos >= {API_TARGET_COS}, ratio {rows[rows.metric == 'ratio'].value.median():.2f}x)", fontsize=11)
+    save_figure(fig, name, "09_backend_bench.csv")
 
 
 def plot(csv: str = "09_backend_bench", name: str = "09_backend_bench"):
@@ -381,12 +545,31 @@ if __name__ == "__main__":
     ap.add_argument("--synthetic", action="store_true", help="ignore exported real planes; use synthetic ones")
     ap.add_argument("--source", default=SOURCE, choices=sorted(REAL_CHANNELS), help="which exported real planes")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
+    ap.add_argument("--api", action="store_true",
+                    help="only the compute codec through its API by tensor size (GPU), merged into the CSV by path")
+    ap.add_argument("--api-sizes", default=",".join(map(str, API_MB)), help="tensor sizes for --api, MB")
     ap.add_argument("--out", default=None, help="CSV path (default results/09_backend_bench.csv)")
     ap.add_argument("--merge", action="store_true",
                     help="replace only this run's backends in an existing CSV (runs split by the wheels they need)")
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.tokens, args.components, args.channels, args.cpu_repeats = "256", 1024, 512, 1024, 1
+    if args.api and not args.plot_only:
+        import pandas as pd
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--api times the GPU path of the compute codec: it needs a CUDA GPU")
+        res = ResultsWriter("09", "backend_bench", gpu=True)
+        bench_api(res, torch, [float(s) for s in args.api_sizes.split(",")], API_REPEATS)
+        new, path = res.frame(), res.path
+        if path.exists():
+            old = pd.read_csv(path, dtype={"poc": str})
+            new = pd.concat([old[~old.get("path", pd.Series(index=old.index)).isin(
+                ["api", "api_batched", "pcie_copy"])], new])
+        new.to_csv(path, index=False)
+        print(f"merged {len(res.rows)} API rows into {path}")
+        args.plot_only = True
     if not args.plot_only:
         res = run(args)
         path = Path(args.out) if args.out else res.path
@@ -401,3 +584,4 @@ if __name__ == "__main__":
             res.save(path)
     if args.out is None:
         plot()
+        plot_api(load("09_backend_bench"))

@@ -6,6 +6,7 @@ need them, and asking for such a backend on a machine without one raises Backend
 from .errors import (  # noqa: F401
     TensorCodecError,
     InvalidTensorError,
+    ConfigurationError,
     BasisMismatchError,
     BitstreamError,
     BackendUnavailable,

@@ -14,6 +14,7 @@ per-capture sums computed once, so N bases cost one pass over the data plus N ei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -125,8 +126,9 @@ class PCABasis:
     def k(self) -> int:
         return self.components.shape[1]
 
-    @property
+    @functools.cached_property
     def content_hash(self) -> str:
+        """sha256 of mean and components (computed once: a basis is not changed in place)."""
         h = hashlib.sha256()
         h.update(np.ascontiguousarray(self.mean, "<f4").tobytes())
         h.update(np.ascontiguousarray(self.components, "<f4").tobytes())

@@ -9,6 +9,11 @@ class InvalidTensorError(TensorCodecError, ValueError):
     """The tensor handed in cannot be coded: NaN/Inf, wrong dtype, wrong rank, empty."""
 
 
+class ConfigurationError(TensorCodecError, ValueError):
+    """A codec was set up wrongly: an unknown backend or setting, a value out of range (qp, preset, zstd
+    level, frame_size, a decode limit), a missing step."""
+
+
 class BasisMismatchError(TensorCodecError, ValueError):
     """The basis does not fit the tensor or the bitstream (other D, other content hash)."""
 

@@ -9,6 +9,12 @@ Bitstream layout (all integers little-endian):
     b"TNSC" | version u8 | header_len u32 | header JSON (UTF-8) | header CRC32 u32
     then one chunk per entry of header["chunks"]:  tag 4 bytes | length u64 | payload | CRC32 u32
 
+Version 2 (this build writes it and reads 1 and 2): the header JSON is padded with spaces so the
+last chunk's payload starts at a multiple of 16 bytes (a GPU encoder writes its payload in place
+behind the header), and a chunk named in header["checks"] as "payload" carries its own checksum
+instead of a CRC32 (its trailer is 0): the rANS payload does (a Fletcher-style sum over every
+byte, plus its lanes' final states), which the GPU checks where the payload lies, without a copy.
+
 The header names everything the receiver needs: shape, dtype, basis content hash and K,
 quantizer kind and bits, codec id and settings, frame layout, and whether the codec's output
 was replaced by the raw planes because it would have been larger ("fallback"). The quantizer's
@@ -17,68 +23,135 @@ The basis itself is a per-model artifact and travels separately (PoC 07 measures
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 import struct
 import zlib
 
 import numpy as np
 
 from . import frames as framing
+from . import schema
 from .basis import PCABasis, as_float_matrix
 from .codecs import get_backend
-from .errors import BasisMismatchError, BitstreamError, InvalidTensorError
+from .errors import BackendUnavailable, BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from .quant import PerChannelQuantizer
 
 SYMBOL_CODER = "rans"  # the compute codec: integer symbols, not frames
+FLOAT32_HEADROOM = 1e37  # |coefficient| x basis gain the coder accepts (float32 max is 3.4e38)
 MAGIC = b"TNSC"
-VERSION = 1
-DTYPES = {"bfloat16", "float16", "float32", "float64"}
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+SELF_CHECKED = "payload"  # header["checks"][tag]: the chunk's payload verifies itself (no CRC32)
+PAYLOAD_ALIGN = 16  # the last chunk's payload starts at a multiple of this many bytes
+DTYPES = set(schema.FLOAT_DTYPES)
+FRAME_MIN_COS = 0.95  # the frame path refuses a tensor its 8-bit planes alone code below this mean cosine
 
 
 def _dtype_name(x) -> str:
+    if not (isinstance(x, np.ndarray) or (hasattr(x, "detach") and hasattr(x, "dtype"))):
+        raise InvalidTensorError(f"cannot code a {type(x).__name__}: pass a torch.Tensor or numpy.ndarray "
+                                 f"[tokens, channels] of a float dtype ({', '.join(sorted(DTYPES))})")
     name = str(x.dtype).replace("torch.", "")
     if name not in DTYPES:
         raise InvalidTensorError(f"dtype {name} is not supported: pass a float tensor ({', '.join(sorted(DTYPES))})")
     return name
 
 
-def _to_output(values: np.ndarray, dtype: str):
+def _to_output(values: np.ndarray, header: dict):
+    """The decoded values as a torch tensor of the header's dtype and shape, checked finite."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(getattr(torch, dtype))
+    out = torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(getattr(torch, header["dtype"]))
+    if list(out.shape) != header["shape"]:
+        raise BitstreamError(f"decoded shape {tuple(out.shape)} differs from header field 'shape' {header['shape']}")
+    if not bool(torch.isfinite(out).all()):
+        raise BitstreamError(f"decoded values are not finite in {header['dtype']} (chunk 'QPAR' or 'DATA' holds "
+                             "out-of-range parameters): the bitstream is corrupt")
+    return out
+
+
+def _chunk_head(tag: str, n: int) -> bytes:
+    tag_b = tag.encode()
+    if len(tag_b) != 4:
+        raise ValueError(f"chunk tag must be 4 ASCII bytes, got {tag!r}")
+    return tag_b + struct.pack("<Q", n)
+
+
+def container_prefix(header: dict, chunks: dict, last_tag: str, last_len: int) -> bytes:
+    """Every byte of a container before its last chunk's payload (which starts 16-byte aligned):
+    the fixed header, the header JSON and its CRC, the other chunks, the last chunk's tag and length.
+    A GPU encoder writes this in front of a payload it made in place; pack() uses it too."""
+    header = dict(header, chunks=list(chunks) + [last_tag])
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    checks = header.get("checks") or {}
+    body = b"".join(_chunk_head(tag, len(payload)) + bytes(payload)
+                    + struct.pack("<I", 0 if checks.get(tag) == SELF_CHECKED else zlib.crc32(payload))
+                    for tag, payload in chunks.items()) + _chunk_head(last_tag, last_len)
+    head += b" " * (-(9 + len(head) + 4 + len(body)) % PAYLOAD_ALIGN)  # JSON allows trailing spaces
+    prefix = MAGIC + struct.pack("<BI", VERSION, len(head)) + head
+    return prefix + struct.pack("<I", zlib.crc32(prefix)) + body
 
 
 def pack(header: dict, chunks: dict[str, bytes]) -> bytes:
-    header = dict(header, chunks=list(chunks))
-    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    prefix = MAGIC + struct.pack("<BI", VERSION, len(head)) + head
-    out = [prefix, struct.pack("<I", zlib.crc32(prefix))]
-    for tag, payload in chunks.items():
-        tag_b = tag.encode()
-        if len(tag_b) != 4:
-            raise ValueError(f"chunk tag must be 4 ASCII bytes, got {tag!r}")
-        out += [tag_b, struct.pack("<Q", len(payload)), payload, struct.pack("<I", zlib.crc32(payload))]
-    return b"".join(out)
+    *first, last = chunks
+    payload = bytes(chunks[last])
+    trailer = 0 if (header.get("checks") or {}).get(last) == SELF_CHECKED else zlib.crc32(payload)
+    return (container_prefix(header, {t: chunks[t] for t in first}, last, len(payload)) + payload
+            + struct.pack("<I", trailer))
 
 
-def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
-    blob = bytes(blob)
+def unpack(blob, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> tuple[dict, dict[str, bytes]]:
+    """(header, chunks) of a bitstream (bytes-like or a 1-D uint8 array/tensor), every CRC and the
+    header's schema (shared.schema) checked; a header declaring more than max_elements values is refused."""
+    blob = _host_bytes(blob)
+    header, spans = _parse(blob, len(blob), max_elements=max_elements)
+    chunks = {tag: blob[a:b] for tag, (a, b) in spans.items()}
+    schema.check_chunks(header, chunks)
+    return header, chunks
+
+
+def _checked_header(raw: bytes, max_elements: int) -> dict:
+    return schema.validate_header(schema.parse_header_json(raw), max_elements)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_header(raw: bytes, max_elements: int) -> dict:
+    """A header parsed and validated once (GPU-resident containers of one layer repeat it); never
+    handed to callers, who could change it."""
+    return _checked_header(raw, max_elements)
+
+
+def _parse(blob: bytes, total: int, lazy_last: bool = False,
+           max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """Header and chunk spans (start, end) of a container of `total` bytes whose first len(blob)
+    bytes are given; CRCs checked. lazy_last: the last chunk may lie beyond `blob` when it checks
+    itself (a GPU-resident container read from its prefix only)."""
     if len(blob) < 9:
         raise BitstreamError(f"bitstream truncated: {len(blob)} bytes is shorter than the fixed header")
     if blob[:4] != MAGIC:
-        raise BitstreamError(f"not a tensor-codec bitstream: magic {blob[:4]!r}, expected {MAGIC!r}")
+        raise BitstreamError(f"not a tensor-codec bitstream (magic {blob[:4]!r}, expected {MAGIC!r}): "
+                             "corrupt, or not ours")
     version, head_len = struct.unpack_from("<BI", blob, 4)
-    if version != VERSION:
-        raise BitstreamError(f"bitstream version {version}; this build reads version {VERSION}: upgrade the reader")
+    if version not in READABLE_VERSIONS:
+        hint = ("written by a newer build: upgrade the reader" if VERSION < version <= VERSION + 4
+                else "the bitstream is corrupt, or not ours")
+        raise BitstreamError(f"bitstream version {version}; this build reads versions {READABLE_VERSIONS}: {hint}")
+    if head_len > schema.MAX_HEADER_BYTES:
+        raise BitstreamError(f"header length field says {head_len} bytes (at most {schema.MAX_HEADER_BYTES}): "
+                             "the bitstream is corrupt")
     end = 9 + head_len
     if len(blob) < end + 4:
         raise BitstreamError("bitstream truncated inside its header")
     (crc,) = struct.unpack_from("<I", blob, end)
     if crc != zlib.crc32(blob[:end]):
         raise BitstreamError("header CRC32 mismatch: the bitstream is corrupt")
-    header = json.loads(blob[9:end])
-    offset, chunks = end + 4, {}
-    for tag in header["chunks"]:
+    raw = bytes(blob[9:end])
+    header = _cached_header(raw, max_elements) if lazy_last else _checked_header(raw, max_elements)
+    checks = header.get("checks") or {}
+    offset, spans = end + 4, {}
+    for i, tag in enumerate(header["chunks"]):
         if offset + 12 > len(blob):
             raise BitstreamError(f"bitstream truncated before chunk {tag!r}")
         got_tag = blob[offset: offset + 4].decode(errors="replace")
@@ -86,53 +159,136 @@ def unpack(blob: bytes) -> tuple[dict, dict[str, bytes]]:
             raise BitstreamError(f"expected chunk {tag!r}, found {got_tag!r}: the bitstream is corrupt")
         (n,) = struct.unpack_from("<Q", blob, offset + 4)
         start = offset + 12
-        if start + n + 4 > len(blob):
-            raise BitstreamError(f"chunk {tag!r} truncated: needs {n} bytes, {len(blob) - start - 4} left")
-        payload = blob[start: start + n]
-        (crc,) = struct.unpack_from("<I", blob, start + n)
-        if crc != zlib.crc32(payload):
-            raise BitstreamError(f"chunk {tag!r} CRC32 mismatch: the bitstream is corrupt")
-        chunks[tag] = payload
+        if start + n + 4 > total:
+            raise BitstreamError(f"chunk {tag!r} truncated: needs {n} bytes, {total - start - 4} left")
+        self_checked = checks.get(tag) == SELF_CHECKED
+        if self_checked and tag != "DATA":
+            raise BitstreamError(f"chunk {tag!r} claims to check itself; only a DATA payload can")
+        if not (lazy_last and self_checked and i == len(header["chunks"]) - 1):
+            if start + n + 4 > len(blob):
+                raise BitstreamError(f"chunk {tag!r} truncated: needs {n} bytes, {len(blob) - start - 4} left")
+            (crc,) = struct.unpack_from("<I", blob, start + n)
+            if crc != (0 if self_checked else zlib.crc32(blob[start: start + n])):
+                raise BitstreamError(f"chunk {tag!r} CRC32 mismatch: the bitstream is corrupt")
+        spans[tag] = (start, start + n)
         offset = start + n + 4
-    if offset != len(blob):
-        raise BitstreamError(f"{len(blob) - offset} unexpected bytes after the last chunk")
-    return header, chunks
+    if offset != total:
+        raise BitstreamError(f"{total - offset} unexpected bytes after the last chunk")
+    return header, spans
+
+
+SAMPLE_TOKENS = 4096  # tokens a target_cos search looks at (evenly spaced rows of the first tensor coded)
+PREFIX_READ = 4096  # bytes of a GPU-resident container read to the host to parse its header
+
+
+def _is_tensor(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _require_cuda(device) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(f"device={device!r} asks for CUDA, but this machine has no CUDA GPU (or torch was "
+                                 "built without CUDA); decode with device=None (the CPU), or run on a GPU machine")
 
 
 class TensorCodec:
-    """basis (or None for the raw channels) -> per-channel uint8 quantizer -> frames -> codec backend."""
+    """basis (or None for the raw channels) -> quantizer -> codec -> a self-describing bitstream.
+
+    Two paths behind one interface, chosen by `backend` when the codec is made:
+      frame path ("x265", "ffv1", "zstd", "nvdec-hevc", ...): per-channel uint8 planes tiled into
+        YUV 4:4:4 frames for a video codec or a byte coder;
+      compute codec ("rans"): one quantization step shared by every component (shared.rdquant),
+        integer symbols coded by shared.codecs.rans on the CPU, or on the GPU for CUDA tensors.
+    """
 
     def __init__(self, basis: PCABasis | None = None, backend: str = "x265", frame_size: int = framing.DEFAULT_FRAME,
                  bits: int = 8, decoder: str | None = None, target_cos: float | None = None,
-                 step: float | None = None, water_fill: bool = True, **codec_settings):
+                 step: float | None = None, water_fill: bool = False, lane_tokens: int | None = None,
+                 min_cos: float | None = FRAME_MIN_COS, **codec_settings):
         """decoder: decode with this backend instead of the one that encoded (e.g. "nvdec-hevc" for
         streams made by "x265"); it must read the same stream format.
 
-        backend="rans" selects the compute codec instead of the frame path: one quantization step
-        shared by all components (shared.rdquant; given as `step`, or searched per tensor for
-        `target_cos`, measured against the original tensor), coded by shared.codecs.rans."""
+        backend="rans": the step is `step`, or the one stored in a basis calibrated by
+        shared.rdquant.calibrate_step (a property of the layer, fitted on calibration captures),
+        or, for `target_cos`, the largest step meeting it on up to SAMPLE_TOKENS rows of the first
+        tensor this codec codes, kept for the tensors after it (one codec per layer). Guarantee:
+        the target holds on the data the step was fitted on; `measure(x)` reports what a tensor gets.
+        water_fill drops components whose variance is below step^2 / 12 (helps diffusion activations).
+        lane_tokens: tokens per rANS lane (default: shared.codecs.rans.default_lane_tokens, >= 1024
+        so the 4-byte lane states stay under ~1% of the payload); shorter lanes make small tensors
+        code faster on a GPU (more lanes in parallel, shorter chains) for a slightly larger payload.
+
+        min_cos: the frame path refuses (InvalidTensorError) a tensor whose 8-bit planes alone
+        reach a mean cosine below this in coefficient space (an outlier that stretches a channel's
+        range); None turns the check off."""
         self.basis = basis
         self.symbols = backend == SYMBOL_CODER
+        get_backend(backend)  # an unknown name is a ConfigurationError listing the known ones
         if self.symbols:
-            if (step is None) == (target_cos is None):
-                raise InvalidTensorError("backend 'rans' needs exactly one of step= or target_cos=")
-            self.step, self.target_cos, self.water_fill = step, target_cos, water_fill
+            if codec_settings:
+                raise ConfigurationError(f"backend 'rans' does not know the setting(s) {', '.join(sorted(codec_settings))}; "
+                                         "it takes step=, target_cos=, water_fill= and lane_tokens=")
+            if lane_tokens is not None and not (isinstance(lane_tokens, int) and lane_tokens >= 1):
+                raise ConfigurationError(f"lane_tokens must be a positive int, got {lane_tokens!r}")
+            if step is not None and target_cos is not None:
+                raise ConfigurationError("backend 'rans' takes exactly one of step= or target_cos=")
+            calibrated = None if basis is None else basis.meta.get("rans_step")
+            if step is None and target_cos is None and calibrated is None:
+                raise ConfigurationError("backend 'rans' needs exactly one of step= or target_cos=, or a basis calibrated "
+                                         "with shared.rdquant.calibrate_step (which stores the step in the basis)")
+            if target_cos is not None and not (isinstance(target_cos, (int, float)) and 0 < target_cos <= 1):
+                raise ConfigurationError(f"target_cos={target_cos!r}: use a cosine in (0, 1]")
+            from .rdquant import RDQuantizer
+
+            step = float(calibrated) if step is None and target_cos is None else step
+            self.quantizer = None if step is None else RDQuantizer(step)
+            self.target_cos, self.water_fill, self.lane_tokens = target_cos, water_fill, lane_tokens
             self.backend = None
         else:
             self.backend = get_backend(backend)
         self.decoder = get_backend(decoder) if decoder else None
         if bits != 8:
-            raise InvalidTensorError(f"the frame path carries 8-bit planes; got bits={bits}")
+            raise ConfigurationError(f"the frame path carries 8-bit planes; got bits={bits}")
+        if not self.symbols:
+            schema.check_frame_side("frame_size", frame_size)
+        if min_cos is not None and not (isinstance(min_cos, (int, float)) and -1 <= min_cos <= 1):
+            raise ConfigurationError(f"min_cos={min_cos!r}: use a cosine in [-1, 1], or None to turn the check off")
+        self.min_cos = min_cos
         self.bits = bits
         self.frame_size = frame_size
         self.codec_settings = codec_settings
+        self._proj = None
 
     # -- the stages, exposed so benchmarks can time them separately ---------------------------
-    def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
-        values = as_float_matrix(x)
+    def _project(self, values: np.ndarray) -> np.ndarray:
+        """The coefficients, refused when they or their reconstruction would leave float32."""
         coeffs = self.basis.project(values) if self.basis is not None else values
+        amax = float(np.abs(coeffs).max()) if np.isfinite(coeffs).all() else math.inf
+        gain = 1.0 if self.basis is None else float(np.abs(self.basis.components).sum(1).max())
+        offset = 0.0 if self.basis is None else float(np.abs(self.basis.mean).max())
+        if not amax * gain + offset < FLOAT32_HEADROOM:
+            raise InvalidTensorError(f"values up to {float(np.abs(values).max()):.3g} overflow float32 in the "
+                                     f"projection or its reconstruction (limit about {FLOAT32_HEADROOM:.1e}); "
+                                     "scale the tensor down before coding it")
+        return coeffs
+
+    def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
+        coeffs = self._project(as_float_matrix(x))
         quantizer = PerChannelQuantizer.fit(coeffs, self.bits)
-        return quantizer.quantize(coeffs), quantizer
+        planes = quantizer.quantize(coeffs)
+        if self.min_cos is not None:
+            from .rdquant import quality
+
+            cos = quality(coeffs.astype(np.float64), quantizer.dequantize(planes).astype(np.float64), "cos")
+            if cos < self.min_cos:
+                worst = int(np.argmax(quantizer.step))
+                raise InvalidTensorError(
+                    f"the 8-bit frame path cannot represent this tensor: its planes alone reach cos {cos:.4f} "
+                    f"< min_cos={self.min_cos} (component {worst} spans {float(quantizer.step[worst]) * 255:.3g}: "
+                    "an outlier stretches its range); use backend='rans', clip the outlier, or pass min_cos=None")
+        return planes, quantizer
 
     def from_planes(self, planes: np.ndarray, quantizer: PerChannelQuantizer) -> np.ndarray:
         coeffs = quantizer.dequantize(planes)
@@ -141,20 +297,30 @@ class TensorCodec:
     def _reconstruct(self, coeffs):
         return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
 
+    # -- the compute codec's step ---------------------------------------------------------------
+    def _step_quantizer(self, values, coeffs, reconstruct):
+        """The codec's quantizer; with target_cos, found once on a row sample of the first tensor."""
+        if self.quantizer is None:
+            from .rdquant import find_step
+
+            rows = slice(None, None, max(1, -(-values.shape[0] // SAMPLE_TOKENS)))
+            self.quantizer = find_step(coeffs[rows], self.target_cos, "cos", reconstruct=reconstruct,
+                                       reference=values[rows], water_fill=self.water_fill)
+        return self.quantizer
+
     def _encode_symbols(self, x, dtype: str) -> bytes:
         from .codecs import rans_cpu
-        from .rdquant import RDQuantizer, find_step
 
         values = as_float_matrix(x)
-        coeffs = self.basis.project(values) if self.basis is not None else values
-        quantizer = RDQuantizer(self.step) if self.step is not None else find_step(
-            coeffs, self.target_cos, "cos", reconstruct=self._reconstruct, reference=values,
-            water_fill=self.water_fill)
+        coeffs = self._project(values)
+        quantizer = self._step_quantizer(values, coeffs, self._reconstruct)
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
-        return self._pack_symbols(values.shape, dtype, quantizer, rans_cpu.coder().encode(symbols))
+        header, qpar = self._symbols_header(values.shape, dtype, quantizer)
+        return pack(header, {"QPAR": qpar, "DATA": rans_cpu.coder().encode(symbols, lane_tokens=self.lane_tokens)})
 
-    def _pack_symbols(self, shape, dtype: str, quantizer, payload: bytes) -> bytes:
-        """The container of a compute-codec payload (the CPU and GPU encoders write the same header)."""
+    def _symbols_header(self, shape, dtype: str, quantizer) -> tuple[dict, bytes]:
+        """The container header of a compute-codec payload and its QPAR chunk (the CPU and GPU
+        encoders write the same container)."""
         header = {
             "shape": [int(shape[0]), int(shape[1])],
             "dtype": dtype,
@@ -163,61 +329,53 @@ class TensorCodec:
             "codec": {"id": SYMBOL_CODER, "settings": {}},
             "frames": None,
             "fallback": None,
+            "checks": {"DATA": SELF_CHECKED},
         }
-        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
+        return header, quantizer.to_bytes()
 
-    def _cuda_basis(self, D: int, device):
-        """(mean [D], components [D, K]) float32 on the device, cached; the identity without a basis."""
-        import torch
+    def _projection(self, D: int, device):
+        """The fused GPU projection/quantizer/reconstruction of this codec's basis (the identity
+        without one), made once per device."""
+        from .rdquant import CudaProjection
 
-        key = str(device)
-        if getattr(self, "_cuda_cache", (None,))[0] != key:
+        if self._proj is None or self._proj[0] != str(device):
             if self.basis is not None:
                 if self.basis.dim != D:
                     raise BasisMismatchError(f"basis is for D={self.basis.dim}, tensor has D={D}")
                 mean, comps = self.basis.mean, self.basis.components
             else:
                 mean, comps = np.zeros(D, np.float32), np.eye(D, dtype=np.float32)
-            self._cuda_cache = (key, torch.as_tensor(np.asarray(mean, np.float32), device=device),
-                                torch.as_tensor(np.asarray(comps, np.float32), device=device).contiguous())
-        return self._cuda_cache[1], self._cuda_cache[2]
+            self._proj = (str(device), CudaProjection(mean, comps, device=device))
+        if self._proj[1].D != D:
+            raise BasisMismatchError(f"this codec's basis is for D={self._proj[1].D}, tensor has D={D}")
+        return self._proj[1]
 
-    def _encode_symbols_cuda(self, x, dtype: str) -> bytes:
-        """The compute codec on a CUDA tensor: projection and quantization in one Triton kernel,
-        the rANS coder's kernels, and one copy of the payload to the host."""
-        import torch
-
-        from .codecs import rans
-        from .rdquant import CudaProjection, RDQuantizer, find_step
-
+    def _cuda_prepare(self, x):
+        """Checks a CUDA tensor and readies this codec for it: (projection, quantizer, the container's
+        bytes before its payload for a payload of length 0)."""
+        dtype = _dtype_name(x)
         if x.dim() != 2 or x.numel() == 0:
             raise InvalidTensorError(f"tensor must be a non-empty 2-D [tokens, channels] tensor, got {tuple(x.shape)}")
-        if not bool(torch.isfinite(x).all()):
-            raise InvalidTensorError("tensor holds NaN/Inf; fix the producer, nothing is clipped here")
-        mean, comps = self._cuda_basis(x.shape[1], x.device)
-        if self.step is not None:
-            quantizer = RDQuantizer(self.step)
-        else:
-            xf = x.float()
-            quantizer = find_step((xf - mean) @ comps, self.target_cos, "cos", reconstruct=lambda c: c @ comps.T + mean,
-                                  reference=xf, water_fill=self.water_fill)
-        proj = CudaProjection(mean, comps, device=x.device)
-        symbols, stats, amax = proj.quantize_unchecked(x, quantizer.step)
-        if quantizer.keep is not None and not quantizer.keep.all():  # water-filling dropped components
-            symbols[:, torch.as_tensor(~quantizer.keep, device=x.device)] = 0
-            stats = None
-        payload = rans.encode_cuda(symbols, stats=stats, guard=amax)
-        return self._pack_symbols(x.shape, dtype, quantizer, payload.cpu().numpy().tobytes())
+        proj = self._projection(x.shape[1], x.device)
+        if self.quantizer is None:
+            mean, comps = proj.mean, proj.components.float()
+            self._step_quantizer(x.float(), (x.float() - mean) @ comps, lambda c: c @ comps.T + mean)
+        key = (tuple(x.shape), dtype, self.quantizer.step)
+        if getattr(self, "_front", (None,))[0] != key:  # the same header for every tensor of this shape
+            header, qpar = self._symbols_header(x.shape, dtype, self.quantizer)
+            self._front = (key, container_prefix(header, {"QPAR": qpar}, "DATA", 0))
+        return proj, self.quantizer, self._front[1]
 
     # -- whole tensor --------------------------------------------------------------------------
-    def encode(self, x) -> bytes:
-        """x: [T, D] float tensor (numpy or torch). backend "rans" codes a CUDA tensor on its GPU
-        (same container, same rANS bitstream; the GPU quantizer multiplies in bf16, so its symbols
-        can differ from the CPU's in the last bit of a few values)."""
+    def encode(self, x):
+        """x: [T, D] float tensor (numpy or torch) -> the container: bytes, or for a CUDA tensor
+        with backend "rans" a uint8 CUDA tensor holding the same container bytes, coded on its GPU
+        with one host synchronization (the GPU quantizer multiplies in bf16, so its symbols can
+        differ from the CPU's in the last bit of a few values)."""
+        if self.symbols and getattr(x, "is_cuda", False):
+            return encode_many([self], [x])[0]
         dtype = _dtype_name(x)
         if self.symbols:
-            if getattr(x, "is_cuda", False):
-                return self._encode_symbols_cuda(x, dtype)
             return self._encode_symbols(x, dtype)
         planes, quantizer = self.to_planes(x)
         layout = framing.layout_for(*planes.shape, height=self.frame_size)
@@ -240,31 +398,25 @@ class TensorCodec:
         }
         return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
 
-    def decode(self, blob: bytes, device=None):
-        """The tensor, as a torch tensor of the encoded dtype. device="cuda": a compute-codec
-        payload is decoded and reconstructed on that GPU; other payloads are decoded here and moved."""
-        header, chunks = unpack(blob)
-        if device is not None and str(device).startswith("cuda") and header["quant"]["kind"] == "rd_shared_step":
-            return self._decode_symbols_cuda(header, chunks, device)
-        out = _to_output(self.decode_values(header, chunks), header["dtype"])
-        return out if device is None else out.to(device)
+    def decode(self, blob, device=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
+        """The tensor, as a torch tensor of the encoded dtype. blob: bytes-like, or a uint8 tensor
+        (CPU or CUDA) holding a container. device="cuda": a compute-codec payload is decoded and
+        reconstructed on that GPU (a container already there is read in place); other payloads are
+        decoded here and moved.
 
-    def _decode_symbols_cuda(self, header: dict, chunks: dict[str, bytes], device):
-        import torch
+        A bitstream is checked against shared.schema before anything is sized from it; one
+        declaring more than max_elements values (or bytes of frames) is refused with BitstreamError,
+        as is every other malformed, inconsistent or corrupt one."""
+        return decode_many([self], [blob], device=device, max_elements=max_elements)[0]
 
-        from .codecs import rans
-        from .rdquant import RDQuantizer
+    def measure(self, x) -> dict:
+        """Encode and decode x; the ratio vs bf16 and the quality this tensor gets (shared.metrics)."""
+        from .metrics import quality
 
-        self._check_basis(header)
-        quantizer = RDQuantizer.from_bytes(chunks["QPAR"])
-        symbols = rans.decode_cuda(torch.frombuffer(bytearray(chunks["DATA"]), dtype=torch.uint8).to(device))
-        mean, comps = self._cuda_basis(header["shape"][1], symbols.device)
-        if symbols.shape[1] != comps.shape[1]:
-            raise BitstreamError(f"payload holds {symbols.shape[1]} components, the basis has {comps.shape[1]}")
-        values = (symbols.float() * quantizer.step) @ comps.T + mean
-        if list(values.shape) != header["shape"]:
-            raise BitstreamError(f"decoded shape {tuple(values.shape)} differs from header shape {header['shape']}")
-        return values.to(getattr(torch, header["dtype"]))
+        blob = self.encode(x)
+        y = self.decode(blob, device="cuda" if getattr(x, "is_cuda", False) else None)
+        ref = x.float().cpu().numpy() if _is_tensor(x) else np.asarray(x, np.float32)
+        return dict(quality(ref, y.float().cpu().numpy()), ratio=2 * ref.size / len(blob), bytes=len(blob))
 
     def _check_basis(self, header: dict):
         expected = header["basis"]
@@ -284,21 +436,22 @@ class TensorCodec:
             from .codecs import rans_cpu
             from .rdquant import RDQuantizer
 
-            quantizer = RDQuantizer.from_bytes(chunks["QPAR"])
-            values = self._reconstruct(np.asarray(quantizer.dequantize(rans_cpu.coder().decode(chunks["DATA"])),
-                                                  np.float32))
+            quantizer = RDQuantizer.from_bytes(chunks["QPAR"])  # its step checked against the header (schema)
+            symbols = rans_cpu.coder().decode(chunks["DATA"], max_elements=header["shape"][0] * schema.components(header))
+            values = self._reconstruct(np.asarray(quantizer.dequantize(symbols), np.float32))
             if list(values.shape) != header["shape"]:
                 raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
             return values
-        backend = get_backend(header["codec"]["id"])
+        backend = get_backend(header["codec"]["id"], from_bitstream=True)
         if self.decoder is not None and backend.name != "raw":
             if self.decoder.stream_format is None or self.decoder.stream_format != backend.stream_format:
                 raise BitstreamError(f"decoder '{self.decoder.name}' cannot read '{backend.name}' payloads "
                                      f"({self.decoder.stream_format} vs {backend.stream_format})")
             backend = self.decoder
-        layout = framing.FrameLayout(**header["frames"])
-        quantizer = PerChannelQuantizer.from_bytes(chunks["QPAR"])
+        layout = schema.frame_layout(header)
+        quantizer = PerChannelQuantizer.from_bytes(chunks["QPAR"], bits=header["quant"]["bits"])
         with backend.decoder(layout.width, layout.height, **header["codec"]["settings"]) as dec:
+            dec.expect_frames(layout.n_frames)
             dec.submit(chunks["DATA"])
             frames = dec.flush()
         if frames.shape[0] != layout.n_frames:
@@ -309,6 +462,182 @@ class TensorCodec:
         return values
 
 
-def read_header(blob: bytes) -> dict:
-    """The header of a bitstream, after checking every CRC in it."""
-    return unpack(blob)[0]
+_STACKED = {}  # stacked projections of codec lists coded together (a model's layers), by the codecs' identity
+
+
+def _stacked_projection(projs):
+    """One CudaProjection over several same-shape bases, kept while the same codecs code together."""
+    from .rdquant import CudaProjection
+
+    key = tuple(id(p) for p in projs)
+    if key not in _STACKED:
+        if len(_STACKED) >= 16:
+            _STACKED.pop(next(iter(_STACKED)))
+        _STACKED[key] = (projs, CudaProjection.stack(projs))  # holding projs keeps their ids unique
+    return _STACKED[key][1]
+
+
+def _same_shape_groups(keys) -> list[list[int]]:
+    groups = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def encode_many(codecs, tensors) -> list:
+    """Code tensors[i] with codecs[i] (e.g. every layer's K and V of one step, each layer's codec
+    holding its basis and step): one blob per tensor, each decodable and checked alone. CUDA
+    tensors on the compute codec are coded on their GPU, tensors of one shape together in one
+    launch per kernel, with one host synchronization for the whole list, and come back as uint8
+    CUDA tensors (views into one buffer per shape); the rest as bytes."""
+    import torch
+
+    if len(codecs) != len(tensors):
+        raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
+    out = [None] * len(tensors)
+    gpu = [i for i, (c, x) in enumerate(zip(codecs, tensors)) if c.symbols and getattr(x, "is_cuda", False)]
+    for i in sorted(set(range(len(tensors))) - set(gpu)):
+        out[i] = codecs[i].encode(tensors[i])
+    if not gpu:
+        return out
+    from .codecs import rans_cuda
+
+    prepared = {i: codecs[i]._cuda_prepare(tensors[i]) for i in gpu}
+    symbols, stats, guards = {}, {}, {}
+    for group in _same_shape_groups([(tuple(tensors[i].shape), str(tensors[i].device)) for i in gpu]):
+        idx = [gpu[j] for j in group]
+        projs = [prepared[i][0] for i in idx]
+        proj = projs[0] if len(idx) == 1 else _stacked_projection(projs)
+        xs = tensors[idx[0]].unsqueeze(0) if len(idx) == 1 else torch.stack([tensors[i] for i in idx])
+        sym, (mn, mx, sm), amax = proj.quantize_many(xs, [prepared[i][1].step for i in idx])
+        finite = torch.isfinite(xs).reshape(len(idx), -1).all(1)  # checked in the coder's one sync, as amax
+        amax = torch.where(finite, amax, torch.full_like(amax, float("inf")))
+        for j, i in enumerate(idx):  # amax is inf where a tensor holds NaN/Inf: the coder's guard refuses it
+            symbols[i], stats[i], guards[i] = sym[j], (mn[j], mx[j], sm[j]), amax[j:j + 1]
+            keep = prepared[i][1].keep
+            if keep is not None and not keep.all():  # water-filling dropped components
+                symbols[i] = sym[j].clone()
+                symbols[i][:, torch.as_tensor(~keep, device=sym.device)] = 0
+                stats[i] = None
+    fronts = [prepared[i][2] for i in gpu]  # each container's bytes before its payload, for payload length 0
+    blobs = rans_cuda.encode_many_cuda(
+        [symbols[i] for i in gpu], stats=[stats[i] for i in gpu], guards=[guards[i] for i in gpu],
+        reserve_fronts=[len(f) for f in fronts], reserve_backs=[4] * len(gpu),  # a self-checked chunk's trailer: 0
+        lane_tokens=[codecs[i].lane_tokens for i in gpu],
+        make_front=lambda j, n: fronts[j][:-8] + struct.pack("<Q", n))  # the DATA length ends the prefix
+    for i, blob in zip(gpu, blobs):
+        out[i] = blob
+    return out
+
+
+def _host_bytes(blob) -> bytes:
+    if _is_tensor(blob):
+        import torch
+
+        if blob.dtype != torch.uint8 or blob.dim() != 1:
+            raise InvalidTensorError(f"a container tensor is 1-D uint8, got {blob.dtype} {tuple(blob.shape)}")
+        return bytes(blob.cpu().numpy())
+    if not isinstance(blob, (bytes, bytearray, memoryview, np.ndarray)):
+        raise InvalidTensorError(f"decode takes a bitstream (bytes-like or a uint8 tensor), got {type(blob).__name__}")
+    return bytes(blob)
+
+
+def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> list:
+    """decode() of blobs[i] with codecs[i]. With device="cuda", compute-codec containers are
+    decoded on the GPU, payloads of one shape together in one launch per kernel: containers
+    already there are read in place (their headers reach the host in one copy for the whole
+    list), containers on the host go over through pinned memory; one host synchronization checks
+    every payload at the end and names a corrupt one by its index."""
+    import torch
+
+    if len(codecs) != len(blobs):
+        raise ConfigurationError(f"{len(codecs)} codecs for {len(blobs)} blobs: give one codec per blob")
+    on_gpu = device is not None and str(device).startswith("cuda")
+    if on_gpu:
+        _require_cuda(device)
+    resident = [i for i, b in enumerate(blobs) if on_gpu and _is_tensor(b) and b.is_cuda]
+    heads = {}
+    if resident:  # every resident container's first bytes, in one device->host copy
+        lens = [min(blobs[i].numel(), PREFIX_READ) for i in resident]
+        host = torch.cat([blobs[i][:n] for i, n in zip(resident, lens)]).cpu().numpy().tobytes()
+        starts = np.cumsum([0] + lens)
+        heads = {i: host[starts[j]:starts[j + 1]] for j, i in enumerate(resident)}
+    out, jobs = [None] * len(blobs), []  # jobs: (index, header, qpar, payload on the GPU, its first bytes)
+    for i, (codec, blob) in enumerate(zip(codecs, blobs)):
+        if i in heads:
+            header, spans = _parse_resident(blob, heads[i], blob.numel(), max_elements)
+            (qa, qb), (a, b) = spans.get("QPAR", (0, 0)), spans["DATA"]
+            if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(heads[i]) and qb <= len(heads[i]):
+                schema.check_chunks(header, {"QPAR": heads[i][qa:qb], "DATA": heads[i][a:a + 64]}, data_len=b - a)
+                jobs.append((i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64]))
+                continue
+        header, chunks = unpack(blob, max_elements)
+        if on_gpu and header["quant"]["kind"] == "rd_shared_step":
+            from .codecs import rans_cuda
+
+            data = chunks["DATA"]
+            jobs.append((i, header, chunks["QPAR"], rans_cuda.pinned(data).to(device, non_blocking=True), data[:64]))
+        else:
+            values = _to_output(codec.decode_values(header, chunks), header)
+            out[i] = values if device is None else values.to(device)
+    if jobs:
+        _decode_symbols_cuda(codecs, jobs, out)
+    return out
+
+
+def _decode_symbols_cuda(codecs, jobs, out):
+    """Compute-codec payloads on the GPU -> out[i]: the coder for all of them, the reconstruction
+    by shape, then the one host synchronization on their error flags."""
+    import torch
+
+    from .codecs import rans_cuda
+    from .rdquant import RDQuantizer
+
+    quantizers = []
+    for i, header, qpar, payload, head in jobs:
+        codecs[i]._check_basis(header)
+        quantizers.append(RDQuantizer.from_bytes(qpar))  # its step checked against the header (schema)
+    symbols, err = rans_cuda.decode_many_cuda([j[3] for j in jobs], [j[4] for j in jobs], check=False,
+                                              max_elements=[j[1]["shape"][0] * schema.components(j[1]) for j in jobs])
+    projs = []
+    for (i, header, _, payload, _), sym in zip(jobs, symbols):
+        proj = codecs[i]._projection(header["shape"][1], payload.device)
+        if sym.shape[1] != proj.K or [sym.shape[0], proj.D] != header["shape"]:
+            raise BitstreamError(f"payload holds [{sym.shape[0]}, {sym.shape[1]}] symbols; the header's shape "
+                                 f"{header['shape']} and the basis (K={proj.K}) need [{header['shape'][0]}, {proj.K}]")
+        projs.append(proj)
+    keys = [(tuple(s.shape), projs[j].D, str(s.device), jobs[j][1]["dtype"]) for j, s in enumerate(symbols)]
+    for group in _same_shape_groups(keys):
+        steps = [quantizers[j].step for j in group]
+        if jobs[group[0]][1]["dtype"] == "bfloat16":  # fused: symbols * step @ basis.T + mean, in bf16
+            proj = projs[group[0]] if len(group) == 1 else _stacked_projection([projs[j] for j in group])
+            sym = symbols[group[0]].unsqueeze(0) if len(group) == 1 else torch.stack([symbols[j] for j in group])
+            values = proj.reconstruct_many(sym, steps)
+        else:
+            values = [((symbols[j].float() * quantizers[j].step) @ projs[j].components_t.float() + projs[j].mean).to(
+                getattr(torch, jobs[j][1]["dtype"])) for j in group]
+        finite = torch.stack([torch.isfinite(v).all() for v in values]) if len(group) > 1 else \
+            torch.isfinite(values[0]).all().view(1)
+        err[group] |= (~finite).to(err.dtype)  # non-finite output (out-of-range parameters) is corruption too
+        for j, v in zip(group, values):
+            out[jobs[j][0]] = v
+    bad = err.cpu()  # the one host synchronization
+    if bool(bad.any()):
+        raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])][0]} of the list)")
+
+
+def _parse_resident(blob, head: bytes, total: int, max_elements: int):
+    """Header and chunk spans of a GPU-resident container from its first bytes (more are read when
+    the header is longer than PREFIX_READ)."""
+    try:
+        return _parse(head, total, lazy_last=True, max_elements=max_elements)
+    except BitstreamError:
+        if len(head) >= total:
+            raise
+        return _parse(bytes(blob.cpu().numpy()), total, lazy_last=True, max_elements=max_elements)
+
+
+def read_header(blob, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> dict:
+    """The header of a bitstream (bytes-like or a uint8 tensor), after checking every CRC in it and its schema."""
+    return unpack(blob, max_elements)[0]
+

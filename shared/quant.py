@@ -57,12 +57,22 @@ class PerChannelQuantizer:
         return struct.pack("<BI", self.bits, k) + self.lo.astype("<f4").tobytes() + self.step.astype("<f4").tobytes()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "PerChannelQuantizer":
+    def from_bytes(cls, data: bytes, bits: int | None = None) -> "PerChannelQuantizer":
+        """The parameters from to_bytes(), checked: bits (== `bits` when given), K against the
+        length, every lo and step finite, steps positive, and the top level lo + step * levels finite."""
         if len(data) < 5:
-            raise BitstreamError("quantizer parameters truncated")
-        bits, k = struct.unpack_from("<BI", data)
+            raise BitstreamError("chunk 'QPAR': quantizer parameters truncated")
+        got_bits, k = struct.unpack_from("<BI", data)
+        if not 1 <= got_bits <= 16 or (bits is not None and got_bits != bits):
+            raise BitstreamError(f"chunk 'QPAR': quantizer bits {got_bits}, expected {bits or '1..16'}: corrupt")
         if len(data) != 5 + 8 * k:
-            raise BitstreamError(f"quantizer parameters: expected {5 + 8 * k} bytes for K={k}, got {len(data)}")
+            raise BitstreamError(f"chunk 'QPAR': expected {5 + 8 * k} bytes for K={k}, got {len(data)}")
         lo = np.frombuffer(data, "<f4", k, 5).astype(np.float32)
         step = np.frombuffer(data, "<f4", k, 5 + 4 * k).astype(np.float32)
-        return cls(lo, step, bits)
+        with np.errstate(over="ignore", invalid="ignore"):
+            top = lo.astype(np.float64) + step.astype(np.float64) * ((1 << got_bits) - 1)
+        if not (np.isfinite(lo).all() and np.isfinite(step).all() and (step > 0).all()
+                and (np.abs(top) < np.finfo(np.float32).max).all()):
+            raise BitstreamError("chunk 'QPAR': quantizer offsets or steps are not finite, or a step is not "
+                                 "positive, or the top level overflows float32: the bitstream is corrupt")
+        return cls(lo, step, got_bits)

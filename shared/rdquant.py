@@ -11,7 +11,9 @@ theory. The symbols are integers of any range (int32), coded per component by sh
     blob = q.to_bytes(); RDQuantizer.from_bytes(blob)
 
 `water_fill=True` also drops (zeroes) whole components whose variance is below the distortion
-level step^2/12, so they cost nothing; PoC 06 measures whether that wins.
+level step^2/12, so they cost nothing; PoC 06 measures whether that wins. It never drops every
+component: where all variances are below it (one token, a constant tensor), components keep by
+their mean square instead (at least the largest one).
 """
 from __future__ import annotations
 
@@ -33,7 +35,11 @@ def _compiled_kernels():
     """numba versions of the numpy quantizer and dequantizer (identical results, one pass each);
     (None, None) without numba."""
     try:
+        import numba
         from numba import njit, prange
+
+        if "NUMBA_THREADING_LAYER" not in __import__("os").environ:  # GNU OpenMP dies in a forked child
+            numba.config.THREADING_LAYER = "forksafe"
     except ImportError:
         return None, None
 
@@ -164,6 +170,12 @@ class RDQuantizer:
         magic, step, K, has_keep = _HEAD.unpack(blob[:_HEAD.size])
         if magic != _MAGIC:
             raise BitstreamError(f"not rate-distortion quantizer parameters (magic {magic!r})")
+        # the step is applied in float32: it must be a positive, finite float32
+        if not (math.isfinite(step) and float(np.finfo(np.float32).tiny) <= step <= float(np.finfo(np.float32).max)):
+            raise BitstreamError(f"quantizer parameters are corrupt: step {step!r} is not a positive finite float32")
+        if has_keep > 1 or (not has_keep and (K or len(blob) != _HEAD.size)):
+            raise BitstreamError(f"quantizer parameters are corrupt (keep flag {has_keep}, K={K}, "
+                                 f"{len(blob)} bytes)")
         keep = None
         if has_keep:
             bits = np.frombuffer(blob[_HEAD.size:], np.uint8)
@@ -250,6 +262,7 @@ def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable 
             raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
         ref = recon(c) if reference is None else reference
         var = c.double().var(0, unbiased=False).cpu().numpy()
+        msq = c.double().pow(2).mean(0).cpu().numpy()
         rms = float(c.double().pow(2).mean().sqrt())
         cmax = float(c.abs().max())
     else:
@@ -261,6 +274,7 @@ def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable 
         c = c.astype(np.float32)
         ref = _to_np64(recon(c) if reference is None else reference)
         var = c.astype(np.float64).var(0)
+        msq = (c.astype(np.float64) ** 2).mean(0)
         rms = float(np.sqrt((c.astype(np.float64) ** 2).mean()))
         cmax = float(np.abs(c).max())
     if rms == 0:
@@ -268,6 +282,9 @@ def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable 
 
     def make(step):
         keep = var >= step * step / 12 if water_fill else None
+        if keep is not None and not keep.any():  # never drop everything (one token, a constant tensor):
+            keep = msq >= step * step / 12  # then keep what the quantizer sees, energy about zero
+            keep[int(np.argmax(msq))] = True
         return RDQuantizer(step, keep)
 
     def score(step):
@@ -291,6 +308,22 @@ def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable 
     return make(math.exp(lo))
 
 
+def calibrate_step(basis, captures, target_cos: float, water_fill: bool = False):
+    """The basis with the compute codec's step for `target_cos` stored in it (meta "rans_step",
+    "rans_target_cos"): the largest shared step whose reconstruction of the calibration captures
+    (a list of [T, D] tensors of this layer, all rows together) meets the target. The step is then
+    a property of the layer, saved with the basis file: TensorCodec(basis, backend="rans") uses
+    it and searches nothing per call. Guarantee: the target holds on these captures; held-out
+    tensors of the same layer land near it (PoC 05 and PoC 06 measure how near)."""
+    from .basis import PCABasis
+
+    values = np.concatenate([np.asarray(_to_np64(c), np.float32).reshape(-1, basis.dim) for c in captures])
+    coeffs = basis.project(values)
+    q = find_step(coeffs, target_cos, "cos", reconstruct=basis.reconstruct, reference=values, water_fill=water_fill)
+    meta = dict(basis.meta, rans_step=float(q.step), rans_target_cos=float(target_cos))
+    return PCABasis(basis.mean, basis.components, basis.eigenvalues, meta)
+
+
 def _interpreting() -> bool:
     import os
 
@@ -302,13 +335,15 @@ class CudaProjection:
 
         proj = CudaProjection(basis.mean, basis.components)          # [D], [D, K]
         symbols, stats = proj.quantize(x, step)   # bf16 CUDA [T, D] -> int32 [T, K] + (min, max, sum)
-        payload = rans.encode_cuda(symbols, stats=stats)
+        payload = rans_cuda.encode_cuda(symbols, stats=stats)
         # or, with no host sync before the coder's own: proj.quantize_unchecked -> encode_cuda(guard=amax)
-        x_hat = proj.reconstruct(rans.decode_cuda(payload), step)    # -> bf16 [T, D]
+        x_hat = proj.reconstruct(rans_cuda.decode_cuda(payload), step)    # -> bf16 [T, D]
 
     quantize computes round(((x - mean) @ components) / step) with bf16 inputs and float32
     accumulation (round half up; the CPU quantizer rounds half to even, which only differs on
-    exact ties); reconstruct computes bf16((symbols * step) @ components.T + mean)."""
+    exact ties); reconstruct computes bf16((symbols * step) @ components.T + mean).
+    CudaProjection.stack(projs) codes a list of same-shape tensors, each with its own basis, in
+    one launch per direction (quantize_many / reconstruct_many)."""
 
     BLOCK = dict(BM=32, BN=32, BD=32)  # the CPU interpreter's tile (the GPU autotunes its own)
 
@@ -317,12 +352,26 @@ class CudaProjection:
 
         comp = torch.as_tensor(np.asarray(components, np.float32) if not _is_torch(components) else components)
         mu = torch.as_tensor(np.asarray(mean, np.float32) if not _is_torch(mean) else mean)
-        self.D, self.K = comp.shape
-        self.components = comp.to(device, torch.bfloat16).contiguous()  # [D, K]
-        self.components_t = self.components.t().contiguous()  # [K, D]
+        self.D, self.K = comp.shape[-2:]
+        self.components = comp.to(device, torch.bfloat16).contiguous()  # [(N,) D, K]
+        self.components_t = self.components.transpose(-1, -2).contiguous()  # [(N,) K, D]
         self.mean = mu.to(device, torch.float32).contiguous()
         # (x - mean) @ B = x @ B - mean @ B, with mean @ B from the same bf16 basis the kernel uses
-        self.bias = (self.mean @ self.components.float()).contiguous()
+        self.bias = (self.mean.unsqueeze(-2) @ self.components.float()).squeeze(-2).contiguous()
+        self.device = torch.device(device)
+
+    @classmethod
+    def stack(cls, projs: list) -> "CudaProjection":
+        """One projection holding N same-shape bases (components [N, D, K]) for the *_many calls."""
+        import torch
+
+        out = cls.__new__(cls)
+        out.D, out.K, out.device = projs[0].D, projs[0].K, projs[0].device
+        if any((p.D, p.K) != (out.D, out.K) for p in projs):
+            raise InvalidTensorError("stacked projections need bases of one shape [D, K]")
+        for name in ("components", "components_t", "mean", "bias"):
+            setattr(out, name, torch.stack([getattr(p, name) for p in projs]).contiguous())
+        return out
 
     def quantize(self, x, step: float):
         """bf16 CUDA [T, D] -> int32 symbols [T, K] and their (min, max, sum) per component;
@@ -335,40 +384,62 @@ class CudaProjection:
 
     def quantize_unchecked(self, x, step: float):
         """quantize() without its host sync: also returns the largest |scaled value| (float32
-        CUDA [1]) for the caller to check later, e.g. as rans.encode_cuda(..., guard=amax)."""
-        import torch
-        from .codecs import _rans_triton as kt
-
+        CUDA [1]) for the caller to check later, e.g. as rans_cuda.encode_cuda(..., guard=amax)."""
         if x.dim() != 2 or x.shape[1] != self.D:
             raise InvalidTensorError(f"tensor must be [T, {self.D}], got {tuple(x.shape)}")
-        x = x.to(torch.bfloat16).contiguous()
-        T, K = x.shape[0], self.K
-        sym = torch.empty((T, K), dtype=torch.int32, device=x.device)
-        mn = torch.full((K,), 2**31 - 1, dtype=torch.int32, device=x.device)
-        mx = torch.full((K,), -2**31, dtype=torch.int32, device=x.device)
-        sm = torch.zeros(K, dtype=torch.int64, device=x.device)
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, 1.0 / step)
+        sym, (mn, mx, sm), amax = self.quantize_many(x.unsqueeze(0), [step])
+        return sym[0], (mn[0], mx[0], sm[0]), amax
+
+    def quantize_many(self, xs, steps):
+        """bf16 CUDA [N, T, D] (a stacked projection's N tensors) -> symbols [N, T, K], their
+        (min, max, sum) [N, K] each, and the largest |scaled value| of each [N]; one launch."""
+        import torch
+
+        from . import _rdquant_triton as kt
+
+        N, T = xs.shape[0], xs.shape[1]
+        if xs.dim() != 3 or xs.shape[2] != self.D or (self.components.dim() == 3 and self.components.shape[0] != N):
+            raise InvalidTensorError(f"tensors must be [N, T, {self.D}] for this projection, got {tuple(xs.shape)}")
+        x = xs.to(torch.bfloat16).contiguous()
+        K, dev = self.K, x.device
+        sym = torch.empty((N, T, K), dtype=torch.int32, device=dev)
+        mn = torch.full((N, K), 2**31 - 1, dtype=torch.int32, device=dev)
+        mx = torch.full((N, K), -2**31, dtype=torch.int32, device=dev)
+        sm = torch.zeros((N, K), dtype=torch.int64, device=dev)
+        amax = torch.zeros(N, dtype=torch.float32, device=dev)
+        inv = torch.tensor([1.0 / s for s in steps], dtype=torch.float32).pin_memory() \
+            if dev.type == "cuda" else torch.tensor([1.0 / s for s in steps], dtype=torch.float32)
+        args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv.to(dev, non_blocking=True))
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
-            kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]))](*args, UPCAST=True, **b)
+            kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]), N)](*args, UPCAST=True, **b)
         else:
-            kt.project_quantize_tuned[lambda m: (-(-T // m["BM"]), -(-K // m["BN"]))](*args, UPCAST=False)
+            kt.project_quantize_tuned[lambda m: (-(-T // m["BM"]), -(-K // m["BN"]), N)](*args, UPCAST=False)
         return sym, (mn, mx, sm), amax
 
     def reconstruct(self, symbols, step: float):
-        import torch
-        from .codecs import _rans_triton as kt
-
-        T, K = symbols.shape
-        if K != self.K:
+        if symbols.dim() != 2 or symbols.shape[1] != self.K:
             raise InvalidTensorError(f"symbols must be [T, {self.K}], got {tuple(symbols.shape)}")
-        out = torch.empty((T, self.D), dtype=torch.bfloat16, device=symbols.device)
-        args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, step)
+        return self.reconstruct_many(symbols.unsqueeze(0), [step])[0]
+
+    def reconstruct_many(self, symbols, steps):
+        """int32 [N, T, K] -> bf16 [N, T, D], tensor i with its basis and steps[i]; one launch."""
+        import torch
+
+        from . import _rdquant_triton as kt
+
+        N, T, K = symbols.shape
+        if K != self.K:
+            raise InvalidTensorError(f"symbols must be [N, T, {self.K}], got {tuple(symbols.shape)}")
+        dev = symbols.device
+        out = torch.empty((N, T, self.D), dtype=torch.bfloat16, device=dev)
+        st = torch.tensor(list(steps), dtype=torch.float32)
+        st = st.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else st
+        args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st)
         if _interpreting():
             b = self.BLOCK
-            kt.reconstruct_kernel[(-(-T // b["BM"]), -(-self.D // b["BN"]))](
+            kt.reconstruct_kernel[(-(-T // b["BM"]), -(-self.D // b["BN"]), N)](
                 *args, BM=b["BM"], BN=b["BN"], BK=b["BD"], UPCAST=True)
         else:
-            kt.reconstruct_tuned[lambda m: (-(-T // m["BM"]), -(-self.D // m["BN"]))](*args, UPCAST=False)
+            kt.reconstruct_tuned[lambda m: (-(-T // m["BM"]), -(-self.D // m["BN"]), N)](*args, UPCAST=False)
         return out

@@ -233,6 +233,54 @@ def gpu_speed() -> str | None:
     return "\n\n".join(parts) if parts else None
 
 
+def api_speed() -> str | None:
+    """The compute codec through TensorCodec on a GPU by tensor size, beside the PCIe copy."""
+    df = _csv("09_backend_bench")
+    if df is None or "path" not in df or not df.path.isin(["api"]).any():
+        return None
+    df = df[df.path.isin(["api", "api_batched", "pcie_copy"])]
+    if "lane_tokens" in df:
+        df = df.assign(lane_tokens=df.lane_tokens.fillna("default").astype(str))
+
+    def val(path, metric, mb, lanes=None):
+        sel = df[(df.path == path) & (df.metric == metric) & (df.tensor_mb.round(4) == round(mb, 4))]
+        if "lane_tokens" in sel and lanes is not None:
+            sel = sel[sel.lane_tokens.astype(str) == lanes]
+        if path == "pcie_copy" and "batched" in sel:
+            sel = sel[sel.batched.isna()] if lanes is None else sel[sel.batched.notna()]
+        elif path == "pcie_copy":
+            sel = sel.head(1)
+        return float(sel.value.iloc[0]) if len(sel) else float("nan")
+
+    rows = []
+    api = df[df.path == "api"]
+    lane_values = sorted(set(api.lane_tokens.astype(str)), key=lambda s: (s != "default", s)) \
+        if "lane_tokens" in api else ["default"]
+    for lanes in lane_values:
+        for mb in sorted(api[api.lane_tokens.astype(str) == lanes].tensor_mb.unique() if "lane_tokens" in api
+                         else api.tensor_mb.unique()):
+            enc, dec = val("api", "encode_gbps", mb, lanes), val("api", "decode_gbps", mb, lanes)
+            d2h, h2d = val("pcie_copy", "d2h_gbps", mb), val("pcie_copy", "h2d_gbps", mb)
+            rows.append([f"{mb:g}", f"one tensor, lane tokens {lanes}", f"{val('api', 'ratio', mb, lanes):.2f}x",
+                         f"{enc:.2f}", f"{dec:.2f}", f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x"])
+    batched = df[(df.path == "api_batched") & (df.metric == "encode_gbps")]
+    for r in batched.itertuples():
+        lanes = str(getattr(r, "lane_tokens", "default"))
+        mb = r.tensor_mb
+        enc, dec = val("api_batched", "encode_gbps", mb, lanes), val("api_batched", "decode_gbps", mb, lanes)
+        d2h, h2d = val("pcie_copy", "d2h_gbps", mb, lanes), val("pcie_copy", "h2d_gbps", mb, lanes)
+        rows.append([f"{mb:.1f}", f"{int(r.tensors)} x [{int(r.tokens)}, {int(r.channels)}] in one call, lane tokens "
+                     f"{lanes}", f"{val('api_batched', 'ratio', mb, lanes):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
+                     f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x"])
+    source = df.source.dropna().iloc[0] if "source" in df else ""
+    return (_table(rows, ["MB of bf16", "call", "ratio", "encode GB/s", "decode GB/s", "pinned PCIe D2H / H2D GB/s",
+                          "codec / PCIe (enc / dec)"])
+            + f"\n\nTensor: {source}; step calibrated for cos >= 0.999 (every row checked before timing). "
+            + "Encode: `TensorCodec.encode(x_cuda)` -> the container in GPU memory; decode: "
+            + "`TensorCodec.decode(blob, device=\"cuda\")` of it; batched: `encode_many` / `decode_many`. "
+            + "Wall clock of the call a user makes, median of 10. " + _source(df, "09_backend_bench"))
+
+
 SECTIONS = [
     ("Compression at quality targets (PoCs 03, 04)", compression),
     ("Downstream cost (PoC 05)", downstream),
@@ -241,6 +289,7 @@ SECTIONS = [
     ("FFmpeg subprocess vs in-process session (PoC 08)", subprocess_overhead),
     ("Which coder wins on identical coefficients (PoC 06)", coder_ablation),
     ("Speed of every backend (PoCs 09, 10, 12)", gpu_speed),
+    ("The compute codec through its API, by tensor size (PoC 09 --api)", api_speed),
 ]
 
 

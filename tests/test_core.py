@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared import BackendUnavailable, BasisMismatchError, BitstreamError, InvalidTensorError
+from shared import BackendUnavailable, BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from shared import frames as framing
 from shared.basis import CovarianceAccumulator, PCABasis, fit_basis, leave_one_out
 from shared.codecs import availability, get_backend
@@ -157,8 +157,14 @@ def test_registry_explains_unavailable_backends(monkeypatch):
 
 
 def test_unknown_codec_id_is_named():
-    with pytest.raises(BitstreamError, match="unknown codec id 'h266'"):
+    """A wrong name in code is a configuration error listing the known backends (rans among them);
+    a name read from a bitstream is a bitstream error."""
+    with pytest.raises(ConfigurationError, match="unknown codec backend 'h266'; known: .*rans"):
         get_backend("h266")
+    with pytest.raises(ConfigurationError, match="h266"):
+        TensorCodec(None, backend="h266")
+    with pytest.raises(BitstreamError, match="names codec 'h266'"):
+        get_backend("h266", from_bitstream=True)
 
 
 # -- pipeline ----------------------------------------------------------------------------------------
@@ -241,15 +247,52 @@ def test_unknown_codec_id_in_bitstream():
     header, chunks = unpack(TensorCodec(None, backend="zstd", frame_size=64).encode(make_tensor()))
     header["codec"]["id"] = "h266"
     header.pop("chunks")
-    with pytest.raises(BitstreamError, match="unknown codec id"):
+    with pytest.raises(BitstreamError, match="names codec .h266."):
         TensorCodec(None, backend="zstd").decode(pack(header, chunks))
 
 
 def test_pack_rejects_bad_tag():
     with pytest.raises(ValueError):
         pack({}, {"TOOLONG": b""})
-    blob = pack({"a": 1}, {"DATA": b"xyz"})
-    assert struct.unpack_from("<B", blob, 4)[0] == 1 and unpack(blob)[1] == {"DATA": b"xyz"}
+    blob = pack({"a": 1}, {"QPAR": b"q", "DATA": b"xyz"})
+    assert struct.unpack_from("<B", blob, 4)[0] == 2
+    assert blob.index(b"xyz") % 16 == 0  # the last payload starts aligned, for in-place GPU encoders
+    with pytest.raises(BitstreamError, match="'shape'"):  # a container, but not a tensor's header (shared.schema)
+        unpack(blob)
+
+
+def test_version_1_containers_still_read():
+    """A version-1 container (no alignment padding, CRC32 on every chunk) decodes as before."""
+    import json
+    import zlib
+
+    x = make_tensor()
+    header, chunks = unpack(TensorCodec(None, backend="zstd", frame_size=64).encode(x))
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    prefix = b"TNSC" + struct.pack("<BI", 1, len(head)) + head
+    blob = prefix + struct.pack("<I", zlib.crc32(prefix)) + b"".join(
+        tag.encode() + struct.pack("<Q", len(p)) + p + struct.pack("<I", zlib.crc32(p)) for tag, p in chunks.items())
+    y = TensorCodec(None, backend="zstd").decode(blob)
+    assert quality(x.float().numpy(), y.float().numpy())["cos_mean"] > 0.99
+
+
+def test_compute_codec_container_checks_itself():
+    """A rans DATA chunk carries no CRC32 (trailer 0): its own checksum catches every flipped byte,
+    and a nonzero trailer is refused."""
+    x = make_tensor(tokens=256)
+    codec = TensorCodec(fit_basis([x], k=16), backend="rans", step=0.05)
+    blob = codec.encode(x)
+    header, chunks = unpack(blob)
+    assert header["checks"] == {"DATA": "payload"} and blob[-4:] == b"\0\0\0\0"
+    start = blob.index(chunks["DATA"])
+    assert start % 16 == 0
+    for pos in range(start, start + len(chunks["DATA"]), max(1, len(chunks["DATA"]) // 97)):
+        bad = bytearray(blob)
+        bad[pos] ^= 0x10
+        with pytest.raises(BitstreamError):
+            codec.decode(bytes(bad))
+    with pytest.raises(BitstreamError, match="CRC32"):
+        codec.decode(blob[:-1] + b"\1")
 
 
 # -- metrics -----------------------------------------------------------------------------------------
@@ -343,31 +386,86 @@ def test_compute_codec_path_meets_target_and_round_trips():
     flipped[len(blob) // 2] ^= 1
     with pytest.raises(BitstreamError):
         codec.decode(bytes(flipped))
-    with pytest.raises(InvalidTensorError, match="exactly one"):
+    with pytest.raises(ConfigurationError, match="exactly one"):
         TensorCodec(basis, backend="rans")
+    with pytest.raises(ConfigurationError, match="qp"):
+        TensorCodec(basis, backend="rans", step=0.1, qp=18)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_basis", [True, False])
 def test_compute_codec_on_a_cuda_tensor(with_basis):
-    """TensorCodec(backend="rans") on a CUDA tensor: coded on the GPU, the same container; the
-    CPU and the GPU decode it to the same values, at the target quality."""
+    """TensorCodec(backend="rans") on a CUDA tensor: the container comes back as a uint8 CUDA
+    tensor; the CPU and the GPU decode it (from the GPU or from host bytes) to the same values,
+    at the target quality."""
     x = make_tensor(tokens=4096).cuda()
     basis = fit_basis([make_tensor(tokens=2048)], k=64) if with_basis else None
     codec = TensorCodec(basis, backend="rans", target_cos=0.999)
     blob = codec.encode(x)
+    assert isinstance(blob, torch.Tensor) and blob.is_cuda and blob.dtype == torch.uint8
     header = read_header(blob)
     assert header["codec"]["id"] == "rans" and header["shape"] == list(x.shape)
     on_gpu = codec.decode(blob, device="cuda")
-    on_cpu = codec.decode(blob)
+    host_bytes = bytes(blob.cpu().numpy())
+    from_host = codec.decode(host_bytes, device="cuda")
+    on_cpu = codec.decode(host_bytes)
     assert on_gpu.is_cuda and on_gpu.dtype == x.dtype and on_gpu.shape == x.shape
-    torch.testing.assert_close(on_gpu.cpu().float(), on_cpu.float(), rtol=0.02, atol=0.02)
+    assert torch.equal(on_gpu, from_host)
+    # the GPU reconstructs in bf16 on bf16 tensor cores, the CPU in float32: within about one bf16 ulp
+    torch.testing.assert_close(on_gpu.cpu().float(), on_cpu.float(), rtol=2**-6, atol=0.05)
     assert quality(x.float().cpu().numpy(), on_gpu.float().cpu().numpy())["cos_mean"] >= 0.998
     assert TensorCodec(basis, backend="rans", step=header["quant"]["step"]).decode(blob, device="cuda").is_cuda
     bad = x.clone()
     bad[3, 5] = float("nan")
     with pytest.raises(InvalidTensorError, match="NaN"):
         codec.encode(bad)
+
+
+@pytest.mark.gpu
+def test_encode_many_equals_single_calls_and_names_the_corrupt_blob():
+    """encode_many over 12 layers' tensors (each its own basis and calibrated step) writes the
+    bytes 12 single calls write; decode_many returns what single decodes return; a corrupt blob
+    in the list is named by its index."""
+    from shared.pipeline import decode_many, encode_many
+    from shared.rdquant import calibrate_step
+
+    codecs, xs = [], []
+    for layer in range(12):
+        rows = torch.from_numpy(low_rank(2048, 64, seed=layer)).to(torch.bfloat16)
+        calib, held_out = rows[:1024], rows[1024:]
+        basis = calibrate_step(fit_basis([calib], k=48), [calib], 0.999)
+        codecs.append(TensorCodec(basis, backend="rans"))
+        xs.append(held_out.cuda())
+    blobs = encode_many(codecs, xs)
+    singles = [c.encode(x) for c, x in zip(codecs, xs)]
+    assert all(torch.equal(b, s) for b, s in zip(blobs, singles))
+    ys = decode_many(codecs, blobs, device="cuda")
+    for c, b, y, x in zip(codecs, blobs, ys, xs):
+        assert torch.equal(y, c.decode(b, device="cuda"))
+        assert quality(x.float().cpu().numpy(), y.float().cpu().numpy())["cos_mean"] >= 0.99
+    hosts = [bytes(b.cpu().numpy()) for b in blobs]
+    assert all(torch.equal(a, b) for a, b in zip(decode_many(codecs, hosts, device="cuda"), ys))
+    bad = blobs[7].clone()
+    bad[len(bad) // 2] ^= 0x40
+    with pytest.raises(BitstreamError, match="blob 7"):
+        decode_many(codecs, blobs[:7] + [bad] + blobs[8:], device="cuda")
+
+
+def test_calibrated_step_lives_in_the_basis(tmp_path):
+    """calibrate_step stores the step for a target in the basis file; a codec made from the loaded
+    basis uses it without a search, and held-out tensors of the same source meet the target closely."""
+    from shared.rdquant import calibrate_step
+
+    rows = torch.from_numpy(low_rank(2048, 64)).to(torch.bfloat16)
+    calib, held_out = list(rows[:1536].split(512)), rows[1536:]
+    basis = calibrate_step(fit_basis(calib, k=48), calib, 0.999)
+    basis.save(tmp_path / "b.safetensors")
+    loaded = PCABasis.load(tmp_path / "b.safetensors")
+    assert loaded.meta["rans_step"] == basis.meta["rans_step"] and loaded.content_hash == basis.content_hash
+    codec = TensorCodec(loaded, backend="rans")
+    blob = codec.encode(held_out)
+    assert read_header(blob)["quant"]["step"] == basis.meta["rans_step"]
+    assert codec.measure(held_out)["cos_mean"] >= 0.998
 
 
 def test_results_writer_never_replaces_gpu_rows_with_a_cpu_run(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.codecs import rans
+from shared.codecs import rans, rans_cuda
 from shared.errors import BitstreamError, InvalidTensorError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,14 +217,14 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip inst
 
 
 @needs_triton
-@pytest.mark.parametrize("sample_rows,escape_slots", [(rans.HIST_SAMPLE_ROWS, rans.ESCAPES_PER_GROUP), (64, 2)])
+@pytest.mark.parametrize("sample_rows,escape_slots", [(rans.HIST_SAMPLE_ROWS, rans_cuda.ESCAPES_PER_GROUP), (64, 2)])
 def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
     """Every case, with the histogram over all tokens and over a sample (stride 4); with room for
     2 escapes per lane group the encoder must code the lanes again with more room."""
     run_interpreted(f"""
         import torch
         rans.HIST_SAMPLE_ROWS = {sample_rows}
-        rans.ESCAPES_PER_GROUP = {escape_slots}
+        rans_cuda.ESCAPES_PER_GROUP = {escape_slots}
         all_cases = cases()
         for name, x in [("pca_like_small", pca_like(300, 20)), ("heavy_tails", all_cases["heavy_tails"][:300]),
                         ("constant_columns", all_cases["constant_columns"][:300]),
@@ -232,9 +232,9 @@ def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
                         ("huge_alphabet_small", all_cases["huge_alphabet"][:40]),
                         ("int32_extremes", all_cases["int32_extremes"])]:
             payload = rans.encode(x, lane_tokens=64)
-            gpu_payload = rans.encode_cuda(torch.from_numpy(x), lane_tokens=64)
+            gpu_payload = rans_cuda.encode_cuda(torch.from_numpy(x), lane_tokens=64)
             assert bytes(gpu_payload.numpy()) == payload, name
-            y = rans.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            y = rans_cuda.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             np.testing.assert_array_equal(y.numpy(), x, err_msg=name)
     """)
 
@@ -248,9 +248,36 @@ def test_triton_interpreter_rejects_corruption():
             bad = bytearray(payload)
             bad[i] ^= 0xFF
             with pytest.raises(BitstreamError):
-                rans.decode_cuda(torch.frombuffer(bad, dtype=torch.uint8))
+                rans_cuda.decode_cuda(torch.frombuffer(bad, dtype=torch.uint8))
         with pytest.raises(BitstreamError):
-            rans.decode_cuda(torch.frombuffer(payload[:-3], dtype=torch.uint8))
+            rans_cuda.decode_cuda(torch.frombuffer(payload[:-3], dtype=torch.uint8))
+    """)
+
+
+@needs_triton
+def test_triton_interpreter_codes_many_payloads_in_one_launch():
+    """encode_many_cuda writes the numpy coder's bytes for each tensor; decode_many_cuda: payloads of one shape but different tables, widths and escapes decode
+    in shared launches (another shape in its own), each equal to the numpy decoder's output; a
+    corrupt payload in the list is named by its index."""
+    run_interpreted("""
+        import torch
+        extremes = pca_like(200, 16, seed=4)
+        extremes[0, 0], extremes[1, 1] = -2**31, 2**31 - 1
+        same_shape = [pca_like(200, 16, seed=s) for s in range(3)] + [cases()["heavy_tails"][:200], extremes,
+                                                                      -np.abs(pca_like(200, 16, seed=5)) - 1000]
+        xs = same_shape + [pca_like(64, 8, seed=9)]
+        payloads = [rans.encode(np.ascontiguousarray(x), lane_tokens=64) for x in xs]
+        tensors = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads]
+        outs, err = rans_cuda.decode_many_cuda(tensors)
+        assert not err.any()
+        for x, y in zip(xs, outs):
+            np.testing.assert_array_equal(y.numpy(), x)
+        many = rans_cuda.encode_many_cuda([torch.from_numpy(np.ascontiguousarray(x)) for x in xs], lane_tokens=64)
+        assert [bytes(m.numpy()) for m in many] == payloads
+        bad = bytearray(payloads[3])
+        bad[len(bad) // 2] ^= 0x10
+        with pytest.raises(BitstreamError, match="payload 3 of the list"):
+            rans_cuda.decode_many_cuda(tensors[:3] + [torch.frombuffer(bad, dtype=torch.uint8)] + tensors[4:])
     """)
 
 
@@ -260,9 +287,9 @@ def test_cuda_functions_need_a_cuda_tensor(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(BackendUnavailable, match="CUDA tensor"):
-        rans.encode_cuda(torch.zeros((4, 4), dtype=torch.int32))
+        rans_cuda.encode_cuda(torch.zeros((4, 4), dtype=torch.int32))
     with pytest.raises(InvalidTensorError):
-        rans.encode_cuda(np.zeros((4, 4), np.int32))
+        rans_cuda.encode_cuda(np.zeros((4, 4), np.int32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,11 +304,11 @@ def test_cuda_and_cpu_cross_decode(name, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = cases()[name]
     t = torch.from_numpy(x).cuda()
-    gpu_payload = rans.encode_cuda(t)
+    gpu_payload = rans_cuda.encode_cuda(t)
     cpu_payload = rans.encode(x)
     assert bytes(gpu_payload.cpu().numpy()) == cpu_payload
     np.testing.assert_array_equal(rans.decode(bytes(gpu_payload.cpu().numpy())), x)
-    y = rans.decode_cuda(torch.frombuffer(bytearray(cpu_payload), dtype=torch.uint8).cuda())
+    y = rans_cuda.decode_cuda(torch.frombuffer(bytearray(cpu_payload), dtype=torch.uint8).cuda())
     assert torch.equal(y, t)
 
 
@@ -293,15 +320,15 @@ def test_cuda_large_round_trip(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(0)
     sigma = 40 * torch.arange(1, 257, device="cuda", dtype=torch.float32) ** -0.7
     t = torch.round(torch.randn((65536, 256), device="cuda", generator=g) * sigma).to(torch.int32)
-    payload = rans.encode_cuda(t)
-    assert torch.equal(rans.decode_cuda(payload), t)
+    payload = rans_cuda.encode_cuda(t)
+    assert torch.equal(rans_cuda.decode_cuda(payload), t)
     assert len(payload) < 1.03 * rans.entropy_bound_bytes(t.cpu().numpy())
     t[::97, :40] += 100000  # outliers: escapes in many groups, more than the first try's buffer in some
-    monkeypatch.setattr(rans, "ESCAPES_PER_GROUP", 8)
-    payload = rans.encode_cuda(t)
+    monkeypatch.setattr(rans_cuda, "ESCAPES_PER_GROUP", 8)
+    payload = rans_cuda.encode_cuda(t)
     assert rans.parse(bytes(payload.cpu().numpy())).n_escapes > 0
     assert bytes(payload.cpu().numpy()) == rans.encode(t.cpu().numpy())
-    assert torch.equal(rans.decode_cuda(payload), t)
+    assert torch.equal(rans_cuda.decode_cuda(payload), t)
 
 
 @pytest.mark.gpu
@@ -309,9 +336,9 @@ def test_cuda_rejects_corruption(monkeypatch):
     import torch
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    payload = rans.encode_cuda(torch.from_numpy(pca_like(3000, 32)).cuda())
+    payload = rans_cuda.encode_cuda(torch.from_numpy(pca_like(3000, 32)).cuda())
     for i in (7, 100, len(payload) // 2, len(payload) - 2):
         bad = payload.clone()
         bad[i] ^= 0xFF
         with pytest.raises(BitstreamError):
-            rans.decode_cuda(bad)
+            rans_cuda.decode_cuda(bad)

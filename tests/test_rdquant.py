@@ -126,8 +126,8 @@ def test_fused_projection_in_triton_interpreter():
         s = sym.numpy()
         assert (mn.numpy() == s.min(0)).all() and (mx.numpy() == s.max(0)).all()
         assert (sm.numpy() == s.astype(np.int64).sum(0)).all()
-        payload = rans.encode_cuda(sym, stats=(mn, mx, sm))
+        payload = rans_cuda.encode_cuda(sym, stats=(mn, mx, sm))
         assert bytes(payload.numpy()) == rans.encode(s)
-        x_hat = proj.reconstruct(rans.decode_cuda(payload), step).float().numpy()
+        x_hat = proj.reconstruct(rans_cuda.decode_cuda(payload), step).float().numpy()
         assert quality(x.astype(np.float64), x_hat.astype(np.float64), "cos") > 0.999
     """)

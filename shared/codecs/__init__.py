@@ -19,7 +19,7 @@ from .base import (  # noqa: F401
 )
 
 # Each module registers its backends on import. GPU modules import their libraries lazily.
-_MODULES = ["raw", "pyav", "ffmpeg_subprocess", "zstd_codec", "nvdec", "nvcomp"]
+_MODULES = ["rans", "raw", "pyav", "ffmpeg_subprocess", "zstd_codec", "nvdec", "nvcomp"]
 _loaded = False
 
 

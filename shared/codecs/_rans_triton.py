@@ -1,4 +1,4 @@
-"""Triton kernels of the GPU rANS coder (shared/codecs/rans.py holds the format and the host code).
+"""Triton kernels of the GPU rANS coder (rans.py holds the format, rans_cuda.py the host code).
 
 Imported only when a GPU coder function is first called, so importing rans.py needs no Triton.
 Every integer rule here mirrors the numpy coder in rans.py exactly; tests compare the bytes.
@@ -69,6 +69,12 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, 
     coalesced over components) and keeps the 8 bins around the component's mean in registers:
     those take most of the hits and would otherwise serialize on a few global atomics. Other
     bins get a global atomic each."""
+    s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
+    sym_ptr += s * T * K
+    mn_ptr += s * K
+    mx_ptr += s * K
+    sm_ptr += s * K
+    counts_ptr += s * K * HCAP
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     lane_ok = lane < n_lanes
     p = lane // K
@@ -119,10 +125,22 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, 
     tl.atomic_add(counts_ptr + row_ptr + c0 + 7, n7, mask=n7 > 0)
 
 
-# Slots of the encoder's scalar summary (int64), read by the host in its one synchronization
-# (rans.SUMMARY_FIELDS names them in this order).
+# the encoder's scalar summary: one int64 slot per field, read by the host in its one synchronization
+SUMMARY_FIELDS = ("n_table", "k_coded", "w_max", "lo_min", "lo_max", "stream_words", "n_escapes", "overflow",
+                  "group_escapes_max", "n_param")
 (SCAL_N_TABLE, SCAL_K_CODED, SCAL_W_MAX, SCAL_LO_MIN, SCAL_LO_MAX, SCAL_WORDS, SCAL_ESCAPES,
- SCAL_OVERFLOW, SCAL_GROUP_ESC_MAX, SCAL_N_PARAM) = (tl.constexpr(i) for i in range(10))
+ SCAL_OVERFLOW, SCAL_GROUP_ESC_MAX, SCAL_N_PARAM) = (tl.constexpr(i) for i in range(len(SUMMARY_FIELDS)))
+SCAL_SLOTS = tl.constexpr(len(SUMMARY_FIELDS))
+
+
+# A decoder's segment table: one row of int64 fields per payload of a batch, all payloads in one
+# byte buffer; "_el" fields are element offsets into the buffer viewed in that section's dtype.
+SEG_FIELDS = ("base", "len", "lo_el", "wflag_el", "model", "mu16_el", "scale", "codes", "check_el", "gw_el",
+              "ge_el", "esc_el", "states_el", "streams_el", "n_table", "k_coded", "n_param", "n_words", "n_esc",
+              "lo_bytes", "w_bytes")
+(SEG_BASE, SEG_LEN, SEG_LO, SEG_WFLAG, SEG_MODEL, SEG_MU16, SEG_SCALE, SEG_CODES, SEG_CHECK, SEG_GW, SEG_GE,
+ SEG_ESC, SEG_STATES, SEG_STREAMS, SEG_N_TABLE, SEG_K_CODED, SEG_N_PARAM, SEG_N_WORDS, SEG_N_ESC, SEG_LO_BYTES,
+ SEG_W_BYTES) = (tl.constexpr(i) for i in range(len(SEG_FIELDS)))
 
 
 @triton.jit
@@ -145,6 +163,22 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     counts and extremes of the results go to the scalar summary. guard (optional): a float the
     producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too)."""
     k = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
+    nk = tl.num_programs(0).to(tl.int64)
+    counts_ptr += s * nk * HCAP
+    codes_ptr += s * nk * HCAP
+    tab_ptr += s * nk * HCAP
+    mn_ptr += s * nk
+    mx_ptr += s * nk
+    sm_ptr += s * nk
+    lo_ptr += s * nk
+    w_ptr += s * nk
+    a_ptr += s * nk
+    model_ptr += s * nk
+    scale_ptr += s * nk
+    mu16_ptr += s * nk
+    guard_ptr += s
+    scal_ptr += s * SCAL_SLOTS
     j = tl.arange(0, HCAP)
     j64 = j.to(tl.int64)
     mn = tl.load(mn_ptr + k).to(tl.int64)
@@ -231,6 +265,18 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     count is kept either way) in the order the stored format wants; programs none of whose
     components has an escape symbol skip that bookkeeping."""
     M: tl.constexpr = 1 << PROB_BITS
+    s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
+    sym_ptr += s * T * K
+    lo_ptr += s * K
+    w_ptr += s * K
+    a_ptr += s * K
+    tab_ptr += s * K * HCAP
+    buf_ptr += s * n_groups * cap
+    state_ptr += s * n_lanes
+    glen_ptr += s * n_groups
+    gesc_ptr += s * n_groups
+    ebuf_ptr += s * n_groups * ecap
+    scal_ptr += s * SCAL_SLOTS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     lane = grp[:, None] * G + tl.arange(0, G)[None, :]
     lane_ok = lane < n_lanes
@@ -294,15 +340,39 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
 
 
 @triton.jit
+def _store_width(p8, p16, p32, el, v, width, mask):
+    """Store into a section whose width (1, 2 or 4 bytes, a runtime value) varies by payload."""
+    if width == 1:
+        tl.store(p8 + el, v.to(tl.int8), mask=mask)
+    elif width == 2:
+        tl.store(p16 + el, v.to(tl.int16), mask=mask)
+    else:
+        tl.store(p32 + el, v.to(tl.int32), mask=mask)
+
+
+@triton.jit
 def pack_meta_kernel(lo_ptr, w_ptr, a_ptr, codes_ptr, states_ptr, model_ptr, scale_ptr, mu16_ptr,
-                     lo_out, wflag_out, model_out, mu16_out, scale_out, codes_out, states_out,
-                     K, P, k_coded, HCAP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                     FLAG_SHIFT: tl.constexpr):
-    """One component's meta into the payload: lo, W | escape flag, its model, then its
-    parameters (after those of the parametric components before it) or its A weight codes
+                     b8, b16, b32, seg_ptr, K, P, HCAP: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_P: tl.constexpr, SEG_FIELDS: tl.constexpr):
+    """One component's meta into payload s = program_id(1) of a batch (b8/b16/b32: the batch buffer
+    as int8/int16/int32; seg_ptr: its segment table row): lo, W | escape flag, its model, then
+    its parameters (after those of the parametric components before it) or its A weight codes
     (after those of the explicit ones before it), and its lanes' final states when it codes
     anything (A > 1)."""
     k = tl.program_id(0)
+    s = tl.program_id(1)
+    seg = seg_ptr + s * SEG_FIELDS
+    lob = tl.load(seg + SEG_LO_BYTES)
+    wb = tl.load(seg + SEG_W_BYTES)
+    k_coded = tl.load(seg + SEG_K_CODED)
+    lo_ptr += s * K
+    w_ptr += s * K
+    a_ptr += s * K
+    model_ptr += s * K
+    scale_ptr += s * K
+    mu16_ptr += s * K
+    codes_ptr += s.to(tl.int64) * K * HCAP
+    states_ptr += s.to(tl.int64) * P * K
     jk = tl.arange(0, BLOCK_K)
     A_all = tl.load(a_ptr + jk, mask=jk < K, other=0)
     par_all = tl.load(model_ptr + jk, mask=jk < K, other=0) > 0
@@ -313,50 +383,69 @@ def pack_meta_kernel(lo_ptr, w_ptr, a_ptr, codes_ptr, states_ptr, model_ptr, sca
     A = tl.load(a_ptr + k)
     W = tl.load(w_ptr + k)
     model = tl.load(model_ptr + k)
-    tl.store(lo_out + k, tl.load(lo_ptr + k).to(lo_out.dtype.element_ty))
-    tl.store(wflag_out + k, (W | ((A - W) << FLAG_SHIFT)).to(wflag_out.dtype.element_ty))
-    tl.store(model_out + k, model.to(tl.uint8))
-    tl.store(mu16_out + poff, tl.load(mu16_ptr + k).to(tl.int16), mask=model > 0)
-    tl.store(scale_out + poff, tl.load(scale_ptr + k).to(tl.uint8), mask=model > 0)
+    _store_width(b8, b16, b32, tl.load(seg + SEG_LO) + k, tl.load(lo_ptr + k), lob, k < K)
+    _store_width(b8, b16, b32, tl.load(seg + SEG_WFLAG) + k, W | ((A - W) << (8 * wb - 1)), wb, k < K)
+    tl.store(b8 + tl.load(seg + SEG_MODEL) + k, model.to(tl.int8))
+    tl.store(b16 + tl.load(seg + SEG_MU16) + poff, tl.load(mu16_ptr + k).to(tl.int16), mask=model > 0)
+    tl.store(b8 + tl.load(seg + SEG_SCALE) + poff, tl.load(scale_ptr + k).to(tl.uint8).to(tl.int8, bitcast=True),
+             mask=model > 0)
     j = tl.arange(0, HCAP)
-    tl.store(codes_out + off + j, tl.load(codes_ptr + k * HCAP + j), mask=(j < A) & (model == 0))
+    tl.store(b8 + tl.load(seg + SEG_CODES) + off + j,
+             tl.load(codes_ptr + k * HCAP + j).to(tl.int8, bitcast=True), mask=(j < A) & (model == 0))
+    states_out = b32 + tl.load(seg + SEG_STATES)
     if A > 1:
         for p0 in range(0, P, BLOCK_P):
             pp = (p0 + tl.arange(0, BLOCK_P)).to(tl.int64)
             m = pp < P
-            s = tl.load(states_ptr + pp * K + k, mask=m)
-            tl.store(states_out + pp * k_coded + rank, s, mask=m)
+            st = tl.load(states_ptr + pp * K + k, mask=m)
+            tl.store(states_out + pp * k_coded + rank, st, mask=m)
 
 
 @triton.jit
-def gather_streams_kernel(buf_ptr, glen_ptr, gend_ptr, out_ptr, gw_out, cap,
-                          ebuf_ptr, gesc_ptr, geend_ptr, eout_ptr, ge_out, ecap, BLOCK: tl.constexpr):
-    """Group g's words and escapes to their places in the payload (gend, geend: inclusive prefix
-    sums of the counts), and both counts to their sections."""
+def gather_streams_kernel(buf_ptr, glen_ptr, gend_ptr, cap, ebuf_ptr, gesc_ptr, geend_ptr, ecap, b16, b32, seg_ptr,
+                          n_groups, BLOCK: tl.constexpr, SEG_FIELDS: tl.constexpr):
+    """Group g of payload s = program_id(1): its words and escapes to their places in the payload
+    (gend, geend: inclusive prefix sums of the counts), and both counts to their sections."""
     g = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    seg = seg_ptr + s * SEG_FIELDS
+    out_ptr = b16 + tl.load(seg + SEG_STREAMS)
+    gw_out = b32 + tl.load(seg + SEG_GW)
+    ge_out = b32 + tl.load(seg + SEG_GE)
+    eout_ptr = b32 + tl.load(seg + SEG_ESC)
+    buf_ptr += s * n_groups * cap
+    ebuf_ptr += s * n_groups * ecap
+    glen_ptr += s * n_groups
+    gend_ptr += s * n_groups
+    gesc_ptr += s * n_groups
+    geend_ptr += s * n_groups
     n = tl.load(glen_ptr + g)
     o = tl.load(gend_ptr + g) - n
     tl.store(gw_out + g, n)
-    for s in range(0, n, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
+    for st in range(0, n, BLOCK):
+        offs = st + tl.arange(0, BLOCK)
         m = offs < n
         tl.store(out_ptr + o + offs, tl.load(buf_ptr + g * cap + offs, mask=m), mask=m)
     ne = tl.load(gesc_ptr + g)
     oe = tl.load(geend_ptr + g) - ne
     tl.store(ge_out + g, ne)
-    for s in range(0, ne, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
+    for st in range(0, ne, BLOCK):
+        offs = st + tl.arange(0, BLOCK)
         m = offs < ne
         tl.store(eout_ptr + oe + offs, tl.load(ebuf_ptr + g * ecap + offs, mask=m), mask=m)
 
 
 @triton.jit
-def checksum_kernel(ptr, n, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.constexpr, BLOCK: tl.constexpr,
-                    ITERS: tl.constexpr):
-    """Partial sums of rans.checksum over ITERS blocks of the payload; bytes [SKIP_LO, SKIP_HI)
-    (the check fields themselves) are left out and do not count as positions."""
+def checksum_kernel(ptr, seg_ptr, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.constexpr, BLOCK: tl.constexpr,
+                    ITERS: tl.constexpr, SEG_FIELDS: tl.constexpr):
+    """Partial sums of rans.checksum over ITERS blocks of payload s = program_id(1), which lies at
+    bytes [base, base + n) of ptr (seg_ptr[s]: base, n); its bytes [SKIP_LO, SKIP_HI) (the check
+    fields themselves) are left out and do not count as positions. Sums go to out_ptr[2 s: 2 s + 2]."""
     tl.static_assert(BLOCK * ITERS <= 65521)
     D: tl.constexpr = SKIP_HI - SKIP_LO
+    s = tl.program_id(1)
+    pay = ptr + tl.load(seg_ptr + s * SEG_FIELDS + SEG_BASE)
+    n = tl.load(seg_ptr + s * SEG_FIELDS + SEG_LEN)
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
     base = ((start - tl.where(start >= SKIP_HI, D, 0)) % 65521).to(tl.int32)  # first byte's position mod 65521
     s0 = tl.zeros([BLOCK], tl.int64)
@@ -364,22 +453,37 @@ def checksum_kernel(ptr, n, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.constexp
     for it in range(ITERS):
         local = it * BLOCK + tl.arange(0, BLOCK)
         offs = start + local
-        b = tl.load(ptr + offs, mask=offs < n, other=0).to(tl.int32)
+        b = tl.load(pay + offs, mask=offs < n, other=0).to(tl.int32)
         b = tl.where((offs >= SKIP_LO) & (offs < SKIP_HI), 0, b)
         adj = tl.where((start < SKIP_HI) & (offs >= SKIP_HI), D, 0)  # only the first program straddles them
         w = base + local - adj  # < 2 * 65521: BLOCK * ITERS <= 65521
         w = tl.where(w >= 65521, w - 65521, w) + 1
         s0 += b.to(tl.int64)
         s1 += (b * w).to(tl.int64)
-    tl.atomic_add(out_ptr, tl.sum(s0, 0))
-    tl.atomic_add(out_ptr + 1, tl.sum(s1, 0))
+    tl.atomic_add(out_ptr + 2 * s, tl.sum(s0, 0))
+    tl.atomic_add(out_ptr + 2 * s + 1, tl.sum(s1, 0))
 
 
 @triton.jit
-def finish_checksum_kernel(sums_ptr, check_out):
-    """The checksum's two words (mod 2^32) into the header."""
-    s = tl.load(sums_ptr + tl.arange(0, 2))
-    tl.store(check_out + tl.arange(0, 2), (s & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True))
+def scatter_kernel(src_ptr, rows_ptr, dst_ptr, BLOCK: tl.constexpr):
+    """Row s = program_id(0) of rows (src offset, dst offset, length): copy those bytes of src to dst."""
+    s = tl.program_id(0)
+    so = tl.load(rows_ptr + 3 * s)
+    do = tl.load(rows_ptr + 3 * s + 1)
+    n = tl.load(rows_ptr + 3 * s + 2)
+    for st in range(0, n, BLOCK):
+        offs = st + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(dst_ptr + do + offs, tl.load(src_ptr + so + offs, mask=m), mask=m)
+
+
+@triton.jit
+def finish_checksum_kernel(sums_ptr, b32, seg_ptr, SEG_FIELDS: tl.constexpr):
+    """Payload s = program_id(0): the checksum's two words (mod 2^32) into its header."""
+    s = tl.program_id(0)
+    v = tl.load(sums_ptr + 2 * s + tl.arange(0, 2))
+    check_out = b32 + tl.load(seg_ptr + s * SEG_FIELDS + SEG_CHECK)
+    tl.store(check_out + tl.arange(0, 2), (v & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -388,34 +492,69 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def decode_meta_kernel(lo_in, wflag_in, model_in, mu16_in, scale_in, codes_in, check_in, sums_ptr, n_table, k_coded,
-                       n_param, shapes_ptr, inv_ptr, lo_ptr, w_ptr, a_ptr, rank_ptr, tab_ptr, lut_ptr, err_ptr, K,
-                       HCAP: tl.constexpr, PROB_BITS: tl.constexpr, BLOCK_K: tl.constexpr, TOP: tl.constexpr,
-                       PACKED: tl.constexpr, N_SHAPES: tl.constexpr, SHAPE_STEPS: tl.constexpr):
-    """Program k < K: component k's window and weights (explicit codes or its parametric model)
-    from the payload -> its rANS table and its slot -> symbol lookup (PACKED: symbol << 2n |
-    f - 1 << n | slot - cum); program K: the virtual no-op component (one symbol of frequency
-    2^n). Anything out of range, and (program 0) a checksum or table-size mismatch, sets the
-    error flag."""
+def _load_width(p8, p16, p32, el, width, mask):
+    """Elements of a section whose width (1, 2 or 4 bytes, a runtime value) varies by payload."""
+    if width == 1:
+        v = tl.load(p8 + el, mask=mask, other=0).to(tl.int64)
+    elif width == 2:
+        v = tl.load(p16 + el, mask=mask, other=0).to(tl.int64)
+    else:
+        v = tl.load(p32 + el, mask=mask, other=0).to(tl.int64)
+    return v
+
+
+@triton.jit
+def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_ptr, w_ptr, a_ptr, rank_ptr,
+                       tab_ptr, lut_ptr, err_ptr, K,
+                       HCAP: tl.constexpr, PROB_BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PACKED: tl.constexpr, N_SHAPES: tl.constexpr, SHAPE_STEPS: tl.constexpr,
+                       SEG_FIELDS: tl.constexpr):
+    """Payload s = program_id(1) of a batch (b8/b16/b32: the batch buffer as int8/int16/int32;
+    seg_ptr: its segment table row). Program k < K: component k's window and weights (explicit
+    codes or its parametric model) -> its rANS table and its slot -> symbol lookup (PACKED:
+    symbol << 2n | f - 1 << n | slot - cum); program K: the virtual no-op component (one symbol
+    of frequency 2^n). Anything out of range, and (program 0) a checksum or table-size
+    mismatch, sets the payload's error flag."""
     M: tl.constexpr = 1 << PROB_BITS
     k = tl.program_id(0)
+    s = tl.program_id(1)
+    seg = seg_ptr + s * SEG_FIELDS
+    lob = tl.load(seg + SEG_LO_BYTES)
+    wb = tl.load(seg + SEG_W_BYTES)
+    lo_el = tl.load(seg + SEG_LO)
+    wf_el = tl.load(seg + SEG_WFLAG)
+    model_in = b8 + tl.load(seg + SEG_MODEL)
+    mu16_in = b16 + tl.load(seg + SEG_MU16)
+    scale_in = b8 + tl.load(seg + SEG_SCALE)
+    codes_in = b8 + tl.load(seg + SEG_CODES)
+    check_in = b32 + tl.load(seg + SEG_CHECK)
+    n_table = tl.load(seg + SEG_N_TABLE)
+    k_coded = tl.load(seg + SEG_K_CODED)
+    n_param = tl.load(seg + SEG_N_PARAM)
+    top = 8 * wb - 1
+    lo_ptr += s * K
+    w_ptr += s * K
+    a_ptr += s * K
+    rank_ptr += s * K
+    tab_ptr += s.to(tl.int64) * (K + 1) * HCAP
+    lut_ptr += s.to(tl.int64) * (K + 1) * M
     real = k < K
     jk = tl.arange(0, BLOCK_K)
     mk = jk < K
-    wf_all = tl.load(wflag_in + jk, mask=mk, other=0).to(tl.int64) & ((2 << TOP) - 1)
-    A_all = (wf_all & ((1 << TOP) - 1)) + (wf_all >> TOP)
+    wf_all = _load_width(b8, b16, b32, wf_el + jk, wb, mk) & ((2 << top) - 1)
+    A_all = (wf_all & ((1 << top) - 1)) + (wf_all >> top)
     par_all = tl.load(model_in + jk, mask=mk, other=0).to(tl.int64) > 0
     off = tl.sum(tl.where((jk < k) & ~par_all, A_all, 0), 0)
     poff = tl.sum(tl.where((jk < k) & par_all, 1, 0), 0)
     rank = tl.sum(tl.where((jk < k) & (A_all > 1), 1, 0), 0)
-    wf = tl.load(wflag_in + k, mask=real, other=1).to(tl.int64) & ((2 << TOP) - 1)
-    W = wf & ((1 << TOP) - 1)
-    has_esc = (wf >> TOP) > 0
-    A = W + (wf >> TOP)
-    lo = tl.load(lo_in + k, mask=real, other=0).to(tl.int64)
+    wf = tl.where(real, _load_width(b8, b16, b32, wf_el + k, wb, real), 1) & ((2 << top) - 1)
+    W = wf & ((1 << top) - 1)
+    has_esc = (wf >> top) > 0
+    A = W + (wf >> top)
+    lo = _load_width(b8, b16, b32, lo_el + k, lob, real)
     model = tl.load(model_in + k, mask=real, other=0).to(tl.int64)
     bad = real & ((W < 1) | (A > HCAP) | (lo + W - 1 > 2147483647) | (model > N_SHAPES))
-    sums = tl.load(sums_ptr + tl.arange(0, 2)) & 0xFFFFFFFF
+    sums = tl.load(sums_ptr + 2 * s + tl.arange(0, 2)) & 0xFFFFFFFF
     check = tl.load(check_in + tl.arange(0, 2)).to(tl.int64) & 0xFFFFFFFF
     bad_global = (tl.sum((sums != check).to(tl.int32), 0) > 0) | (tl.sum(tl.where(par_all, 0, A_all), 0) != n_table) \
         | (tl.sum((A_all > 1).to(tl.int64), 0) != k_coded) | (tl.sum(par_all.to(tl.int64), 0) != n_param)
@@ -423,10 +562,10 @@ def decode_meta_kernel(lo_in, wflag_in, model_in, mu16_in, scale_in, codes_in, c
     j = tl.arange(0, HCAP)
     j64 = j.to(tl.int64)
     code = tl.load(codes_in + off + j, mask=real & (model == 0) & (j < A) & (off + j < n_table), other=0)
-    w = mf_decode(code.to(tl.int64))
+    w = mf_decode(code.to(tl.uint8).to(tl.int64))
     par = real & (model > 0) & (poff < n_param)
     mu16 = tl.load(mu16_in + poff, mask=par, other=0).to(tl.int64)
-    scode = tl.load(scale_in + poff, mask=par, other=0).to(tl.int64)
+    scode = tl.load(scale_in + poff, mask=par, other=0).to(tl.uint8).to(tl.int64)
     shape = tl.minimum(tl.maximum(model - 1, 0), N_SHAPES - 1)
     w = tl.where(par, model_row(shapes_ptr, inv_ptr, shape, scode, mu16, W, has_esc, j64, SHAPE_STEPS), w)
     w = tl.where((~real) & (j == 0), 1, w)
@@ -454,18 +593,39 @@ def decode_meta_kernel(lo_in, wflag_in, model_in, mu16_in, scale_in, codes_in, c
         val = sym
     tl.debug_barrier()
     tl.store(row + slots, val)
-    tl.atomic_or(err_ptr, bad.to(tl.int32))
+    tl.atomic_or(err_ptr + s, bad.to(tl.int32))
 
 
 @triton.jit
-def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr, rank_ptr, lut_ptr, tab_ptr,
-                  out_ptr, esc_in, gesc_ptr, geend_ptr, err_ptr, T, K, n_lanes, n_groups, S, n_words, n_esc, k_coded,
+def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, rank_ptr, lut_ptr, tab_ptr,
+                  out_ptr, gesc_ptr, geend_ptr, err_ptr, T, K, n_lanes, n_groups, S,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr):
-    """The encoder's mirror: lanes walk their tokens first to last, reading each group's words
-    from the end of its stream. PACKED: lut holds symbol | f-1 | slot-cum in one int32 (n <= 11);
-    else lut holds the symbol and tab the (cum << 16 | f) entry. Escaped values are read from
-    the end of each group's escapes, as its words. Any inconsistency sets err[0]."""
+                  WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr):
+    """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
+    first to last, reading each group's words from the end of its stream. PACKED: lut holds
+    symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol and tab the
+    (cum << 16 | f) entry. Escaped values are read from the end of each group's escapes, as its
+    words. Any inconsistency sets the payload's error flag."""
+    sg = tl.program_id(1)
+    seg = seg_ptr + sg * SEG_FIELDS
+    words_ptr = b16 + tl.load(seg + SEG_STREAMS)
+    states_in = b32 + tl.load(seg + SEG_STATES)
+    esc_in = b32 + tl.load(seg + SEG_ESC)
+    n_words = tl.load(seg + SEG_N_WORDS)
+    n_esc = tl.load(seg + SEG_N_ESC)
+    k_coded = tl.load(seg + SEG_K_CODED)
+    gend_ptr += sg.to(tl.int64) * n_groups
+    glen_ptr += sg.to(tl.int64) * n_groups
+    gesc_ptr += sg.to(tl.int64) * n_groups
+    geend_ptr += sg.to(tl.int64) * n_groups
+    lo_ptr += sg * K
+    w_ptr += sg * K
+    a_ptr += sg * K
+    rank_ptr += sg * K
+    lut_ptr += sg.to(tl.int64) * (K + 1) * (1 << PROB_BITS)
+    tab_ptr += sg.to(tl.int64) * (K + 1) * HCAP
+    out_ptr += sg.to(tl.int64) * T * K
+    err_ptr += sg
     M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     grp_ok = grp < n_groups
@@ -535,89 +695,3 @@ def decode_kernel(words_ptr, gend_ptr, glen_ptr, states_in, lo_ptr, w_ptr, a_ptr
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)[:, None]
     tl.atomic_or(err_ptr, tl.max(tl.max(tl.where(lane_ok, bad, 0), 1), 0))
-
-
-# ---------------------------------------------------------------------------------------------
-# The compute codec's dense stages (used by shared/rdquant.py): PCA projection fused with the
-# shared-step quantizer and the per-component statistics the rANS coder needs, and its inverse.
-
-
-@triton.jit
-def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr, sum_ptr, amax_ptr,
-                            T, D, K, inv_step,
-                            BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
-    """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K]; with bias = mean @ basis.
-
-    Also folds each column's min, max and integer sum into mn/mx/sum (atomics), and the largest
-    |scaled value| into amax, so the caller can refuse int32 overflow."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rmask = rows < T
-    cmask = cols < K
-    acc = tl.zeros([BM, BN], tl.float32)
-    for d0 in range(0, D, BD):
-        dd = d0 + tl.arange(0, BD)
-        dmask = dd < D
-        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + dd[None, :], mask=rmask[:, None] & dmask[None, :],
-                    other=0.0)
-        b = tl.load(basis_ptr + dd.to(tl.int64)[:, None] * K + cols[None, :], mask=dmask[:, None] & cmask[None, :],
-                    other=0.0)
-        if UPCAST:  # Triton's CPU interpreter cannot multiply bf16 tiles
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc)
-    bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0)
-    v = (acc - bias[None, :]) * inv_step
-    m = rmask[:, None] & cmask[None, :]
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(m, tl.abs(v), 0.0), 1), 0))
-    v = tl.minimum(tl.maximum(v, -2147483520.0), 2147483520.0)  # refused by the caller via amax
-    s = tl.floor(v + 0.5).to(tl.int32)
-    tl.store(sym_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], s, mask=m)
-    big = 2147483647
-    tl.atomic_min(mn_ptr + cols, tl.min(tl.where(m, s, big), 0), mask=cmask)
-    tl.atomic_max(mx_ptr + cols, tl.max(tl.where(m, s, -big - 1), 0), mask=cmask)
-    tl.atomic_add(sum_ptr + cols, tl.sum(tl.where(m, s, 0).to(tl.int64), 0), mask=cmask)
-
-
-@triton.jit
-def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
-    """out = bf16((sym * step) @ basis_t + mean), [T, D]; basis_t is [K, D] bf16."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rmask = rows < T
-    cmask = cols < D
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < K
-        s = tl.load(sym_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                    other=0)
-        a = (s.to(tl.float32) * step).to(tl.bfloat16)
-        b = tl.load(basis_t_ptr + kk.to(tl.int64)[:, None] * D + cols[None, :], mask=kmask[:, None] & cmask[None, :],
-                    other=0.0)
-        if UPCAST:  # Triton's CPU interpreter cannot multiply bf16 tiles
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc)
-    mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0)
-    out = (acc + mean[None, :]).to(tl.bfloat16)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
-
-
-# Tile shapes tried once per (D, K) on a GPU; the fastest is kept (triton.autotune).
-_MATMUL_CONFIGS = [
-    triton.Config(dict(BM=bm, BN=bn, BD=bd), num_warps=w, num_stages=st)
-    for bm, bn, bd, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
-                              (64, 128, 64, 4, 4), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3), (64, 64, 64, 4, 3),
-                              (256, 128, 64, 8, 3)]
-]
-project_quantize_tuned = triton.autotune(_MATMUL_CONFIGS, key=["D", "K"], reset_to_zero=["sum_ptr"])(
-    project_quantize_kernel)
-_RECON_CONFIGS = [triton.Config(dict(BM=c.kwargs["BM"], BN=c.kwargs["BN"], BK=c.kwargs["BD"]),
-                                num_warps=c.num_warps, num_stages=c.num_stages) for c in _MATMUL_CONFIGS]
-reconstruct_tuned = triton.autotune(_RECON_CONFIGS, key=["D", "K"])(reconstruct_kernel)

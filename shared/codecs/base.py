@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
+from ..errors import BackendUnavailable, BitstreamError, ConfigurationError, InvalidTensorError
 
 
 def check_frames(frames: np.ndarray, width: int, height: int) -> np.ndarray:
@@ -83,7 +83,19 @@ class BufferedEncoder(EncoderSession):
 
 
 class DecoderSession(_Session):
-    """open in __init__, submit(payload bytes), flush() -> (F, 3, H, W) uint8, close()."""
+    """open in __init__, submit(payload bytes), flush() -> (F, 3, H, W) uint8, close().
+
+    expect_frames(n) before submit: the payload should hold n frames; a decoder stops (and raises
+    BitstreamError) as soon as it would produce more, so a payload cannot make it decode more."""
+
+    max_frames: int | None = None
+
+    def expect_frames(self, n_frames: int) -> None:
+        self.max_frames = int(n_frames)
+
+    def frame_bytes(self) -> int | None:
+        """Bytes of the frames expected (None: not told)."""
+        return None if self.max_frames is None else self.max_frames * 3 * self.height * self.width
 
     def submit(self, payload: bytes) -> None:
         raise NotImplementedError
@@ -98,6 +110,7 @@ class DecoderSession(_Session):
                 f"decoded {len(data)} bytes, not a whole number of {self.width}x{self.height} YUV444 frames"
             )
         frames = np.frombuffer(data, np.uint8).reshape(-1, 3, self.height, self.width)
+        n_frames = self.max_frames if n_frames is None else n_frames
         if n_frames is not None and len(frames) != n_frames:
             raise BitstreamError(f"expected {n_frames} frames, decoded {len(frames)}")
         return frames
@@ -171,17 +184,20 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, from_bitstream: bool = False) -> Backend:
+    """The backend registered as `name`. An unknown name is a ConfigurationError listing the known
+    ones; from_bitstream=True (a name read from a header) makes it a BitstreamError instead."""
     from . import _load_all
 
     _load_all()
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise BitstreamError(
-            f"unknown codec id '{name}'; known: {', '.join(sorted(_REGISTRY))}. "
-            "A bitstream naming another codec was written by a newer or different build."
-        ) from None
+        known = ", ".join(sorted(_REGISTRY))
+        if from_bitstream:
+            raise BitstreamError(f"the bitstream names codec '{name}', which this build does not know (known: "
+                                 f"{known}): the blob is corrupt, or was written by a newer build") from None
+        raise ConfigurationError(f"unknown codec backend '{name}'; known: {known}") from None
 
 
 def all_backends() -> list[Backend]:

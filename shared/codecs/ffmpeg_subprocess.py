@@ -67,7 +67,11 @@ class SubprocessEncoder(BufferedEncoder):
 class SubprocessDecoder(BufferedDecoder):
     def flush(self) -> np.ndarray:
         payload = self.take()
-        raw = _run(["-f", "hevc", "-i", "pipe:0", "-f", "rawvideo", "-pix_fmt", "yuv444p", "pipe:1"], payload, "decode")
+        # bounded like the in-process decoder: no picture beyond the session's size (FFmpeg's
+        # max_pixels), no frame beyond the expected count plus one (which frames_from_bytes refuses)
+        limit = ["-frames:v", str(self.max_frames + 1)] if self.max_frames is not None else []
+        raw = _run(["-max_pixels", str(self.width * self.height), "-f", "hevc", "-i", "pipe:0", *limit,
+                    "-f", "rawvideo", "-pix_fmt", "yuv444p", "pipe:1"], payload, "decode")
         return self.frames_from_bytes(raw).copy()
 
 

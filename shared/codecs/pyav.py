@@ -17,7 +17,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from ..errors import BitstreamError, CodecError
+from ..errors import BitstreamError, CodecError, ConfigurationError
 from .base import Backend, DecoderSession, EncoderSession, check_frames, register
 
 
@@ -46,6 +46,20 @@ def _frames_to_av(frames: np.ndarray, pix_fmt: str = "yuv444p"):
                 buf = np.frombuffer(plane, np.uint8).reshape(-1, plane.line_size)
                 buf[: f.shape[1], : f.shape[2]] = f[plane_index]
         yield vf
+
+
+X265_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+                "placebo")
+
+
+def _check_x265_settings(settings: dict) -> None:
+    qp, preset, intra = settings.get("qp"), settings.get("preset", "medium"), settings.get("intra", False)
+    if qp is not None and (isinstance(qp, bool) or not isinstance(qp, int) or not 0 <= qp <= 51):
+        raise ConfigurationError(f"x265 qp={qp!r}: use None (lossless) or an int from 0 to 51")
+    if preset not in X265_PRESETS:
+        raise ConfigurationError(f"x265 preset={preset!r}: use one of {', '.join(X265_PRESETS)}")
+    if not isinstance(intra, bool):
+        raise ConfigurationError(f"x265 intra={intra!r}: use True or False")
 
 
 def _av_to_frames(vframes, width: int, height: int) -> np.ndarray:
@@ -99,6 +113,10 @@ class _AvEncoder(EncoderSession):
 
 class X265Encoder(_AvEncoder):
     codec_name = "libx265"
+
+    def __init__(self, width, height, **settings):
+        _check_x265_settings(settings)
+        super().__init__(width, height, **settings)
 
     def _open(self):
         import av
@@ -154,6 +172,8 @@ class _AvDecoder(DecoderSession):
 
         ctx = av.CodecContext.create(self.codec_name, "r")
         ctx.thread_type = "NONE"
+        # FFmpeg refuses a picture larger than the session's frames before allocating it
+        ctx.options = {"max_pixels": str(self.width * self.height)}
         return ctx
 
     def _packets(self, payload: bytes):
@@ -166,19 +186,32 @@ class _AvDecoder(DecoderSession):
             self._ctx = self._new_ctx()
         try:
             for packet in self._packets(bytes(payload)):
-                self._frames.extend(self._ctx.decode(packet))
+                self._take(self._ctx.decode(packet))
         except av.error.FFmpegError as e:
             raise BitstreamError(f"{self.codec_name} could not decode the payload ({e}): corrupt or truncated") from e
+
+    def _take(self, frames) -> None:
+        """Keeps decoded frames, refusing any of another size and any beyond the expected count."""
+        for vf in frames:
+            if vf.width != self.width or vf.height != self.height:
+                raise BitstreamError(f"{self.codec_name} decoded a {vf.width}x{vf.height} frame, the header's "
+                                     f"frames are {self.width}x{self.height}: the payload is corrupt")
+            self._frames.append(vf)
+            if self.max_frames is not None and len(self._frames) > self.max_frames:
+                raise BitstreamError(f"{self.codec_name} payload holds more than the header's {self.max_frames} "
+                                     "frames: the payload is corrupt")
 
     def flush(self) -> np.ndarray:
         import av
 
         if self._ctx is not None:
             try:
-                self._frames.extend(self._ctx.decode(None))
+                self._take(self._ctx.decode(None))
             except av.error.FFmpegError as e:
                 raise BitstreamError(f"{self.codec_name} failed while draining ({e}): corrupt or truncated") from e
         frames, self._frames, self._ctx = self._frames, [], None
+        if self.max_frames is not None and len(frames) != self.max_frames:
+            raise BitstreamError(f"{self.codec_name} decoded {len(frames)} frames, the header says {self.max_frames}")
         return _av_to_frames(frames, self.width, self.height)
 
 

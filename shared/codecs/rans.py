@@ -10,11 +10,10 @@ stream coalesced.
     from shared.codecs import rans
     payload = rans.encode(symbols)            # numpy int32 [T, K] -> bytes (CPU reference)
     symbols = rans.decode(payload)            # bytes -> numpy int32 [T, K]
-    p = rans.encode_cuda(t)                   # torch int32 CUDA [T, K] -> torch uint8 CUDA (same bytes)
-    t = rans.decode_cuda(p)                   # torch uint8 CUDA -> torch int32 CUDA
     rans.entropy_bound_bytes(symbols)         # the per-component memoryless empirical entropy, bytes
 
-The numpy coder and the Triton kernels write the identical bitstream; either decodes the other's.
+This module is the format and its numpy reference coder; shared/codecs/rans_cuda.py codes the
+same bitstream on a GPU (Triton kernels in _rans_triton.py), and either decodes the other's.
 Importing this module needs neither a GPU nor Triton.
 
 Bitstream (all little-endian; offsets follow from the header):
@@ -78,7 +77,8 @@ import struct
 
 import numpy as np
 
-from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
+from ..errors import BitstreamError, InvalidTensorError
+from ..schema import DEFAULT_MAX_ELEMENTS
 
 MAGIC = b"TRNS"
 VERSION = 3  # 3: parametric tables; 2: escapes per group in coding order (1: row-major, needed a sort)
@@ -387,6 +387,16 @@ def _validate_symbols(symbols) -> np.ndarray:
     return np.ascontiguousarray(symbols)
 
 
+MAX_LANE_TOKENS = 1 << 14  # tokens per lane: a decoder's steps are sequential, so both coders bound them
+TABLE_ENTRIES_PER_VALUE = 16  # decoding tables (K x 2^prob_bits entries) may exceed this many per value...
+MAX_TABLE_ENTRIES = 1 << 24  # ...only up to this many in all: bounds a decoder's table memory by the output
+
+
+def table_budget_ok(T: int, K: int, prob_bits: int) -> bool:
+    """Whether the decoding tables of a [T, K] payload stay within the budget both coders enforce."""
+    return K << prob_bits <= max(TABLE_ENTRIES_PER_VALUE * T * K, MAX_TABLE_ENTRIES)
+
+
 def _check_settings(prob_bits, group_lanes, lane_tokens, T):
     if not 10 <= prob_bits <= 15:
         raise InvalidTensorError(f"prob_bits must be 10..15, got {prob_bits}")
@@ -394,6 +404,8 @@ def _check_settings(prob_bits, group_lanes, lane_tokens, T):
         raise InvalidTensorError(f"group_lanes must be a power of two up to 1024, got {group_lanes}")
     if lane_tokens < 1:
         raise InvalidTensorError(f"lane_tokens must be >= 1, got {lane_tokens}")
+    if min(int(lane_tokens), T) > MAX_LANE_TOKENS:
+        raise InvalidTensorError(f"lane_tokens={lane_tokens}: at most {MAX_LANE_TOKENS} (a decoder refuses longer lanes)")
     return min(int(lane_tokens), T)
 
 
@@ -421,6 +433,10 @@ def encode(symbols: np.ndarray, prob_bits: int = DEFAULT_PROB_BITS, group_lanes:
     sym = _validate_symbols(symbols)
     T, K = sym.shape
     S = _check_settings(prob_bits, group_lanes, lane_tokens or default_lane_tokens(T, K), T)
+    if not table_budget_ok(T, K, prob_bits):
+        raise InvalidTensorError(f"{K} components of {T} tokens need {K << prob_bits} table entries, beyond what a "
+                                 f"decoder accepts ({MAX_TABLE_ENTRIES}); code more tokens per payload or fewer "
+                                 "components, or lower prob_bits")
     n, M, G = prob_bits, 1 << prob_bits, group_lanes
     lo, W, esc, codes, model, scale, mu16 = _tables_cpu(sym, prob_bits)
     A = W + esc
@@ -533,9 +549,9 @@ def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, model, scale, mu16, gro
 class Parsed:
     """Header and meta of a payload, validated against the checksum; arrays are numpy."""
 
-    def __init__(self, payload: bytes, checksum_fn=None):
+    def __init__(self, payload: bytes, max_elements: int | None = None, checksum_fn=None):
         mv = memoryview(payload)
-        _parse_header_only(self, bytes(mv[:HEADER.size]), len(mv))
+        _parse_header_only(self, bytes(mv[:HEADER.size]), len(mv), max_elements)
         lay, n, K = self.layout, self.prob_bits, self.K
         if (checksum_fn or checksum)(mv[:CHECKED_HEADER_BYTES], mv[HEADER.size:]) != (self.check0, self.check1):
             raise BitstreamError("rANS payload checksum mismatch: the payload is corrupt")
@@ -579,19 +595,20 @@ class Parsed:
         return _component_weights(codes, self.model, self.scale, self.mu16, self.W, self.esc)
 
 
-def parse(payload, checksum_fn=None) -> Parsed:
+def parse(payload, max_elements: int | None = None, checksum_fn=None) -> Parsed:
     """Read and validate the header and meta of a payload, checksum included (no decoding).
     checksum_fn: another implementation of `checksum` (the compiled CPU coder's)."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise InvalidTensorError(f"payload must be bytes, got {type(payload).__name__}")
-    return Parsed(payload, checksum_fn)
+    return Parsed(payload, max_elements, checksum_fn)
 
 
-def decode(payload) -> np.ndarray:
-    """Inverse of encode (and of encode_cuda): payload bytes -> int32 [T, K]."""
+def decode(payload, max_elements: int | None = None) -> np.ndarray:
+    """Inverse of encode (and of encode_cuda): payload bytes -> int32 [T, K]. A payload declaring
+    more than max_elements values (default schema.DEFAULT_MAX_ELEMENTS) is refused before decoding."""
     if isinstance(payload, np.ndarray):
         payload = payload.tobytes()
-    hdr = parse(payload)
+    hdr = parse(payload, max_elements)
     lay, n, G, S, K, T = hdr.layout, hdr.prob_bits, hdr.G, hdr.S, hdr.K, hdr.T
     M, P, NL, NG = 1 << n, lay.P, lay.n_lanes, lay.n_groups
     freq, cum = normalize_weights(hdr.weights(), n)
@@ -600,7 +617,7 @@ def decode(payload) -> np.ndarray:
     freq = np.concatenate([freq, np.zeros((1, A1), np.int64)])
     freq[K, 0] = M
     cum = np.concatenate([cum, np.zeros((1, A1), np.int64)])
-    lut = np.repeat(np.tile(np.arange(A1, dtype=np.int64), K + 1), freq.ravel())  # [(K+1) * M]
+    lut = np.repeat(np.tile(np.arange(A1, dtype=np.int16), K + 1), freq.ravel())  # [(K+1) * M], A1 <= 2^13
     freq, cum = freq.ravel(), cum.ravel()
 
     mv = memoryview(payload)
@@ -682,297 +699,81 @@ def entropy_bound_bytes(symbols) -> float:
     return float(-(counts * np.log2(counts / T)).sum() / 8)
 
 
-# --------------------------------------------------------------------------------------------
-# GPU coder: Triton kernels writing the same bitstream. Defined on first use, so importing this
-# module needs neither Triton nor a GPU. With TRITON_INTERPRET=1 they also run on CPU tensors
-# (slowly), which is how the CPU machine tests them against the numpy coder.
-
-_KERNELS = None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _kernels():
-    global _KERNELS
-    if _KERNELS is not None:
-        return _KERNELS
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        raise BackendUnavailable(f"the GPU rANS coder needs Triton ({e}); pip install triton, "
-                                 "or use the CPU coder rans.encode/rans.decode") from None
-
-    from . import _rans_triton as kt
-
-    _KERNELS = dict(hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
-                    pack_meta=kt.pack_meta_kernel, gather=kt.gather_streams_kernel, checksum=kt.checksum_kernel,
-                    finish=kt.finish_checksum_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel)
-    return _KERNELS
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError as e:
-        raise BackendUnavailable(f"the GPU rANS coder needs torch ({e})") from None
-    return torch
-
-
-def _check_device(t, what: str):
-    if t.device.type != "cuda" and not _interpreting():
-        raise BackendUnavailable(
-            f"{what} needs a CUDA tensor (got one on {t.device}); move it with .cuda(), or use the CPU coder "
-            "(rans.encode/rans.decode), or set TRITON_INTERPRET=1 to run the kernels on the CPU for tests")
-
-
-GROUPS_PER_PROGRAM = 4  # lane groups per Triton program: 4 x 32 lanes = 128 threads
-HIST_TOKENS, HIST_BLOCK = 32, 128  # histogram: sampled tokens per thread, threads per program
-CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
-# the GPU encoder's scalar summary, in the slot order of _rans_triton.SCAL_*
-SUMMARY_FIELDS = ("n_table", "k_coded", "w_max", "lo_min", "lo_max", "stream_words", "n_escapes", "overflow",
-                  "group_escapes_max", "n_param")
-ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
-
-
-def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
-                lane_tokens: int | None = None, stats=None, guard=None):
-    """encode() on the GPU: int32 CUDA tensor [T, K] -> uint8 CUDA tensor holding the same bytes.
-
-    stats: optional (min, max, sum) per component, int tensors [K] on t's device, when the
-    producer already has them (rdquant's fused projection does); saves a pass over t.
-    guard: optional float tensor [1] that must be below 2^31 (the fused quantizer's largest
-    |value|), checked in the same host synchronization as everything else.
-
-    Kernels: histogram of sampled tokens, tables, lanes, then (after the one host
-    synchronization, which learns the payload's size) meta, streams and checksum."""
-    torch = _torch()
-    if not isinstance(t, torch.Tensor):
-        raise InvalidTensorError(f"encode_cuda takes a torch tensor, got {type(t).__name__}; use encode() for numpy")
-    _check_device(t, "encode_cuda")
-    if t.dim() != 2:
-        raise InvalidTensorError(f"symbols must be 2-D [T tokens, K components], got shape {tuple(t.shape)}")
-    if t.numel() == 0:
-        raise InvalidTensorError(f"symbols is empty (shape {tuple(t.shape)}); there is nothing to code")
-    if t.dtype != torch.int32:
-        if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
-            raise InvalidTensorError(f"symbols must be integers, got {t.dtype}; quantize first (shared.rdquant)")
-        if t.dtype == torch.int64 and (int(t.min()) < -(2**31) or int(t.max()) > 2**31 - 1):
-            raise InvalidTensorError("symbols overflow int32; use a larger quantization step")
-        t = t.to(torch.int32)
-    t = t.contiguous()
-    T, K = t.shape
-    S = _check_settings(prob_bits, group_lanes, lane_tokens or default_lane_tokens(T, K), T)
-    n, G, HCAP = prob_bits, group_lanes, max_alphabet(prob_bits)
-    kern = _kernels()
-    dev = t.device
-    if stats is None:
-        mn, mx = torch.aminmax(t, dim=0)
-        sm = t.sum(0, dtype=torch.int64)
-    else:
-        mn, mx, sm = stats
-
-    # 1. histograms of the sampled tokens inside the first windows; 2. trimmed windows and tables
-    wide_index = (T + 1) * K >= 2**31
-    R = hist_row_stride(T)
-    n_sampled = triton_cdiv(T, R)
-    counts = torch.zeros((K, HCAP), dtype=torch.int32, device=dev)
-    hs = min(n_sampled, HIST_TOKENS)
-    n_hist = triton_cdiv(n_sampled, hs) * K
-    kern["hist"][(triton_cdiv(n_hist, HIST_BLOCK),)](
-        t, mn, mx, sm, counts, T, K, n_hist, hs, R, HCAP=HCAP, BLOCK=HIST_BLOCK, WIDE_INDEX=wide_index,
-        num_warps=HIST_BLOCK // 32)
-    lo = torch.empty(K, dtype=torch.int64, device=dev)
-    W, A = torch.empty_like(lo), torch.empty_like(lo)
-    codes = torch.empty((K, HCAP), dtype=torch.uint8, device=dev)
-    tab = torch.empty((K, HCAP), dtype=torch.int32, device=dev)
-    model, scale, mu16 = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
-    scal = torch.tensor([0, 0, 0, 2**62, -2**62, 0, 0, 0, 0, 0], dtype=torch.int64).to(dev, non_blocking=True)
-    mt = _model_tables_on(torch, dev, n)
-    kern["tables"][(K,)](counts, mn, mx, sm, guard if guard is not None else scal, lo, W, A, codes, tab,
-                         model, scale, mu16, mt["shapes"], mt["inv_sigma"], mt["sigma16_sq"], mt["nlog"], scal,
-                         T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
-                         ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=guard is not None, N_SHAPES=N_SHAPES,
-                         SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
-                         MIN_SHARE=MODEL_MIN_SHARE)
-
-    # 3. the lanes: words and escaped values into per-group buffers
-    lay = Layout(T, K, S, G, 0, 0, 0)
-    NL, NG, cap = lay.n_lanes, lay.n_groups, G * S
-    buf = torch.empty(NG * cap, dtype=torch.int16, device=dev)
-    states = torch.empty(NL, dtype=torch.int32, device=dev)
-    glen = torch.empty(NG, dtype=torch.int32, device=dev)
-    gesc = torch.empty(NG, dtype=torch.int32, device=dev)
-    sums = torch.zeros(2, dtype=torch.int64, device=dev)
-
-    def code_lanes(ecap):
-        ebuf = torch.empty(NG * ecap, dtype=torch.int32, device=dev)
-        kern["encode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
-            t, lo, W, A, tab, buf, states, glen, ebuf, gesc, scal, T, K, NL, NG, S, cap, ecap,
-            HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM, WIDE_INDEX=wide_index,
-            num_warps=_warps(G))
-        gend, geend = torch.cumsum(torch.stack([glen, gesc]), 1, dtype=torch.int64)
-        return ebuf, gend, geend, dict(zip(SUMMARY_FIELDS, scal.cpu().tolist()))  # the host synchronization
-
-    ecap = min(cap, ESCAPES_PER_GROUP)
-    ebuf, gend, geend, summary = code_lanes(ecap)
-    if summary["group_escapes_max"] > ecap:  # a group escaped more values than its buffer holds: again, with room
-        scal[SUMMARY_FIELDS.index("stream_words")] = scal[SUMMARY_FIELDS.index("n_escapes")] = 0
-        ecap = cap
-        ebuf, gend, geend, summary = code_lanes(ecap)
-    n_table, k_coded, stream_words, n_escapes = (summary[f] for f in ("n_table", "k_coded", "stream_words",
-                                                                       "n_escapes"))
-    w_max, lo_min, lo_max, n_param = summary["w_max"], summary["lo_min"], summary["lo_max"], summary["n_param"]
-    if summary["overflow"]:
-        raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
-                                 "use a larger step or fix the producer")
-
-    # 4. the payload: header, meta, escapes, states and streams, then the checksum
-    lo_bytes, w_bytes = _widths(lo_min, lo_max, w_max)
-    lay = Layout(T, K, S, G, n_table, n_escapes, stream_words, k_coded, lo_bytes, w_bytes, n_param)
-    payload = torch.empty(lay.total, dtype=torch.uint8, device=dev)
-    payload[:lay.group_words].zero_()  # header and the padding between meta sections
-    head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, n_table, n_escapes, k_coded, n_param, lo_bytes, w_bytes, 0,
-                       stream_words, 0, 0)[:CHECKED_HEADER_BYTES]
-    head = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    payload[:CHECKED_HEADER_BYTES].copy_(head.pin_memory() if dev.type == "cuda" else head, non_blocking=True)
-    kern["pack_meta"][(K,)](lo, W, A, codes, states, model, scale, mu16,
-                            payload[lay.lo:lay.wflag].view(_TORCH_INT[lo_bytes]),
-                            payload[lay.wflag:lay.wflag + w_bytes * K].view(_TORCH_INT[w_bytes]),
-                            payload[lay.model:lay.model + K],
-                            payload[lay.mu16:lay.scale].view(torch.int16) if n_param else mu16,
-                            payload[lay.scale:lay.scale + n_param] if n_param else mu16,
-                            payload[lay.codes:lay.group_words], payload[lay.states:lay.streams].view(torch.int32),
-                            K, lay.P, k_coded, HCAP=HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
-                            FLAG_SHIFT=8 * w_bytes - 1)
-    esc_out = payload[lay.escapes:lay.states].view(torch.int32) if n_escapes else gesc
-    kern["gather"][(NG,)](buf, glen, gend, payload[lay.streams:].view(torch.int16),
-                          payload[lay.group_words:lay.group_escapes].view(torch.int32), cap,
-                          ebuf, gesc, geend, esc_out, payload[lay.group_escapes:lay.escapes].view(torch.int32), ecap,
-                          BLOCK=1024)
-    _checksum_torch(torch, payload, sums)
-    kern["finish"][(1,)](sums, payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32))
-    return payload
-
-
-_MODEL_TABLES_ON = {}
-
-
-def _model_tables_on(torch, dev, prob_bits: int) -> dict:
-    """The parametric model's integer tables (and -log2 f for the encoder's costs) on a device, cached."""
-    key = (str(dev), prob_bits)
-    if key not in _MODEL_TABLES_ON:
-        t = dict(model_tables(), nlog=_neg_log2_table(prob_bits))
-        _MODEL_TABLES_ON[key] = {name: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for name, v in t.items()}
-    return _MODEL_TABLES_ON[key]
-
-
-class _TorchInt(dict):
-    def __missing__(self, nbytes):
-        import torch
-
-        return {1: torch.int8, 2: torch.int16, 4: torch.int32}[nbytes]
-
-
-_TORCH_INT = _TorchInt()
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _warps(G: int) -> int:
-    return max(1, min(16, GROUPS_PER_PROGRAM * G // 32))
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _checksum_torch(torch, payload, sums):
-    """Adds the sums of checksum() over the whole payload but its check fields (before the
-    mod 2^32) to sums, int64 [2] zeros on the payload's device."""
-    n = len(payload)
-    _kernels()["checksum"][(triton_cdiv(n, CHECKSUM_BLOCK * CHECKSUM_ITERS),)](
-        payload, n, sums, SKIP_LO=CHECKED_HEADER_BYTES, SKIP_HI=HEADER.size, BLOCK=CHECKSUM_BLOCK,
-        ITERS=CHECKSUM_ITERS)
-
-
-def decode_cuda(payload):
-    """decode() on the GPU: uint8 CUDA tensor (a payload from encode or encode_cuda) -> int32 CUDA [T, K].
-
-    The header is read on the host (it sizes every allocation); checksum, tables, lookup and
-    lanes run as kernels whose errors meet in one flag, read in one synchronization."""
-    torch = _torch()
-    if not isinstance(payload, torch.Tensor):
-        raise InvalidTensorError(f"decode_cuda takes a torch uint8 tensor, got {type(payload).__name__}; "
-                                 "use decode() for bytes")
-    _check_device(payload, "decode_cuda")
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise InvalidTensorError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
-    payload = payload.contiguous()
-    dev = payload.device
-    hdr = Parsed.__new__(Parsed)
-    _parse_header_only(hdr, bytes(payload[:HEADER.size].cpu().numpy()), len(payload))
-    lay, n, G, S, K, T = hdr.layout, hdr.prob_bits, hdr.G, hdr.S, hdr.K, hdr.T
-    M, HCAP = 1 << n, max_alphabet(n)
-    NL, NG = lay.n_lanes, lay.n_groups
-    kern = _kernels()
-    err = torch.zeros(1, dtype=torch.int32, device=dev)
-    sums = torch.zeros(2, dtype=torch.int64, device=dev)
-    _checksum_torch(torch, payload, sums)
-    lo = torch.empty(K, dtype=torch.int64, device=dev)
-    W, A, rank = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
-    tab = torch.empty((K + 1, HCAP), dtype=torch.int32, device=dev)
-    lut = torch.empty((K + 1) * M, dtype=torch.int32, device=dev)
-    packed = n <= 11
-    codes_section = payload[lay.codes:lay.codes + hdr.n_table] if hdr.n_table else payload[:1]
-    mt = _model_tables_on(torch, dev, n)
-    n_param = lay.n_param
-    kern["decode_meta"][(K + 1,)](
-        payload[lay.lo:lay.wflag].view(_TORCH_INT[lay.lo_bytes]),
-        payload[lay.wflag:lay.wflag + lay.w_bytes * K].view(_TORCH_INT[lay.w_bytes]),
-        payload[lay.model:lay.model + K], payload[lay.mu16:lay.scale].view(torch.int16) if n_param else sums,
-        payload[lay.scale:lay.scale + n_param] if n_param else codes_section, codes_section,
-        payload[CHECKED_HEADER_BYTES:HEADER.size].view(torch.int32), sums, hdr.n_table, lay.k_coded, n_param,
-        mt["shapes"], mt["inv_sigma"], lo, W, A, rank, tab, lut, err, K, HCAP=HCAP, PROB_BITS=n,
-        BLOCK_K=_pow2(K), TOP=8 * lay.w_bytes - 1, PACKED=packed, N_SHAPES=N_SHAPES, SHAPE_STEPS=SHAPE_STEPS)
-    glen = payload[lay.group_words:lay.group_escapes].view(torch.int32)
-    gesc = payload[lay.group_escapes:lay.escapes].view(torch.int32)
-    gend, geend = torch.cumsum(torch.stack([glen, gesc]), 1, dtype=torch.int64)
-    words = payload[lay.streams:].view(torch.int16) if hdr.stream_words else torch.zeros(1, dtype=torch.int16,
-                                                                                         device=dev)
-    states = payload[lay.states:lay.streams].view(torch.int32) if lay.k_coded else err
-    out = torch.empty((T, K), dtype=torch.int32, device=dev)
-    n_esc = hdr.n_escapes
-    esc_in = payload[lay.escapes:lay.states].view(torch.int32) if n_esc else err
-    kern["decode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM),)](
-        words, gend, glen, states, lo, W, A, rank, lut, tab, out, esc_in, gesc, geend, err, T, K, NL, NG, S,
-        hdr.stream_words, n_esc, lay.k_coded, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM,
-        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G))
-    if err.item():  # the one host synchronization after the header
-        raise BitstreamError("rANS payload is corrupt (checksum, tables or lane states do not check out)")
-    return out
-
-
-def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int) -> None:
+def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int, max_elements: int | None = None) -> None:
+    """The 56-byte header, checked before anything is sized from it (shared by the CPU and GPU
+    decoders, so both reject the same payloads): every field in range, T x K within the caller's
+    limit max_elements (default schema.DEFAULT_MAX_ELEMENTS), and the sections it implies adding up
+    to the payload's length, which bounds K, the lanes, groups, tables, escapes and stream words
+    by the bytes received. (T itself is bounded only by the limit: a component of one symbol, or a
+    table giving one symbol all of 2^n, codes any number of tokens in no bits.)"""
+    max_elements = DEFAULT_MAX_ELEMENTS if max_elements is None else max_elements
     if len(head) < HEADER.size:
         raise BitstreamError(f"rANS payload truncated: {len(head)} bytes, the header alone is {HEADER.size}")
     (magic, version, n, G, T, K, S, n_table, n_esc, k_coded, n_param, lo_bytes, w_bytes, reserved, stream_words,
      c0, c1) = HEADER.unpack(head)
     if magic != MAGIC:
-        raise BitstreamError(f"not an rANS payload (magic {magic!r}, expected {MAGIC!r})")
+        raise BitstreamError(f"not an rANS payload (magic {magic!r}, expected {MAGIC!r}): corrupt or not ours")
     if version != VERSION:
-        raise BitstreamError(f"rANS payload version {version}; this build reads version {VERSION}")
-    if not (10 <= n <= 15 and 1 <= G <= 1024 and G & (G - 1) == 0 and T >= 1 and K >= 1
-            and 1 <= S <= T and reserved == 0 and n_esc <= T * K and k_coded <= K and n_param <= K
-            and lo_bytes in (1, 2, 4)
-            and w_bytes in (1, 2)):
-        raise BitstreamError("rANS payload header is corrupt (settings out of range)")
+        newer = VERSION < version <= VERSION + 4
+        raise BitstreamError(f"rANS payload version {version}; this build reads version {VERSION}"
+                             + (": written by a newer build, upgrade the reader" if newer
+                                else ": the payload is corrupt or not ours"))
+    fields = dict(prob_bits=(n, 10 <= n <= 15), group_lanes=(G, 1 <= G <= 1024 and G & (G - 1) == 0),
+                  T=(T, T >= 1), K=(K, K >= 1), lane_tokens=(S, 1 <= S <= min(T, MAX_LANE_TOKENS)), reserved=(reserved, reserved == 0),
+                  n_escapes=(n_esc, n_esc <= T * K), k_coded=(k_coded, k_coded <= K), n_param=(n_param, n_param <= K),
+                  lo_bytes=(lo_bytes, lo_bytes in (1, 2, 4)), w_bytes=(w_bytes, w_bytes in (1, 2)))
+    bad = [f"{name}={value}" for name, (value, ok) in fields.items() if not ok]
+    if bad:
+        raise BitstreamError(f"rANS payload header is corrupt (out of range: {', '.join(bad)})")
+    if T * K > max_elements:
+        raise BitstreamError(f"rANS payload declares {T} x {K} = {T * K} values, more than the decode limit "
+                             f"max_elements={max_elements}; pass a larger max_elements if this tensor is expected")
+    if not table_budget_ok(T, K, n):
+        raise BitstreamError(f"rANS payload header is corrupt: K={K} tables of 2^{n} entries for T={T} tokens "
+                             f"exceed {TABLE_ENTRIES_PER_VALUE} entries per value and {MAX_TABLE_ENTRIES} in all")
     hdr.prob_bits, hdr.G, hdr.T, hdr.K, hdr.S = n, G, T, K, S
     hdr.n_table, hdr.n_escapes, hdr.stream_words = n_table, n_esc, stream_words
     hdr.check0, hdr.check1 = c0, c1
     hdr.layout = Layout(T, K, S, G, n_table, n_esc, stream_words, k_coded, lo_bytes, w_bytes, n_param)
     if hdr.layout.total != total_len:
-        raise BitstreamError("rANS payload truncated or its header is corrupt (section sizes do not add up)")
+        raise BitstreamError(f"rANS payload truncated or its header is corrupt (its sections add up to "
+                             f"{hdr.layout.total} bytes, the payload has {total_len})")
+
+
+def read_header(payload, max_elements: int | None = None, total_len: int | None = None) -> "Parsed":
+    """The payload's header fields (T, K, prob_bits, layout...), checked as decoding checks them,
+    without the checksum or the tables: what a caller needs to size or refuse a decode.
+    total_len: the payload's length when `payload` holds only its first bytes."""
+    hdr = Parsed.__new__(Parsed)
+    _parse_header_only(hdr, bytes(memoryview(payload)[:HEADER.size]), len(payload) if total_len is None else total_len,
+                       max_elements)
+    return hdr
+
+
+# --------------------------------------------------------------------------------------------
+# The registry entry: the compute codec codes integer symbol matrices, not frames, so it has no
+# frame sessions; TensorCodec(backend="rans") and rans.encode/decode (rans_cuda on a GPU) use it.
+
+
+def _no_frame_sessions(*_args, **_kwargs):
+    from ..errors import ConfigurationError
+
+    raise ConfigurationError("backend 'rans' codes integer symbol matrices, not frames: use TensorCodec(basis, "
+                             "backend='rans', step=...) or shared.codecs.rans.encode/decode")
+
+
+def _gpu_note() -> str | None:
+    return None  # the numpy coder runs everywhere; the GPU coder (rans_cuda) needs CUDA and Triton
+
+
+def _register():
+    from .base import Backend, register
+
+    return register(Backend(
+        name="rans", kind="symbols", lossless=True,
+        description="the compute codec: per-component interleaved rANS on shared-step PCA symbols "
+                    "(CPU: numpy; CUDA tensors: Triton kernels, same bitstream)",
+        encoder_cls=_no_frame_sessions, decoder_cls=_no_frame_sessions, probe=_gpu_note))
+
+
+RANS = _register()

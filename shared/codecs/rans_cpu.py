@@ -29,6 +29,9 @@ try:
     import numba
     from numba import njit, prange
 
+    if "NUMBA_THREADING_LAYER" not in __import__("os").environ:  # GNU OpenMP dies in a forked child
+        numba.config.THREADING_LAYER = "forksafe"
+
     AVAILABLE, WHY_NOT = True, None
 except ImportError as exc:  # the numpy reference coder still works
     AVAILABLE, WHY_NOT = False, f"numba is not installed ({exc}); pip install numba (see requirements.txt)"
@@ -642,17 +645,18 @@ def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, l
     return out, err
 
 
-def parse(payload) -> rans.Parsed:
+def parse(payload, max_elements: int | None = None) -> rans.Parsed:
     """rans.parse with the compiled checksum."""
-    return rans.parse(payload, checksum_fn=checksum)
+    return rans.parse(payload, max_elements, checksum_fn=checksum)
 
 
-def decode(payload) -> np.ndarray:
-    """rans.decode, compiled: payload bytes -> int32 [T, K], the identical symbols and errors."""
+def decode(payload, max_elements: int | None = None) -> np.ndarray:
+    """rans.decode, compiled: payload bytes -> int32 [T, K], the identical symbols and errors
+    (a payload declaring more than max_elements values is refused before decoding)."""
     _require()
     if isinstance(payload, np.ndarray):
         payload = payload.tobytes()
-    hdr = parse(payload)
+    hdr = parse(payload, max_elements)
     lay, n = hdr.layout, hdr.prob_bits
     tab = rans.model_tables()
     fc, lut, ok = _decode_tables(np.asarray(hdr.codes_flat), hdr.model, hdr.scale, hdr.mu16, hdr.W, hdr.esc, n,

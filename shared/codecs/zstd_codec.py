@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import BitstreamError
+from ..errors import BitstreamError, ConfigurationError
 from .base import Backend, BufferedDecoder, BufferedEncoder, register
 
 DEFAULT_LEVEL = 19
@@ -22,8 +22,13 @@ class ZstdEncoder(BufferedEncoder):
         super().__init__(width, height, **settings)
         import zstandard
 
-        level = int(settings.get("level", DEFAULT_LEVEL))
-        self._compressor = zstandard.ZstdCompressor(level=level, threads=int(settings.get("threads", 0)))
+        level, threads = settings.get("level", DEFAULT_LEVEL), settings.get("threads", 0)
+        if isinstance(level, bool) or not isinstance(level, int) or not -(1 << 17) <= level <= zstandard.MAX_COMPRESSION_LEVEL:
+            raise ConfigurationError(f"zstd level={level!r}: use an int from {-(1 << 17)} (fastest) to "
+                                     f"{zstandard.MAX_COMPRESSION_LEVEL} (smallest)")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not -1 <= threads <= 256:
+            raise ConfigurationError(f"zstd threads={threads!r}: use an int from -1 (one per core) to 256")
+        self._compressor = zstandard.ZstdCompressor(level=level, threads=threads)
 
     def flush(self) -> bytes:
         return self._compressor.compress(self.take())
@@ -37,11 +42,30 @@ class ZstdDecoder(BufferedDecoder):
         self._decompressor = zstandard.ZstdDecompressor()
 
     def flush(self) -> np.ndarray:
+        """Decompresses at most the expected frame bytes (expect_frames): a frame declaring or
+        holding more is refused before more is produced."""
         import zstandard
 
         payload = self.take()
+        limit = self.frame_bytes()
         try:
-            data = self._decompressor.decompress(payload)
+            declared = zstandard.get_frame_parameters(payload).content_size
+            if limit is not None and declared != zstandard.CONTENTSIZE_UNKNOWN and declared != limit:
+                raise BitstreamError(f"zstd frame declares {declared} bytes, the header's frames are {limit}")
+            if limit is None:
+                data = self._decompressor.decompress(payload)
+            else:  # streaming, so nothing beyond limit + 1 bytes is ever produced
+                parts, total = [], 0
+                with self._decompressor.stream_reader(payload) as reader:
+                    while total <= limit:
+                        part = reader.read(min(limit + 1 - total, 1 << 22))
+                        if not part:
+                            break
+                        parts.append(part)
+                        total += len(part)
+                if total > limit:
+                    raise BitstreamError(f"zstd payload decompresses to more than the header's {limit} bytes of frames")
+                data = b"".join(parts)
         except zstandard.ZstdError as e:
             raise BitstreamError(f"zstd payload is corrupt or truncated ({e})") from e
         return self.frames_from_bytes(data).copy()

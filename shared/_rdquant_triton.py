@@ -1,0 +1,104 @@
+"""Triton kernels of the compute codec's dense stages (shared/rdquant.py's CudaProjection):
+the PCA projection fused with the shared-step quantizer and the per-component statistics the
+rANS coder needs, and its inverse. Imported on first use, so importing rdquant needs no Triton.
+"""
+import triton
+import triton.language as tl
+
+@triton.jit
+def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr, sum_ptr, amax_ptr,
+                            T, D, K, inv_step_ptr,
+                            BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+    """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K]; with bias = mean @ basis; for
+    tensor s = program_id(2) of a batch of same-shape tensors, each with its own basis and step.
+
+    Also folds each column's min, max and integer sum into mn/mx/sum (atomics), and the largest
+    |scaled value| into amax, so the caller can refuse int32 overflow."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    seg = tl.program_id(2).to(tl.int64)
+    x_ptr += seg * T * D
+    basis_ptr += seg * D * K
+    bias_ptr += seg * K
+    sym_ptr += seg * T * K
+    mn_ptr += seg * K
+    mx_ptr += seg * K
+    sum_ptr += seg * K
+    amax_ptr += seg
+    inv_step = tl.load(inv_step_ptr + seg)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < T
+    cmask = cols < K
+    acc = tl.zeros([BM, BN], tl.float32)
+    for d0 in range(0, D, BD):
+        dd = d0 + tl.arange(0, BD)
+        dmask = dd < D
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + dd[None, :], mask=rmask[:, None] & dmask[None, :],
+                    other=0.0)
+        b = tl.load(basis_ptr + dd.to(tl.int64)[:, None] * K + cols[None, :], mask=dmask[:, None] & cmask[None, :],
+                    other=0.0)
+        if UPCAST:  # Triton's CPU interpreter cannot multiply bf16 tiles
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0)
+    v = (acc - bias[None, :]) * inv_step
+    m = rmask[:, None] & cmask[None, :]
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(m, tl.abs(v), 0.0), 1), 0))
+    v = tl.minimum(tl.maximum(v, -2147483520.0), 2147483520.0)  # refused by the caller via amax
+    s = tl.floor(v + 0.5).to(tl.int32)
+    tl.store(sym_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], s, mask=m)
+    big = 2147483647
+    tl.atomic_min(mn_ptr + cols, tl.min(tl.where(m, s, big), 0), mask=cmask)
+    tl.atomic_max(mx_ptr + cols, tl.max(tl.where(m, s, -big - 1), 0), mask=cmask)
+    tl.atomic_add(sum_ptr + cols, tl.sum(tl.where(m, s, 0).to(tl.int64), 0), mask=cmask)
+
+
+@triton.jit
+def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step_ptr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """out = bf16((sym * step) @ basis_t + mean), [T, D]; basis_t is [K, D] bf16; for tensor
+    s = program_id(2) of a batch of same-shape tensors, each with its own basis and step."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    seg = tl.program_id(2).to(tl.int64)
+    sym_ptr += seg * T * K
+    basis_t_ptr += seg * K * D
+    mean_ptr += seg * D
+    out_ptr += seg * T * D
+    step = tl.load(step_ptr + seg)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < T
+    cmask = cols < D
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < K
+        s = tl.load(sym_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0)
+        a = (s.to(tl.float32) * step).to(tl.bfloat16)
+        b = tl.load(basis_t_ptr + kk.to(tl.int64)[:, None] * D + cols[None, :], mask=kmask[:, None] & cmask[None, :],
+                    other=0.0)
+        if UPCAST:  # Triton's CPU interpreter cannot multiply bf16 tiles
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0)
+    out = (acc + mean[None, :]).to(tl.bfloat16)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
+
+
+# Tile shapes tried once per (D, K) on a GPU; the fastest is kept (triton.autotune).
+_MATMUL_CONFIGS = [
+    triton.Config(dict(BM=bm, BN=bn, BD=bd), num_warps=w, num_stages=st)
+    for bm, bn, bd, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
+                              (64, 128, 64, 4, 4), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3), (64, 64, 64, 4, 3),
+                              (256, 128, 64, 8, 3)]
+]
+project_quantize_tuned = triton.autotune(_MATMUL_CONFIGS, key=["D", "K"], reset_to_zero=["sum_ptr"])(
+    project_quantize_kernel)
+_RECON_CONFIGS = [triton.Config(dict(BM=c.kwargs["BM"], BN=c.kwargs["BN"], BK=c.kwargs["BD"]),
+                                num_warps=c.num_warps, num_stages=c.num_stages) for c in _MATMUL_CONFIGS]
+reconstruct_tuned = triton.autotune(_RECON_CONFIGS, key=["D", "K"])(reconstruct_kernel)
