@@ -1,0 +1,979 @@
+"""PoC 16 - Does compressing the hidden state make split inference faster over a real, shaped link?
+
+A model is cut in two and each half runs in its own process; the processes are joined by
+torch.distributed (gloo, TCP) across two network namespaces whose veth pair is shaped by `tc` to
+1 Gbit, 100 Mbit and 50 Mbit. What crosses the link is the hidden state at the cut, raw (bf16) or
+through the compute codec (a PCA basis of that layer's hidden states fitted on calibration text, one
+shared quantization step chosen so every calibration chunk reaches cos >= 0.999, rANS on the CPU).
+
+- LLM: SmolLM2-135M, stage 0 (namespace a) = embeddings + layers [0, 15), stage 1 (namespace b) =
+  layers [15, 30) + norm + head. A prefill step of 1024 and 2048 tokens, then 32 greedy decode steps;
+  stage 1 sends each next token back to stage 0. Per-step latency (and its parts: compute, encode,
+  wire, decode), tokens/s, bytes per step; perplexity and next-token agreement of the split model
+  against the unsplit one on held-out text. A decode step carries one token (576 values, 1152 bytes
+  raw); where the codec's container is larger than the raw tensor (measured at setup), the
+  compressed mode sends that tensor raw and the rows say so (`sent_as`).
+- Diffusion: the embedded FLUX-architecture transformer cut after its middle double block; per
+  sampler step the image stream (compressed or raw) and the text stream and time embedding (raw)
+  cross; stage 1 returns the velocity. Step latency and final-image PSNR against the unsplit model.
+
+Correctness first: before anything is timed, the received tensor is checked against the sent one
+(bit-exact raw; the cosine of the compressed one on the evaluation data is measured and printed).
+
+Command:   make poc-16            (or: python pocs/16_split_inference.py [--quick] [--plot-only] [--loopback])
+           Needs root and iproute2 (ip netns, tc) for the shaped link; without them --quick runs over
+           unshaped loopback and says so (rows: link=loopback); a full run refuses unless --loopback.
+Writes:    results/16_split_inference.csv, figures/16_split_inference.png (--out DIR: both there)
+Sample output (`--table`, from the committed run on a 2-core CPU machine at a load average of 17-20,
+numba CPU coder; the compute of both stages dominates every LLM step there):
+    | task, step | link | raw ms/step | compressed ms/step | bytes ratio | step speed-up | speed-up / ratio | hop ms raw -> compressed (encode + wire + decode) | compressed sent as |
+    | LLM prefill 2048 tokens | 50 Mbit | 26897.4 | 28979.9 | 4.35x | 0.93x | 0.21 | 385.1 -> 275.1 (112.5 + 84.7 + 77.9) | coded |
+    | LLM decode (after 2048) | 50 Mbit | 206.6 | 236.2 | 1.00x | 0.87x | 0.87 | 4.4 -> 7.6 (0.0 + 7.0 + 0.0) | raw |
+    | diffusion sampler step | 50 Mbit | 419.9 | 453.6 | 4.43x | 0.93x | 0.21 | 112.0 -> 64.8 (37.6 + 20.2 + 4.9) | coded |
+    | LLM | 2048 | 0.9990 | 11.698 / 11.696 / 11.721 | 0.999 / 0.976 | 1.000 / 0.938 |
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared.results import ResultsWriter, apply_style, save_figure  # noqa: E402
+
+# ---------------------------------------------------------------- knobs
+SPLIT_LAYER = 15                 # LLM: stage 0 = embeddings + layers [0, 15); stage 1 = layers [15, 30) + norm + head
+PREFILL_TOKENS = [1024, 2048]    # tokens of one prefill step
+DECODE_TOKENS = 32               # greedy decode steps after each prefill
+CAL_CHUNKS, CAL_TOKENS = 4, 512  # calibration text (the start of the text): basis and quantization step
+EVAL_CHUNKS = 2                  # held-out chunks (after the calibration text) for perplexity and agreement
+TARGET_COS = 0.999               # mean per-token cosine every calibration tensor must reach
+LINKS_MBIT = [1000, 100, 50]     # tc rate of the veth link, Mbit/s
+DELAY_MS = 0.0                   # added one-way delay on the link, ms
+REPEATS = 2                      # timed sessions per (link, mode, size): prefill + decode, or one generation
+DIFF_SPLIT_BLOCK = 1             # diffusion: stage 0 = embedders + double blocks [0, 1]; stage 1 = the rest
+DIFF_BATCH = 40                  # images per sampler step (labels 0..9 repeated)
+DIFF_STEPS = 20                  # Euler steps per generation
+DIFF_CAL_SEEDS = [100, 101, 102, 103]  # calibration generations for the diffusion basis and step
+DIFF_EVAL_SEED = 0               # the evaluated generation (its noise)
+WORKER_THREADS = 2               # torch threads per stage process (the stages take turns)
+WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE",  # a waiting stage must not spin on the cores the other computes on
+              "OPENBLAS_NUM_THREADS": "1",   # numpy's BLAS (the codec's projection) single-threaded: no spinning pool
+              "NUMBA_NUM_THREADS": "2"}      # the compiled rANS coder's threads
+PORT = 29516                     # TCP port of the gloo rendezvous on stage 0's address
+TIMEOUT_S = 1800                 # any gloo operation or worker command gives up after this, s
+QUICK = dict(PREFILL_TOKENS=[128], DECODE_TOKENS=8, CAL_CHUNKS=2, CAL_TOKENS=128, EVAL_CHUNKS=1, REPEATS=1,
+             DIFF_BATCH=10, DIFF_STEPS=4, DIFF_CAL_SEEDS=[100, 101], TIMEOUT_S=300)
+
+NAME = "16_split_inference"
+PROTOCOL = "@@ "                 # prefix of the worker's result lines on stdout
+
+
+def settings(quick: bool) -> dict:
+    cfg = {k: v for k, v in globals().items() if k.isupper() and k not in ("QUICK", "NAME", "PROTOCOL", "WORKER_ENV")}
+    cfg.update(QUICK if quick else {})
+    return cfg
+
+
+def now() -> float:
+    """CLOCK_MONOTONIC seconds: one clock for every process on the machine (namespaces share it)."""
+    return time.perf_counter()
+
+
+# ---------------------------------------------------------------- the codec call and the wire
+RAW, CODED = 0, 1
+WIRE_DTYPES = [torch.bfloat16, torch.float32, torch.int64]
+
+
+def encode_tensor(codec, x: torch.Tensor) -> bytes:
+    """The one codec call of the sender (swap in a batched or GPU encoder here)."""
+    return codec.encode(x)
+
+
+def decode_tensor(codec, blob: bytes) -> torch.Tensor:
+    """The one codec call of the receiver."""
+    return codec.decode(blob)
+
+
+def send_tensor(x: torch.Tensor, dst: int, codec=None) -> dict:
+    """Send a [rows, cols] tensor raw (its bytes) or coded (codec container): a 5-int64 head, then
+    the payload as uint8. Returns encode_ms, bytes on the wire and the clock at the first send."""
+    import torch.distributed as dist
+
+    t0 = now()
+    if codec is None:
+        kind, payload = RAW, x.contiguous().view(-1).view(torch.uint8)
+    else:
+        kind, payload = CODED, torch.frombuffer(bytearray(encode_tensor(codec, x)), dtype=torch.uint8)
+    t1 = now()
+    head = torch.tensor([kind, payload.numel(), x.shape[0], x.shape[1], WIRE_DTYPES.index(x.dtype)])
+    dist.send(head, dst)
+    dist.send(payload, dst)
+    return {"encode_ms": (t1 - t0) * 1e3, "bytes": int(payload.numel() + 8 * head.numel()), "t_send": t1,
+            "sent_as": "coded" if kind == CODED else "raw"}
+
+
+def recv_tensor(src: int) -> tuple[list[int], torch.Tensor]:
+    import torch.distributed as dist
+
+    head = torch.empty(5, dtype=torch.int64)
+    dist.recv(head, src)
+    payload = torch.empty(int(head[1]), dtype=torch.uint8)
+    dist.recv(payload, src)
+    return head.tolist(), payload
+
+
+def open_tensor(head: list[int], payload: torch.Tensor, codec=None) -> tuple[torch.Tensor, float]:
+    """(tensor, decode_ms) of a received message."""
+    kind, _, rows, cols, dtype = head
+    t0 = now()
+    if kind == RAW:
+        x = payload.view(WIRE_DTYPES[dtype]).view(rows, cols)
+    else:
+        if codec is None:
+            raise RuntimeError("received a coded tensor but this side holds no codec")
+        x = decode_tensor(codec, payload.numpy().tobytes())
+        if tuple(x.shape) != (rows, cols):
+            raise RuntimeError(f"decoded shape {tuple(x.shape)} differs from the sent shape {(rows, cols)}")
+    return x, (now() - t0) * 1e3
+
+
+def coder_for(mode: str, rows: int, codec, min_rows: int):
+    """The codec when this tensor is worth coding (compressed mode, enough tokens), else None (raw)."""
+    return codec if mode == "compressed" and rows >= min_rows else None
+
+
+# ---------------------------------------------------------------- the LLM halves
+def llm_layers(model, h: torch.Tensor, layers: range, start: int, cache) -> torch.Tensor:
+    """Run decoder layers `layers` on h [1, T, D] at positions start..start+T-1 (SDPA: causal when T > 1)."""
+    positions = torch.arange(start, start + h.shape[1])[None]
+    rotary = model.model.rotary_emb(h, position_ids=positions)
+    for i in layers:
+        h = model.model.layers[i](h, attention_mask=None, position_embeddings=rotary, position_ids=positions,
+                                  cache=cache, use_cache=True)
+    return h
+
+
+def llm_stage0(model, ids: torch.Tensor, start: int, cache, split: int) -> torch.Tensor:
+    """Token ids [1, T] -> hidden state [T, D] entering layer `split`."""
+    return llm_layers(model, model.model.embed_tokens(ids), range(split), start, cache)[0]
+
+
+def llm_stage1(model, x: torch.Tensor, start: int, cache, split: int, all_positions: bool) -> torch.Tensor:
+    """Hidden state [T, D] -> logits [T or 1, vocab] (float32)."""
+    h = llm_layers(model, x.float()[None], range(split, model.config.num_hidden_layers), start, cache)[0]
+    return model.lm_head(model.model.norm(h if all_positions else h[-1:]))
+
+
+def score_logits(logits: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(argmax per position [T], NLL of the next token per position [T-1]) in blocks of 512 positions."""
+    top, nll = [], []
+    for s in range(0, logits.shape[0], 512):
+        block = logits[s: s + 512].float()
+        top.append(block.argmax(-1))
+        logp = torch.log_softmax(block, -1)
+        targets = ids[s + 1: s + 1 + block.shape[0]]
+        nll.append(-logp[: len(targets)].gather(1, targets[:, None])[:, 0])
+    return torch.cat(top).numpy(), torch.cat(nll).double().numpy()
+
+
+def llm_reference(model, ids: torch.Tensor, new_tokens: int) -> dict:
+    """The unsplit model (transformers' own forward): argmax and NLL per position, greedy continuation."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = model(input_ids=ids[None], cache=cache, use_cache=True)
+    top, nll = score_logits(out.logits[0], ids)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(new_tokens - 1):
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return {"top": top, "nll": nll, "tokens": tokens}
+
+
+def llm_session(rank: int, ctx: dict, ids: torch.Tensor, mode: str, new_tokens: int, score: bool) -> dict:
+    """One prefill of ids [T] and `new_tokens` greedy decode steps across the link.
+
+    Rank 0 returns per-step timings of its side; rank 1 those of its side, the tokens it produced
+    and, with score, the prefill's argmax/NLL per position (all positions through the head)."""
+    from transformers import DynamicCache
+
+    cfg, model = ctx["cfg"], ctx["model"]
+    split, codec, min_rows = cfg["SPLIT_LAYER"], ctx["llm_codec"], ctx["llm_min_rows"]
+    cache, steps, start = DynamicCache(), [], 0
+    if rank == 0:
+        step_ids = ids[None]
+        for _ in range(1 + new_tokens):
+            t0 = now()
+            h = llm_stage0(model, step_ids, start, cache, split).to(torch.bfloat16)
+            t1 = now()
+            sent = send_tensor(h, 1, coder_for(mode, h.shape[0], codec, min_rows))
+            head, payload = recv_tensor(1)
+            token, _ = open_tensor(head, payload)
+            t2 = now()
+            steps.append(dict(sent, step_ms=(t2 - t0) * 1e3, stage0_ms=(t1 - t0) * 1e3, rows=h.shape[0]))
+            start += step_ids.shape[1]
+            step_ids = token.view(1, 1)
+        return {"steps": steps}
+    tokens, scored = [], None
+    for i in range(1 + new_tokens):
+        head, payload = recv_tensor(0)
+        t_recv = now()
+        x, decode_ms = open_tensor(head, payload, codec)
+        t1 = now()
+        logits = llm_stage1(model, x, start, cache, split, all_positions=score and i == 0)
+        token = int(logits[-1].argmax())
+        t2 = now()
+        send_tensor(torch.tensor([[token]]), 0)
+        steps.append({"t_recv": t_recv, "decode_ms": decode_ms, "stage1_ms": (t2 - t1) * 1e3})
+        if score and i == 0:
+            scored = score_logits(logits, ids)
+        tokens.append(token)
+        start += x.shape[0]
+    return {"steps": steps, "tokens": tokens, "scored": scored}
+
+
+# ---------------------------------------------------------------- the diffusion halves
+def flux_rotary(flux):
+    return flux.transformer.pos_embed(torch.cat((flux.txt_ids, flux.img_ids), 0))
+
+
+def flux_stage0(flux, x: torch.Tensor, sigma: torch.Tensor, labels: torch.Tensor, split: int):
+    """Packed latents [B, T, C] -> (image stream [B, T, D], text stream [B, S, D], temb [B, D])
+    after double block `split`, the way FluxTransformer2DModel.forward computes them."""
+    tr = flux.transformer
+    text = flux.label_tokens(labels).reshape(len(labels), flux.text_tokens, tr.config.joint_attention_dim)
+    hidden = tr.x_embedder(x)
+    temb = tr.time_text_embed(sigma.to(hidden.dtype) * 1000, flux.label_pooled(labels))
+    encoder = tr.context_embedder(text)
+    rotary = flux_rotary(flux)
+    for block in tr.transformer_blocks[: split + 1]:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rotary)
+    return hidden, encoder, temb
+
+
+def flux_stage1(flux, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor, split: int) -> torch.Tensor:
+    """The rest of the transformer: the velocity [B, T, C]."""
+    tr = flux.transformer
+    rotary = flux_rotary(flux)
+    for block in list(tr.transformer_blocks[split + 1:]) + list(tr.single_transformer_blocks):
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rotary)
+    return tr.proj_out(tr.norm_out(hidden, temb))
+
+
+def diffusion_labels(cfg: dict) -> torch.Tensor:
+    return torch.arange(cfg["DIFF_BATCH"]) % 10
+
+
+def psnr_db(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a.double() - b.double()) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def diffusion_session(rank: int, ctx: dict, mode: str) -> dict:
+    """One generation (DIFF_STEPS Euler steps, the noise of DIFF_EVAL_SEED) across the link. Per step
+    the image stream (mode) and the text stream + time embedding (raw bf16) cross; the velocity
+    comes back raw (float32). Rank 0 returns its timings and the images' PSNR vs the unsplit model."""
+    cfg, flux = ctx["cfg"], ctx["flux"]
+    split, codec, labels = cfg["DIFF_SPLIT_BLOCK"], ctx["diff_codec"], diffusion_labels(cfg)
+    B, T, D = len(labels), flux.tokens, flux.transformer.inner_dim
+    sigmas = torch.linspace(1.0, 0.0, cfg["DIFF_STEPS"] + 1)
+    steps = []
+    if rank == 0:
+        x = torch.randn(B, T, flux.token_values, generator=torch.Generator().manual_seed(cfg["DIFF_EVAL_SEED"]))
+        for i in range(cfg["DIFF_STEPS"]):
+            t0 = now()
+            hidden, encoder, temb = flux_stage0(flux, x, sigmas[i].expand(B), labels, split)
+            image = hidden.reshape(B * T, D).to(torch.bfloat16)
+            side = torch.cat([encoder.reshape(-1, D), temb]).to(torch.bfloat16)
+            t1 = now()
+            sent = send_tensor(image, 1, coder_for(mode, image.shape[0], codec, ctx["diff_min_rows"]))
+            side_sent = send_tensor(side, 1)
+            head, payload = recv_tensor(1)
+            velocity, _ = open_tensor(head, payload)
+            x = x + (sigmas[i + 1] - sigmas[i]) * velocity.view(B, T, -1)
+            t2 = now()
+            steps.append(dict(sent, bytes=sent["bytes"] + side_sent["bytes"], image_bytes=sent["bytes"],
+                              step_ms=(t2 - t0) * 1e3, stage0_ms=(t1 - t0) * 1e3, rows=image.shape[0]))
+        images = ((flux.unpack(x) + 1) / 2).clamp(0, 1)
+        return {"steps": steps, "psnr_db": psnr_db(images, ctx["diff_reference"])}
+    S = flux.text_tokens
+    for i in range(cfg["DIFF_STEPS"]):
+        head, payload = recv_tensor(0)
+        side_head, side_payload = recv_tensor(0)
+        t_recv = now()
+        image, decode_ms = open_tensor(head, payload, codec)
+        side, _ = open_tensor(side_head, side_payload)
+        t1 = now()
+        side = side.float()
+        velocity = flux_stage1(flux, image.float().view(B, T, D), side[: B * S].view(B, S, D), side[B * S:], split)
+        t2 = now()
+        send_tensor(velocity.reshape(B * T, -1).float().contiguous(), 0)
+        steps.append({"t_recv": t_recv, "decode_ms": decode_ms, "stage1_ms": (t2 - t1) * 1e3})
+    return {"steps": steps}
+
+
+# ---------------------------------------------------------------- worker: setup, check, measure
+def emit(obj: dict) -> None:
+    print(PROTOCOL + json.dumps(obj), flush=True)
+
+
+def calibrated_step(tensors: list[torch.Tensor], basis, target: float) -> tuple[float, list[float]]:
+    """The largest shared step with which every calibration tensor reaches cos >= target, and each one's cos."""
+    from shared.rdquant import RDQuantizer, find_step, quality
+
+    arrays = [t.float().numpy() for t in tensors]
+    step = min(find_step(basis.project(a), target, "cos", reconstruct=basis.reconstruct, reference=a).step
+               for a in arrays)
+    q = RDQuantizer(step)
+    cos = [quality(a, basis.reconstruct(q.dequantize(q.quantize(basis.project(a)))), "cos") for a in arrays]
+    return step, cos
+
+
+def min_coded_rows(codec, x: torch.Tensor) -> tuple[int, list[dict]]:
+    """The fewest rows (tokens) of x, in powers of two, for which the container is smaller than raw,
+    and the measured sizes (container, its header, raw) at each size tried."""
+    from shared.pipeline import unpack
+
+    sizes, found = [], None
+    rows = 1
+    while rows <= x.shape[0]:
+        part = x[1: 1 + rows] if x.shape[0] > rows else x[:rows]  # skip the first (attention-sink) token
+        blob = encode_tensor(codec, part)
+        _, chunks = unpack(blob)
+        sizes.append({"rows": rows, "container_bytes": len(blob), "payload_bytes": len(chunks["DATA"]),
+                      "raw_bytes": part.numel() * part.element_size()})
+        if found is None and len(blob) < part.numel() * part.element_size():
+            found = rows
+        rows *= 2
+    return (found if found is not None else x.shape[0] + 1), sizes
+
+
+def text_split(tokenizer, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(calibration chunks [CAL_CHUNKS, CAL_TOKENS] from the start of the text, held-out chunks
+    [EVAL_CHUNKS, max prefill] after it)."""
+    from shared.llm import text_chunks
+
+    cal_len = cfg["CAL_CHUNKS"] * cfg["CAL_TOKENS"]
+    length = max(cal_len, max(cfg["PREFILL_TOKENS"]))
+    chunks = text_chunks(tokenizer, 1 + cfg["EVAL_CHUNKS"], length)
+    cal = chunks[0, :cal_len].view(cfg["CAL_CHUNKS"], cfg["CAL_TOKENS"])
+    return cal, chunks[1:, : max(cfg["PREFILL_TOKENS"])]
+
+
+def setup_stage0(ctx: dict) -> dict:
+    """Rank 0: calibration hidden states -> basis and step (LLM and diffusion); the unsplit images."""
+    from tqdm import tqdm
+
+    from shared.basis import fit_basis
+    from shared.diffusion import generate, record_block_output
+    from shared.pipeline import TensorCodec
+
+    cfg, model, flux = ctx["cfg"], ctx["model"], ctx["flux"]
+    cal, _ = text_split(ctx["tokenizer"], cfg)
+    with torch.no_grad():
+        hidden = [llm_stage0(model, c[None], 0, None, cfg["SPLIT_LAYER"]).to(torch.bfloat16)
+                  for c in tqdm(cal, desc="calibration: LLM hidden states", unit="chunk")]
+    llm_basis = fit_basis(hidden, k=model.config.hidden_size, model="smollm2", layer=f"hidden{cfg['SPLIT_LAYER']}")
+    llm_step, llm_cal_cos = calibrated_step(hidden, llm_basis, cfg["TARGET_COS"])
+    llm_codec = TensorCodec(llm_basis, backend="rans", step=llm_step)
+    llm_min_rows, llm_sizes = min_coded_rows(llm_codec, hidden[0])
+
+    labels = diffusion_labels(cfg)
+    captures = []
+    for seed in tqdm(cfg["DIFF_CAL_SEEDS"], desc="calibration: diffusion activations", unit="seed"):
+        with record_block_output(flux.transformer, cfg["DIFF_SPLIT_BLOCK"]) as outputs:
+            generate(flux, labels, seed, cfg["DIFF_STEPS"], block=cfg["DIFF_SPLIT_BLOCK"])
+        captures += [o.reshape(-1, o.shape[-1]).to(torch.bfloat16) for o in outputs]
+    diff_basis = fit_basis(captures, k=flux.transformer.inner_dim, model="tiny_flux",
+                           layer=f"double{cfg['DIFF_SPLIT_BLOCK']}.image")
+    diff_step, diff_cal_cos = calibrated_step(captures, diff_basis, cfg["TARGET_COS"])
+    diff_codec = TensorCodec(diff_basis, backend="rans", step=diff_step)
+    diff_min_rows, diff_sizes = min_coded_rows(diff_codec, captures[0])
+    ctx["diff_reference"] = generate(flux, labels, cfg["DIFF_EVAL_SEED"], cfg["DIFF_STEPS"])
+
+    # the split halves composed in one process equal the unsplit model (checked before any transfer)
+    x0 = torch.randn(len(labels), flux.tokens, flux.token_values, generator=torch.Generator().manual_seed(1))
+    sigma = torch.full((len(labels),), 0.5)
+    with torch.no_grad():
+        split_velocity = flux_stage1(flux, *flux_stage0(flux, x0, sigma, labels, cfg["DIFF_SPLIT_BLOCK"]),
+                                     cfg["DIFF_SPLIT_BLOCK"])
+        diff_split_err = float((split_velocity - flux(x0, sigma, labels)).abs().max())
+    return {"llm": (llm_basis, llm_step, llm_min_rows), "diff": (diff_basis, diff_step, diff_min_rows),
+            "report": {"llm_step": llm_step, "llm_cal_cos": llm_cal_cos, "llm_min_rows": llm_min_rows,
+                       "llm_sizes": llm_sizes, "diff_step": diff_step, "diff_cal_cos": diff_cal_cos,
+                       "diff_min_rows": diff_min_rows, "diff_sizes": diff_sizes,
+                       "diff_split_max_abs_err": diff_split_err}}
+
+
+def setup_stage1(ctx: dict) -> dict:
+    """Rank 1: the unsplit model's outputs on the held-out text (every prefill size, every chunk)."""
+    cfg, model = ctx["cfg"], ctx["model"]
+    _, evals = text_split(ctx["tokenizer"], cfg)
+    refs = {}
+    jobs = [(c, T) for c in range(len(evals)) for T in cfg["PREFILL_TOKENS"]]
+    with torch.no_grad():
+        for c, T in jobs:  # no bar: stage 0's calibration bar runs at the same time
+            refs[(c, T)] = llm_reference(model, evals[c, :T], cfg["DECODE_TOKENS"])
+        # the split halves composed in one process equal the unsplit forward (no transfer involved)
+        T = min(cfg["PREFILL_TOKENS"])
+        ids = evals[0, :T]
+        logits = llm_stage1(model, llm_stage0(model, ids[None], 0, None, cfg["SPLIT_LAYER"]), 0, None,
+                            cfg["SPLIT_LAYER"], all_positions=True)
+        split_err = float((logits - model(input_ids=ids[None]).logits[0]).abs().max())
+    ctx["llm_refs"] = refs
+    return {"report": {"llm_split_max_abs_err": split_err}}
+
+
+def check_hop(rank: int, reference: torch.Tensor | None, codec, name: str) -> dict:
+    """Send a float32 tensor raw as the reference, then its bf16 raw and its bf16 coded forms; the
+    receiver checks the raw one bit for bit and measures the coded one's cosine."""
+    from shared.rdquant import quality
+
+    if rank == 0:
+        x = reference.float().contiguous()
+        for msg, c in ((x, None), (x.to(torch.bfloat16), None), (x.to(torch.bfloat16), codec)):
+            send_tensor(msg, 1, c)
+        return {}
+    got = []
+    for _ in range(3):
+        head, payload = recv_tensor(0)
+        got.append(open_tensor(head, payload, codec)[0].clone())
+    ref, raw, coded = got
+    bit_exact = raw.dtype == torch.bfloat16 and torch.equal(raw.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
+    if not bit_exact:
+        raise RuntimeError(f"{name}: the raw tensor received differs from the one sent: the transport is broken")
+    r = ref.double().numpy()
+    return {"name": name, "rows": ref.shape[0], "bit_exact": bool(bit_exact),
+            "cos_raw_vs_f32": quality(r, raw.double().numpy(), "cos"),
+            "cos_coded_vs_f32": quality(r, coded.double().numpy(), "cos"),
+            "cos_coded_vs_bf16": quality(raw.double().numpy(), coded.double().numpy(), "cos")}
+
+
+def run_check(rank: int, ctx: dict) -> dict:
+    """Correctness of the transfer (bit-exact raw, cos coded), then the split model's quality runs."""
+    from tqdm import tqdm
+
+    cfg, model = ctx["cfg"], ctx["model"]
+    _, evals = text_split(ctx["tokenizer"], cfg)
+    hops = []
+    with torch.no_grad():
+        for T in cfg["PREFILL_TOKENS"]:
+            h = llm_stage0(model, evals[0, :T][None], 0, None, cfg["SPLIT_LAYER"]) if rank == 0 else None
+            hops.append(check_hop(rank, h, ctx["llm_codec"], f"llm prefill {T}"))
+        flux, labels = ctx["flux"], diffusion_labels(cfg)
+        image = None
+        if rank == 0:
+            x = torch.randn(len(labels), flux.tokens, flux.token_values,
+                            generator=torch.Generator().manual_seed(cfg["DIFF_EVAL_SEED"]))
+            hidden, _, _ = flux_stage0(flux, x, torch.ones(len(labels)), labels, cfg["DIFF_SPLIT_BLOCK"])
+            image = hidden.reshape(-1, hidden.shape[-1])
+        hops.append(check_hop(rank, image, ctx["diff_codec"], "diffusion step 0"))
+        if rank == 1:
+            for hop in hops:
+                print(f"  check {hop['name']}: raw bit-exact {hop['bit_exact']}, compressed cos "
+                      f"{hop['cos_coded_vs_f32']:.5f} vs float32 ({hop['cos_coded_vs_bf16']:.5f} vs the bf16 sent)",
+                      file=sys.stderr, flush=True)
+        quality_runs = []
+        jobs = [(c, T, mode) for c in range(len(evals)) for T in cfg["PREFILL_TOKENS"] for mode in ("raw", "compressed")]
+        for c, T, mode in tqdm(jobs, desc="quality runs (1st link)", unit="run", disable=rank != 0):
+            out = llm_session(rank, ctx, evals[c, :T], mode, cfg["DECODE_TOKENS"], score=True)
+            if rank == 1:
+                ref = ctx["llm_refs"][(c, T)]
+                top, nll = out["scored"]
+                quality_runs.append({"chunk": c, "tokens": T, "mode": mode, "nll_sum": float(nll.sum()),
+                                     "ref_nll_sum": float(ref["nll"].sum()), "scored": int(len(nll)),
+                                     "agree": int((top == ref["top"]).sum()), "positions": int(len(top)),
+                                     "greedy_agree": int(sum(a == b for a, b in zip(out["tokens"], ref["tokens"]))),
+                                     "greedy_total": len(ref["tokens"])})
+        diffusion = {mode: diffusion_session(rank, ctx, mode) for mode in ("raw", "compressed")}
+    if rank == 0:
+        return {"diffusion_psnr": {m: d["psnr_db"] for m, d in diffusion.items()}}
+    return {"hops": hops, "quality": quality_runs}
+
+
+def run_measure(rank: int, ctx: dict, link_mbit) -> dict:
+    """The timed sessions at the current link setting."""
+    from tqdm import tqdm
+
+    cfg = ctx["cfg"]
+    _, evals = text_split(ctx["tokenizer"], cfg)
+    jobs = [("llm", T, mode, r) for T in cfg["PREFILL_TOKENS"] for r in range(cfg["REPEATS"])
+            for mode in ("raw", "compressed")]
+    jobs += [("diffusion", None, mode, r) for r in range(cfg["REPEATS"]) for mode in ("raw", "compressed")]
+    sessions = []
+    with torch.no_grad():
+        for task, T, mode, r in tqdm(jobs, desc=f"timed sessions at {link_mbit} Mbit", unit="session",
+                                     disable=rank != 0):
+            if task == "llm":
+                out = llm_session(rank, ctx, evals[0, :T], mode, cfg["DECODE_TOKENS"], score=False)
+            else:
+                out = diffusion_session(rank, ctx, mode)
+            sessions.append({"task": task, "tokens": T, "mode": mode, "repeat": r,
+                             **{k: v for k, v in out.items() if k != "scored"}})
+    return {"sessions": sessions}
+
+
+def worker(rank: int, master: str, port: int, quick: bool) -> None:
+    import torch.distributed as dist
+
+    from shared.diffusion import load_tiny_flux
+    from shared.llm import load_smollm2
+
+    cfg = settings(quick)
+    torch.set_num_threads(cfg["WORKER_THREADS"])
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=cfg["TIMEOUT_S"]))
+    model, tokenizer = load_smollm2()
+    ctx = {"cfg": cfg, "model": model, "tokenizer": tokenizer, "flux": load_tiny_flux()}
+    with torch.no_grad():
+        setup = setup_stage0(ctx) if rank == 0 else setup_stage1(ctx)
+    shared = [setup.get("llm"), setup.get("diff")]
+    dist.broadcast_object_list(shared, src=0)
+    from shared.pipeline import TensorCodec
+    (llm_basis, llm_step, ctx["llm_min_rows"]), (diff_basis, diff_step, ctx["diff_min_rows"]) = shared
+    ctx["llm_codec"] = TensorCodec(llm_basis, backend="rans", step=llm_step)
+    ctx["diff_codec"] = TensorCodec(diff_basis, backend="rans", step=diff_step)
+    emit({"ready": rank, **setup["report"]})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        result = run_check(rank, ctx) if cmd["cmd"] == "check" else run_measure(rank, ctx, cmd["link_mbit"])
+        emit(result)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- orchestrator
+class Loopback:
+    """Both stages as plain processes on 127.0.0.1, unshaped: the fallback where namespaces cannot be made."""
+
+    ip_a = ip_b = "127.0.0.1"
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self):
+        return self
+
+    def popen(self, _side: str, argv: list[str], **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def reshape(self, **_):
+        pass
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+class Worker:
+    """A stage process in its namespace; commands go in on stdin, '@@ {json}' results come out on stdout."""
+
+    def __init__(self, link, side: str, rank: int, port: int, quick: bool, timeout_s: float):
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", str(rank), "--master", link.ip_a,
+                "--port", str(port)] + (["--quick"] if quick else [])
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **WORKER_ENV,
+                   GLOO_SOCKET_IFNAME=getattr(link, f"dev_{side}", "lo"))  # gloo's pairs use the veth end
+        self.rank, self.timeout_s, self.lines = rank, timeout_s, queue.Queue()
+        self.proc = link.popen(side, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               cwd=str(Path(__file__).resolve().parent.parent))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith(PROTOCOL):
+                self.lines.put(json.loads(line[len(PROTOCOL):]))
+            else:
+                print(f"[stage {self.rank}] {line}", end="", flush=True)
+        self.lines.put(None)
+
+    def send(self, cmd: dict):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict:
+        try:
+            out = self.lines.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"stage {self.rank} gave no result within {self.timeout_s} s") from None
+        if out is None:
+            raise RuntimeError(f"stage {self.rank} exited (code {self.proc.wait()}) before its result; "
+                               "its error is printed above")
+        return out
+
+
+def command(workers: list[Worker], cmd: dict) -> list[dict]:
+    for w in workers:
+        w.send(cmd)
+    return [w.result() for w in workers]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_link_experiment(quick: bool, force_loopback: bool) -> dict:
+    """Both stages on the shaped link (or loopback): setup, correctness and quality, then each link speed."""
+    cfg = settings(quick)
+    reason = "--loopback given" if force_loopback else None
+    if reason is None:
+        from shared.links import link_unavailable_reason
+        reason = link_unavailable_reason()
+    if reason is not None and not (quick or force_loopback):
+        raise SystemExit(f"the shaped link cannot be built on this machine: {reason}. Run as root with iproute2 "
+                         "(ip netns, tc), or pass --loopback for an unshaped run over 127.0.0.1")
+    if reason is None:
+        from shared.links import ShapedLink
+        link_cm, links, port, link_kind = (ShapedLink(rate_mbit=cfg["LINKS_MBIT"][0], delay_ms=cfg["DELAY_MS"]),
+                                           cfg["LINKS_MBIT"], cfg["PORT"], "veth+tc")
+    else:
+        print(f"NOTE: no shaped link ({reason}): both stages run over unshaped loopback (127.0.0.1); "
+              "the rows say link=loopback")
+        link_cm, links, port, link_kind = Loopback(), [None], free_port(), "loopback"
+    out = {"link": link_kind, "reason": reason, "cfg": cfg, "measures": []}
+    with link_cm as link:
+        workers = [Worker(link, side, rank, port, quick, cfg["TIMEOUT_S"]) for rank, side in ((0, "a"), (1, "b"))]
+        out["setup"] = [w.result() for w in workers]
+        print(f"setup: LLM step {out['setup'][0]['llm_step']:.4g} (calibration cos "
+              f"{min(out['setup'][0]['llm_cal_cos']):.5f}..), coded from {out['setup'][0]['llm_min_rows']} tokens; "
+              f"diffusion step {out['setup'][0]['diff_step']:.4g}", flush=True)
+        out["check"] = command(workers, {"cmd": "check"})
+        for mbit in links:
+            if mbit is not None:
+                link.reshape(rate_mbit=mbit, delay_ms=cfg["DELAY_MS"])
+            results = command(workers, {"cmd": "measure", "link_mbit": mbit})
+            results[0]["load_1min"] = os.getloadavg()[0]  # the machine's load when this point finished
+            out["measures"].append((mbit, results))
+        for w in workers:
+            w.send({"cmd": "quit"})
+        for w in workers:
+            w.proc.wait(timeout=60)
+    return out
+
+
+# ---------------------------------------------------------------- rows
+def step_table(session0: dict, session1: dict) -> list[dict]:
+    """Per-step timings of both sides joined: wire_ms = receiver's clock at receipt - sender's at first send."""
+    steps = []
+    for a, b in zip(session0["steps"], session1["steps"]):
+        wire = (b["t_recv"] - a["t_send"]) * 1e3
+        hop = a["encode_ms"] + wire + b["decode_ms"]
+        steps.append({**{k: v for k, v in a.items() if k not in ("t_send",)}, "wire_ms": wire,
+                      "decode_ms": b["decode_ms"], "stage1_ms": b["stage1_ms"], "hop_ms": hop})
+    return steps
+
+
+def coder_label() -> str:
+    """Which CPU rANS coder TensorCodec used: the compiled one, or the numpy reference without numba."""
+    from shared.codecs import rans_cpu
+
+    return "numba coder" if rans_cpu.AVAILABLE else "numpy reference coder"
+
+
+def make_rows(out: dict) -> ResultsWriter:
+    res = ResultsWriter("16", "split_inference")
+    cfg, link_kind = out["cfg"], out["link"]
+    coder = coder_label()
+    s0, s1 = out["setup"]
+    common = dict(link=link_kind, delay_ms=cfg["DELAY_MS"], target_cos=cfg["TARGET_COS"], coder=coder)
+
+    def add(task, metric, value, unit, mode="", phase="", **kw):
+        backend = "rans" if mode == "compressed" else ("raw-bf16" if mode == "raw" else "")
+        res.add(backend=backend, metric=metric, value=float(value), unit=unit, task=task, phase=phase, mode=mode,
+                **{**common, **kw})
+
+    split = {"llm": f"layer {cfg['SPLIT_LAYER']}", "diffusion": f"after double block {cfg['DIFF_SPLIT_BLOCK']}"}
+    for task, key in (("llm", "llm"), ("diffusion", "diff")):
+        add(task, "quant_step", s0[f"{key}_step"], "", "compressed", "calibration", split=split[task])
+        add(task, "cos", min(s0[f"{key}_cal_cos"]), "", "compressed", "calibration", split=split[task],
+            note="worst calibration tensor")
+        add(task, "min_coded_rows", s0[f"{key}_min_rows"], "tokens", "compressed", "calibration", split=split[task],
+            note="fewest tokens whose container is smaller than raw (powers of two tried); fewer go raw")
+        for size in s0[f"{key}_sizes"]:
+            for metric in ("container_bytes", "payload_bytes", "raw_bytes"):
+                add(task, metric, size[metric], "bytes", "compressed", "container_size", tokens=size["rows"],
+                    split=split[task])
+    add("llm", "max_abs_err", s1["llm_split_max_abs_err"], "logit", "unsplit", "split_in_one_process",
+        split=split["llm"], note="both halves in one process vs the unsplit forward, no transfer")
+    add("diffusion", "max_abs_err", s0["diff_split_max_abs_err"], "velocity", "unsplit", "split_in_one_process",
+        split=split["diffusion"], note="both halves in one process vs the unsplit forward, no transfer")
+
+    check0, check1 = out["check"]
+    first = out["measures"][0][0]
+    for hop in check1["hops"]:
+        task = "llm" if hop["name"].startswith("llm") else "diffusion"
+        add(task, "bit_exact", hop["bit_exact"], "bool", "raw", "check", tokens=hop["rows"], link_mbit=first)
+        add(task, "cos", hop["cos_raw_vs_f32"], "", "raw", "check", tokens=hop["rows"], link_mbit=first,
+            note="bf16 received vs the float32 hidden state")
+        add(task, "cos", hop["cos_coded_vs_f32"], "", "compressed", "check", tokens=hop["rows"], link_mbit=first,
+            note="decoded vs the float32 hidden state (evaluation data)")
+        add(task, "cos_vs_bf16", hop["cos_coded_vs_bf16"], "", "compressed", "check", tokens=hop["rows"],
+            link_mbit=first, note="decoded vs the bf16 tensor raw mode sends")
+    quality = check1["quality"]
+    for T in cfg["PREFILL_TOKENS"]:
+        runs = {m: [q for q in quality if q["tokens"] == T and q["mode"] == m] for m in ("raw", "compressed")}
+        n_scored = sum(q["scored"] for q in runs["raw"])
+        add("llm", "perplexity", math.exp(sum(q["ref_nll_sum"] for q in runs["raw"]) / n_scored), "", "unsplit",
+            "quality", tokens=T, chunks=len(runs["raw"]))
+        for mode, rs in runs.items():
+            add("llm", "perplexity", math.exp(sum(q["nll_sum"] for q in rs) / n_scored), "", mode, "quality",
+                tokens=T, chunks=len(rs), link_mbit=first)
+            add("llm", "agreement", sum(q["agree"] for q in rs) / sum(q["positions"] for q in rs), "fraction", mode,
+                "quality", tokens=T, chunks=len(rs), link_mbit=first,
+                note="argmax of the next token at every prefill position, same as the unsplit model")
+            add("llm", "greedy_agreement", sum(q["greedy_agree"] for q in rs) / sum(q["greedy_total"] for q in rs),
+                "fraction", mode, "quality", tokens=T, chunks=len(rs), link_mbit=first,
+                note=f"greedy tokens equal to the unsplit model's, position by position, {cfg['DECODE_TOKENS']} per chunk")
+    for mode, value in check0["diffusion_psnr"].items():
+        add("diffusion", "psnr_db", value, "dB", mode, "quality", link_mbit=first, steps=cfg["DIFF_STEPS"],
+            images=cfg["DIFF_BATCH"], note="final images vs the unsplit model, same noise")
+
+    for mbit, (m0, m1) in out["measures"]:
+        groups: dict = {}
+        for a, b in zip(m0["sessions"], m1["sessions"]):
+            steps = step_table(a, b)
+            if a["task"] == "llm":
+                groups.setdefault(("llm", "prefill", a["tokens"], a["mode"]), []).extend(steps[:1])
+                groups.setdefault(("llm", "decode", a["tokens"], a["mode"]), []).extend(steps[1:])
+            else:
+                groups.setdefault(("diffusion", "sampler_step", None, a["mode"]), []).extend(steps)
+                add("diffusion", "psnr_db", a["psnr_db"], "dB", a["mode"], "quality", link_mbit=mbit,
+                    repeat=a["repeat"], steps=cfg["DIFF_STEPS"], images=cfg["DIFF_BATCH"])
+        medians = {}
+        for (task, phase, T, mode), steps in groups.items():
+            med = {k: float(np.median([s[k] for s in steps])) for k in
+                   ("step_ms", "stage0_ms", "encode_ms", "wire_ms", "decode_ms", "stage1_ms", "hop_ms", "bytes")}
+            medians[(task, phase, T, mode)] = med
+            kw = dict(link_mbit=mbit, tokens=T if phase != "decode" else 1, context=T, samples=len(steps),
+                      sent_as=steps[0]["sent_as"], split=split[task], load_1min=m0["load_1min"])
+            for k in ("step_ms", "stage0_ms", "encode_ms", "wire_ms", "decode_ms", "stage1_ms", "hop_ms"):
+                add(task, k, med[k], "ms", mode, phase, **kw)
+            add(task, "bytes_per_step", med["bytes"], "bytes", mode, phase, **kw)
+            add(task, "wire_mbit_per_s", med["bytes"] * 8 / (med["wire_ms"] * 1e3), "Mbit/s", mode, phase, **kw,
+                note="bytes of the step / wire_ms: the rate the link delivered")
+            per_step = 1 if phase == "decode" else (T or cfg["DIFF_BATCH"])
+            unit = "images/s" if task == "diffusion" else "tokens/s"
+            add(task, "tokens_per_s" if task == "llm" else "images_per_s", per_step * 1e3 / med["step_ms"], unit,
+                mode, phase, **kw)
+        for (task, phase, T, mode), med in medians.items():
+            if mode != "compressed":
+                continue
+            raw = medians[(task, phase, T, "raw")]
+            kw = dict(link_mbit=mbit, tokens=T if phase != "decode" else 1, context=T, split=split[task])
+            add(task, "ratio", raw["bytes"] / med["bytes"], "x", mode, phase, **kw,
+                note="raw bytes per step / compressed bytes per step (framing heads included)")
+            add(task, "speedup", raw["step_ms"] / med["step_ms"], "x", mode, phase, **kw,
+                note="raw step_ms / compressed step_ms")
+            add(task, "hop_speedup", raw["hop_ms"] / med["hop_ms"], "x", mode, phase, **kw,
+                note="raw (encode+wire+decode) / compressed (encode+wire+decode)")
+            ratio = raw["bytes"] / med["bytes"]
+            add(task, "speedup_free_codec", raw["step_ms"] / (raw["step_ms"] - raw["wire_ms"] + raw["wire_ms"] / ratio),
+                "x", mode, phase, **kw, note="the step speed-up a codec costing 0 ms would give: raw step with its "
+                "wire time divided by the ratio (the compute share of the step bounds it)")
+    return res
+
+
+# ---------------------------------------------------------------- figure
+def plot(csv_path: Path, fig_dir: Path | None = None):
+    """Top row: the whole step per link speed, raw vs compressed, split into its measured parts.
+    Bottom row: the hand-over alone (encode + wire + decode), where compression acts."""
+    import pandas as pd
+
+    plt = apply_style()
+    df = pd.read_csv(csv_path)
+    df["link_mbit"] = df.link_mbit.fillna(-1)
+    timed = df[df.phase.isin(["prefill", "decode", "sampler_step"])]
+    prefills = sorted(timed[timed.phase == "prefill"].context.dropna().unique())
+    panels = [("llm", "prefill", t) for t in prefills] + [("llm", "decode", max(prefills))] if prefills else []
+    panels += [("diffusion", "sampler_step", None)]
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.7 * len(panels) + 1.6, 7.4), squeeze=False)
+    compute = [("stage0_ms", "stage 0 compute", "#0072B2"), ("stage1_ms", "stage 1 compute", "#56B4E9")]
+    hop = [("encode_ms", "encode", "#D55E00"), ("wire_ms", "wire", "#009E73"), ("decode_ms", "decode", "#E69F00")]
+    rows = [(compute + hop, "step_ms", "speedup", "step", "ms per step"),
+            (hop, "hop_ms", "hop_speedup", "hand-over", "ms per hand-over (encode + wire + decode)")]
+    links = sorted(timed.link_mbit.unique(), reverse=True)
+    for r, (parts, total, speed_metric, speed_name, ylabel) in enumerate(rows):
+        for ax, (task, phase, ctx_tokens) in zip(axes[r], panels):
+            sel = df[(df.task == task) & (df.phase == phase)]
+            if ctx_tokens is not None:
+                sel = sel[sel.context == ctx_tokens]
+            ticks, labels = [], []
+            for i, link in enumerate(links):
+                at = sel[sel.link_mbit == link]
+                for j, mode in enumerate(("raw", "compressed")):
+                    m = at[at["mode"] == mode].drop_duplicates("metric").set_index("metric").value
+                    if total not in m:
+                        continue
+                    x, bottom = i * 3 + j, 0.0
+                    for key, label, colour in parts:
+                        v = float(m.get(key, 0.0))
+                        ax.bar(x, v, bottom=bottom, color=colour, label=label if (i, j) == (0, 0) else None,
+                               hatch="//" if mode == "compressed" else None, edgecolor="white", width=0.85)
+                        bottom += v
+                    ax.text(x, max(bottom, float(m[total])), f"{float(m[total]):.0f}", ha="center", va="bottom",
+                            fontsize=7)
+                c = at[at["mode"] == "compressed"].drop_duplicates("metric").set_index("metric").value
+                name = "loopback" if link == -1 else (f"{link / 1000:g} Gbit" if link >= 1000 else f"{link:g} Mbit")
+                extra = (f"\nbytes {c['ratio']:.1f}x less\n{speed_name} {c[speed_metric]:.2f}x"
+                         if "ratio" in c and speed_metric in c else "")
+                ticks.append(i * 3 + 0.5)
+                labels.append(name + extra)
+            ax.set_xticks(ticks, labels, fontsize=7)
+            ax.set_ylabel(ylabel, fontsize=8)
+            sent = set(sel[(sel.metric == "step_ms") & (sel["mode"] == "compressed")].sent_as.dropna())
+            what = {"prefill": f"LLM prefill, {int(ctx_tokens) if ctx_tokens else ''} tokens",
+                    "decode": "LLM decode, 1 token per step", "sampler_step": "diffusion, one sampler step"}[phase]
+            how = "both modes send it raw (container > raw)" if sent == {"raw"} else "hatched: compressed"
+            ax.set_title(f"{what} ({speed_name})\nplain: raw bf16; {how}", fontsize=8)
+        axes[r, -1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    gains = df[(df.metric.isin(["speedup", "hop_speedup"])) & (df.link_mbit.between(0, 100)) & (df.phase != "decode")]
+    where = "a tc-shaped veth link" if (df.link == "veth+tc").any() else "unshaped loopback (no namespaces here)"
+    title = f"Split inference across {where} (CPU codec: {coder_label_from(df)})"
+    if len(gains):
+        hs, ss = gains[gains.metric == "hop_speedup"].value, gains[gains.metric == "speedup"].value
+        title += (f": at <= 100 Mbit compression speeds the hand-over {hs.min():.2f}-{hs.max():.2f}x, "
+                  f"the whole step {ss.min():.2f}-{ss.max():.2f}x (compute-bound on this CPU)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    if fig_dir is None:
+        save_figure(fig, NAME, f"{NAME}.csv")
+    else:
+        fig.savefig(fig_dir / f"{NAME}.png")
+        print(f"wrote {fig_dir / (NAME + '.png')}")
+
+
+def coder_label_from(df) -> str:
+    coders = df.coder.dropna().unique() if "coder" in df else []
+    return ", ".join(coders) if len(coders) else "?"
+
+
+# ---------------------------------------------------------------- console
+def summary(res: ResultsWriter) -> None:
+    import pandas as pd
+
+    df = pd.DataFrame(res.rows)
+    df["context"] = df.get("context", pd.Series(index=df.index, dtype=float)).fillna(-1)
+    df["link_mbit"] = df.get("link_mbit", pd.Series(index=df.index, dtype=float)).fillna(-1)
+    t = df[df.metric.isin(["step_ms", "encode_ms", "wire_ms", "decode_ms", "bytes_per_step"])]
+    if len(t):
+        table = t.pivot_table(index=["task", "phase", "context", "link_mbit", "mode"], columns="metric",
+                              values="value", dropna=False).dropna(how="all")
+        print(table.round(2).to_string())
+    q = df[df.metric.isin(["perplexity", "agreement", "greedy_agreement", "psnr_db", "cos"]) &
+           df.phase.isin(["quality", "check"])]
+    print(q[["task", "phase", "mode", "metric", "tokens", "value"]].drop_duplicates(
+        subset=["task", "phase", "mode", "metric", "tokens"]).to_string(index=False))
+    cfg_rows = df[(df.metric.isin(["speedup", "ratio", "hop_speedup"]))]
+    if len(cfg_rows):
+        piv = cfg_rows.pivot_table(index=["task", "phase", "context", "link_mbit"], columns="metric",
+                                   values="value", dropna=False).dropna(how="all")
+        piv["speedup / ratio"] = piv["speedup"] / piv["ratio"]
+        print(piv.round(3).to_string())
+
+
+def markdown_table(csv_path: Path) -> str:
+    """The README's PoC 16 tables, from the CSV alone (python pocs/16_split_inference.py --table)."""
+    import pandas as pd
+
+    df = pd.read_csv(csv_path)
+    df["context"], df["link_mbit"] = df.context.fillna(-1), df.link_mbit.fillna(-1)  # -1: loopback
+    timed = df[df.phase.isin(["prefill", "decode", "sampler_step"])]
+    lines = ["| task, step | link | raw ms/step | compressed ms/step | bytes ratio | step speed-up | speed-up / ratio "
+             "| hop ms raw -> compressed (encode + wire + decode) | compressed sent as |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = {"prefill": 0, "decode": 1, "sampler_step": 2}
+    keys = sorted({(t, p, c) for t, p, c in zip(timed.task, timed.phase, timed.context)}, key=lambda k: (
+        k[0] != "llm", order[k[1]], k[2]))
+    for task, phase, ctx in keys:
+        sel = timed[(timed.task == task) & (timed.phase == phase) & (timed.context == ctx)]
+        for mbit in sorted(sel.link_mbit.unique(), reverse=True):
+            at = sel[sel.link_mbit == mbit]
+
+            def get(metric, mode="compressed"):
+                v = at[(at.metric == metric) & (at["mode"] == mode)].value
+                return float(v.iloc[0]) if len(v) else float("nan")
+            what = {"prefill": f"LLM prefill {int(ctx)} tokens", "decode": f"LLM decode (after {int(ctx)})",
+                    "sampler_step": "diffusion sampler step"}[phase]
+            sent = at[(at.metric == "step_ms") & (at["mode"] == "compressed")].sent_as.iloc[0]
+            lines.append(
+                f"| {what} | {'loopback' if mbit == -1 else f'{mbit:g} Mbit'} | {get('step_ms', 'raw'):.1f} | {get('step_ms'):.1f} | {get('ratio'):.2f}x "
+                f"| {get('speedup'):.2f}x | {get('speedup') / get('ratio'):.2f} | {get('hop_ms', 'raw'):.1f} -> "
+                f"{get('hop_ms'):.1f} ({get('encode_ms'):.1f} + {get('wire_ms'):.1f} + {get('decode_ms'):.1f}) | {sent} |")
+    q = df[df.phase.isin(["quality", "check", "calibration"])]
+
+    def val(task, phase, mode, metric, tokens=None):
+        v = q[(q.task == task) & (q.phase == phase) & (q["mode"] == mode) & (q.metric == metric)]
+        if tokens is not None:
+            v = v[v.tokens == tokens]
+        return float(v.value.iloc[0]) if len(v) else float("nan")
+    lines += ["", "| task | tokens | cos (eval, compressed) | perplexity unsplit / raw / compressed | "
+              "next-token agreement raw / compressed | greedy agreement raw / compressed |", "|---|---|---|---|---|---|"]
+    for T in sorted(q[(q.task == "llm") & (q.metric == "perplexity")].tokens.dropna().unique()):
+        lines.append(
+            f"| LLM | {int(T)} | {val('llm', 'check', 'compressed', 'cos', T):.4f} | "
+            f"{val('llm', 'quality', 'unsplit', 'perplexity', T):.3f} / {val('llm', 'quality', 'raw', 'perplexity', T):.3f}"
+            f" / {val('llm', 'quality', 'compressed', 'perplexity', T):.3f} | "
+            f"{val('llm', 'quality', 'raw', 'agreement', T):.3f} / {val('llm', 'quality', 'compressed', 'agreement', T):.3f}"
+            f" | {val('llm', 'quality', 'raw', 'greedy_agreement', T):.3f} / "
+            f"{val('llm', 'quality', 'compressed', 'greedy_agreement', T):.3f} |")
+    psnr = q[(q.task == "diffusion") & (q.metric == "psnr_db")]
+    rows = q[(q.task == "diffusion") & (q.phase == "check") & (q.metric == "cos")].tokens
+    lines.append(f"| diffusion | {int(rows.iloc[0]) if len(rows) else ''} | "
+                 f"{val('diffusion', 'check', 'compressed', 'cos'):.4f} | final-image PSNR vs unsplit: raw "
+                 f"{psnr[psnr['mode'] == 'raw'].value.median():.1f} dB, compressed "
+                 f"{psnr[psnr['mode'] == 'compressed'].value.median():.1f} dB | | |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI-sized run (under ~90 s on a 2-core CPU machine)")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
+    ap.add_argument("--loopback", action="store_true", help="unshaped 127.0.0.1 instead of the shaped veth link")
+    ap.add_argument("--table", action="store_true", help="print the README's tables from the CSV")
+    ap.add_argument("--out", type=Path, default=None, help="write the CSV and figure into this folder instead")
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.master, args.port, args.quick)
+        return
+    csv_path = (args.out / f"{NAME}.csv") if args.out else None
+    if args.table:
+        from shared.results import RESULTS
+        print(markdown_table(csv_path or RESULTS / f"{NAME}.csv"))
+        return
+    if not args.plot_only:
+        t0 = time.time()
+        res = make_rows(run_link_experiment(args.quick, args.loopback))
+        summary(res)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+        csv_path = res.save(csv_path)
+        print(f"total {time.time() - t0:.0f} s")
+    from shared.results import RESULTS
+    plot(csv_path or RESULTS / f"{NAME}.csv", args.out)
+
+
+if __name__ == "__main__":
+    main()
