@@ -76,8 +76,8 @@ def run(quick: bool) -> ResultsWriter:
         sources.update(real_source(tokens))
     res = ResultsWriter("01", "synthetic_controls")
     jobs = [(s, c) for s in sources for c in CODECS]
-    print(f"{'source':<18}{'backend':<7}{'setting':<10}{'ratio':>9}{'cos_mean':>10}{'exact':>7}{'ms':>8}")
-    for source, (backend, settings, label) in tqdm(jobs, desc="PoC 01", leave=False):
+    table = [f"{'source':<18}{'backend':<8}{'setting':<10}{'ratio':>9}{'cos_mean':>10}{'exact':>7}{'ms':>8}"]
+    for source, (backend, settings, label) in tqdm(jobs, desc="PoC 01 (source x codec)", unit="job"):
         x = sources[source]
         basis = fit_basis([x], k=x.shape[1], model=source) if source == "low_rank_pca" else None
         # low_rank_pca keeps only the 8 components that carry the signal: the point of the PCA step
@@ -109,8 +109,9 @@ def run(quick: bool) -> ResultsWriter:
         if lossless:
             res.add(metric="exact", value=int(exact), unit="bool", **common)
         res.add(metric="roundtrip_ms", value=elapsed_ms, unit="ms", **common)
-        tqdm.write(f"{source:<18}{backend:<7}{label:<10}{r:>9.2f}{q['cos_mean']:>10.5f}"
-                   f"{('yes' if exact else 'no') if lossless else '-':>7}{elapsed_ms:>8.0f}")
+        table.append(f"{source:<18}{backend:<8}{label:<10}{r:>9.2f}{q['cos_mean']:>10.5f}"
+                     f"{('yes' if exact else 'no') if lossless else '-':>7}{elapsed_ms:>8.0f}")
+    print("\n".join(table))  # after the bar has closed: rows and bar never share a line
     if lossless_rows := [r for r in res.rows if r["metric"] == "exact"]:
         print(f"lossless codec stages bit-exact: {sum(r['value'] for r in lossless_rows)}/{len(lossless_rows)} matches")
     return res
