@@ -107,34 +107,50 @@ def run(quick: bool) -> ResultsWriter:
 
 
 def plot(csv: str = "07_basis_artifact", name: str = "07_basis_artifact"):
+    from matplotlib.lines import Line2D
+
+    from shared.results import legend_outside, series_style
+
     plt = apply_style()
     df = load(csv)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    cal = df[df.metric.isin(["cos_in_sample", "cos_held_out"])]
+    panels = [(src, kind) for src in cal.source.unique() for kind in ("k", "v", "act")
+              if len(cal[(cal.source == src) & (cal.kind == kind)])]
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(4.2 * (1 + len(panels)), 4.3))
     size = df[(df.metric == "basis_bytes_per_model") & (df.storage == "fp16")]
-    for src, s in size.groupby("source"):
-        axes[0].plot(s.k, s.value / 2**20, "o-", label=f"{src} ({int(s.tensors.iloc[0])} tensors, D={int(s.dim.iloc[0])})")
-    axes[0].set_xlabel("K (components kept)")
+    for i, (src, s) in enumerate(size.groupby("source")):
+        axes[0].plot(s.k, s.value / 2**20, "-", **series_style(i),
+                     label=f"{src} ({int(s.tensors.iloc[0])} tensors, D={int(s.dim.iloc[0])})")
+    axes[0].set_xlabel("K, components kept (count)")
     axes[0].set_ylabel("basis size for the whole model, fp16 (MiB)")
     axes[0].set_title("the artifact a receiver must hold")
-    axes[0].legend()
-    cal = df[df.metric.isin(["cos_in_sample", "cos_held_out"])]
-    cmaps = {"k": plt.cm.Blues, "v": plt.cm.Oranges, "act": plt.cm.Greens}
-    for ax, src in zip(axes[1:], cal.source.unique()):
-        sub = cal[cal.source == src]
-        ks = sorted(sub.k.unique())
-        for (kind, k), s in sub.groupby(["kind", "k"]):
-            color = cmaps.get(kind, plt.cm.Greys)(0.35 + 0.6 * ks.index(k) / max(len(ks) - 1, 1))
-            out = s[s.metric == "cos_held_out"]
-            inn = s[s.metric == "cos_in_sample"]
-            ax.plot(out.n_calibration, 1 - out.value, "o-" if kind != "v" else "s-", color=color,
-                    label=f"{kind.upper() if kind != 'act' else 'act'} K={int(k)}")
-            ax.plot(inn.n_calibration, 1 - inn.value, "--", color=color, alpha=0.7)
+    axes[0].legend(loc="upper left")
+    names = {"k": "key cache", "v": "value cache", "act": "activations"}
+    ranks = sorted(cal.k.unique())
+    for ax, (src, kind) in zip(axes[1:], panels):
+        sub = cal[(cal.source == src) & (cal.kind == kind)]
+        for k, s in sub.groupby("k"):
+            st = series_style(ranks.index(k))
+            out, inn = s[s.metric == "cos_held_out"], s[s.metric == "cos_in_sample"]
+            ax.plot(out.n_calibration, 1 - out.value, "-", **st)
+            ax.plot(inn.n_calibration, 1 - inn.value, "--", color=st["color"], lw=1, alpha=0.8)
         ax.set_yscale("log")
-        ax.set_xlabel("calibration captures N (LLM: chunks; diffusion: seeds)")
-        ax.set_ylabel("1 - cos_mean of the PCA projection (log)")
-        ax.set_title(f"{src}: held-out (solid) vs in-sample (dashed)")
-        ax.legend(fontsize=6, ncol=2)
-    fig.suptitle("PoC 07: basis size, and how many captures a held-out basis needs", fontsize=11)
+        ax.set_xlabel("calibration captures N (count)")
+        ax.set_title(f"{src} {names[kind]}\n(N = {'seeds' if kind == 'act' else 'text chunks'})")
+    axes[1].set_ylabel("1 - cos_mean of the PCA projection (log)")
+    handles = [Line2D([], [], ls="-", **series_style(i)) for i in range(len(ranks))]
+    labels = [f"rank K={int(k)}" for k in ranks]
+    handles += [Line2D([], [], color="0.3", ls="-"), Line2D([], [], color="0.3", ls="--")]
+    labels += ["held out (basis from N other captures)", "in sample (basis from the tensor itself)"]
+    legend_outside(axes[-1], handles, labels)
+    held = cal[cal.metric == "cos_held_out"]
+    first = held[held.n_calibration == 1].set_index(["source", "kind", "k"]).value
+    last = held.loc[held.groupby(["source", "kind", "k"]).n_calibration.idxmax()].set_index(["source", "kind", "k"])
+    gain = ((1 - first) / (1 - last.value) - 1).max()
+    big = size[size.k == min(64, size.k.max())].value.max() / 2**20
+    fig.suptitle(f"PoC 07: a basis is small ({big:.1f} MiB for a whole model at K=64, fp16) and one calibration "
+                 f"capture is within {100 * gain:.0f}% of the most captures' held-out error", x=0.02, ha="left")
+    fig.tight_layout()
     save_figure(fig, name, f"{csv}.csv")
 
 
