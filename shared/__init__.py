@@ -9,5 +9,6 @@ from .errors import (  # noqa: F401
     BasisMismatchError,
     BitstreamError,
     BackendUnavailable,
+    UnknownBackend,
     CodecError,
 )

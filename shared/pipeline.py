@@ -25,7 +25,7 @@ import numpy as np
 
 from . import frames as framing
 from .basis import PCABasis, as_float_matrix
-from .codecs import get_backend
+from .codecs import get_backend, require_cuda
 from .errors import BasisMismatchError, BitstreamError, InvalidTensorError
 from .quant import PerChannelQuantizer
 
@@ -243,6 +243,8 @@ class TensorCodec:
     def decode(self, blob: bytes, device=None):
         """The tensor, as a torch tensor of the encoded dtype. device="cuda": a compute-codec
         payload is decoded and reconstructed on that GPU; other payloads are decoded here and moved."""
+        if device is not None and str(device).startswith("cuda"):
+            require_cuda(f"decode(device={str(device)!r})", device)
         header, chunks = unpack(blob)
         if device is not None and str(device).startswith("cuda") and header["quant"]["kind"] == "rd_shared_step":
             return self._decode_symbols_cuda(header, chunks, device)
@@ -289,7 +291,7 @@ class TensorCodec:
             if list(values.shape) != header["shape"]:
                 raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
             return values
-        backend = get_backend(header["codec"]["id"])
+        backend = get_backend(header["codec"]["id"], from_bitstream=True)
         if self.decoder is not None and backend.name != "raw":
             if self.decoder.stream_format is None or self.decoder.stream_format != backend.stream_format:
                 raise BitstreamError(f"decoder '{self.decoder.name}' cannot read '{backend.name}' payloads "

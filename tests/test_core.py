@@ -156,9 +156,35 @@ def test_registry_explains_unavailable_backends(monkeypatch):
                 get_backend(name).encoder(64, 64)
 
 
-def test_unknown_codec_id_is_named():
-    with pytest.raises(BitstreamError, match="unknown codec id 'h266'"):
-        get_backend("h266")
+def test_unknown_backend_lists_the_known_ones():
+    from shared.errors import UnknownBackend
+
+    with pytest.raises(UnknownBackend, match="unknown codec backend 'h264'; known backends: .*x265") as e:
+        TensorCodec(None, backend="h264")
+    assert "bitstream" not in str(e.value)  # no bitstream is involved
+    for name in availability():
+        assert name in str(e.value)
+
+
+def test_availability_prints_a_table():
+    table = availability()
+    text = str(table)
+    lines = text.splitlines()
+    assert lines[0].split() == ["backend", "runs", "here", "why", "not", "/", "fix"]
+    assert len(lines) == 2 + len(table)
+    x265 = next(line for line in lines if line.split()[0] == "x265")
+    assert x265.split()[1] == "yes"
+    for name, reason in table.items():
+        if reason is not None:
+            row = next(line for line in lines if line.split()[0] == name)
+            assert row.split()[1] == "no" and reason in row
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_decode_on_cuda_without_cuda_says_so():
+    blob = TensorCodec(None, backend="zstd", frame_size=64).encode(make_tensor())
+    with pytest.raises(BackendUnavailable, match="CUDA is not available here.*device=None"):
+        TensorCodec(None, backend="zstd").decode(blob, device="cuda")
 
 
 # -- pipeline ----------------------------------------------------------------------------------------
