@@ -19,11 +19,12 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared.basis import fit_basis  # noqa: E402
+from shared.basis import CovarianceAccumulator  # noqa: E402
 from shared.metrics import aggregate, quality  # noqa: E402
-from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 
 LAYER = 15               # LLM layer for the calibration study
 CHUNKS = 6               # LLM text chunks of TOKENS tokens
@@ -32,6 +33,7 @@ SEEDS = range(8)         # diffusion seeds (10 classes x STEPS steps each)
 STEPS = 20
 KS = [8, 16, 32, 64, 96]  # ranks for the calibration study
 BYTES_PER_VALUE = {"fp16": 2, "fp32": 4}
+RUN_MINUTES = {"full": 36, "quick": 1}  # wall time on a 2-core CPU machine, from a fresh clone (README)
 
 
 def basis_bytes(dim: int, k: int, bytes_per_value: int) -> int:
@@ -61,23 +63,49 @@ def diffusion_groups(quick: bool):
     return {"act": by_seed}, {"model": "tiny_flux", "dim": by_seed[0][0].shape[1], "tensors_per_model": n_double}
 
 
-def held_out_quality(groups: list[list[torch.Tensor]], k: int, n_calib: int) -> tuple[float, float]:
-    """Mean over test groups of (in-sample cos, held-out cos) with a basis from n_calib other groups."""
-    ins, outs = [], []
-    for test in range(len(groups)):
-        others = [g for i, g in enumerate(groups) if i != test][:n_calib]
-        calib = fit_basis([x for g in others for x in g], k)
-        own = fit_basis(groups[test], k)
-        for x in groups[test]:
-            xf = x.float().numpy()
-            outs.append(quality(xf, calib.reconstruct(calib.project(xf))))
-            ins.append(quality(xf, own.reconstruct(own.project(xf))))
-    return aggregate(ins)["cos_mean"], aggregate(outs)["cos_mean"]
+def calibration_study(groups: list[list[torch.Tensor]], ks: list[int], bar) -> dict[tuple[int, int], tuple[float, float]]:
+    """{(K, N): (in-sample cos, held-out cos)}, each the mean over test groups: held out = a basis
+    fitted on N other groups, in sample = a basis fitted on the test group itself.
+
+    Each group's covariance is accumulated once; a basis from N groups sums their accumulators and
+    is decomposed once for the largest K (a smaller K keeps its leading components). One step of
+    `bar` = one held-out basis (one N, one test group)."""
+    dim = groups[0][0].shape[1]
+    accs = [CovarianceAccumulator(dim) for _ in groups]
+    for acc, g in zip(accs, groups):
+        for x in g:
+            acc.add(x)
+    kmax, data = max(ks), [[x.float().numpy() for x in g] for g in groups]
+    ins = {k: [] for k in ks}
+    for acc, g in zip(accs, data):
+        own = acc.basis(kmax)
+        for k in ks:
+            b = own.truncate(k)
+            ins[k] += [quality(x, b.reconstruct(b.project(x))) for x in g]
+    out = {}
+    for n in range(1, len(groups)):
+        outs = {k: [] for k in ks}
+        for test in range(len(groups)):
+            calib = CovarianceAccumulator(dim)
+            for i in [i for i in range(len(groups)) if i != test][:n]:
+                calib += accs[i]
+            calib = calib.basis(kmax)
+            for k in ks:
+                b = calib.truncate(k)
+                outs[k] += [quality(x, b.reconstruct(b.project(x))) for x in data[test]]
+            bar.update(1)
+        for k in ks:
+            out[(k, n)] = (aggregate(ins[k])["cos_mean"], aggregate(outs[k])["cos_mean"])
+    return out
 
 
 def run(quick: bool) -> ResultsWriter:
+    announce("07", RUN_MINUTES)
     res = ResultsWriter("07", "basis_artifact")
     sources = [("SmolLM2 L%d" % LAYER, *llm_groups(quick)), ("tiny_flux", *diffusion_groups(quick))]
+    steps = sum(len(g) * (len(g) - 1) for _, groups, _ in sources for g in groups.values())
+    bar = tqdm(total=steps, desc="PoC 07 held-out bases (N x test group)", unit="basis")
+    tables = []
     for name, groups, info in sources:
         dim = info["dim"]
         for k in sorted(set([8, 16, 32, 64, 96, 128, dim])):
@@ -89,20 +117,20 @@ def run(quick: bool) -> ResultsWriter:
                 res.add(backend="pca", metric="basis_bytes_per_tensor", value=per_layer, unit="B", **common)
                 res.add(backend="pca", metric="basis_bytes_per_model", value=per_layer * info["tensors_per_model"],
                         unit="B", tensors=info["tensors_per_model"], **common)
-        print(f"{name}: basis of one layer at K={min(64, dim)}: {basis_bytes(dim, min(64, dim), 2) / 1024:.1f} KiB fp16; "
-              f"whole model ({info['tensors_per_model']} tensors): "
-              f"{basis_bytes(dim, min(64, dim), 2) * info['tensors_per_model'] / 2**20:.2f} MiB")
-        print(f"{'source':<14}{'kind':<5}{'K':>4}{'N':>4}{'in-sample':>11}{'held-out':>10}")
+        tables.append(f"{name}: basis of one layer at K={min(64, dim)}: {basis_bytes(dim, min(64, dim), 2) / 1024:.1f} "
+                      f"KiB fp16; whole model ({info['tensors_per_model']} tensors): "
+                      f"{basis_bytes(dim, min(64, dim), 2) * info['tensors_per_model'] / 2**20:.2f} MiB")
+        tables.append(f"{'source':<14}{'kind':<5}{'K':>4}{'N':>4}{'in-sample':>11}{'held-out':>10}")
         ks = [k for k in ([8, 32] if quick else KS) if k < dim]
         for kind, g in groups.items():
-            for k in ks:
-                for n in range(1, len(g)):
-                    cin, cout = held_out_quality(g, k, n)
-                    common = dict(source=name, kind=kind, model=info["model"], k=k, n_calibration=n, dim=dim)
-                    res.add(backend="pca", metric="cos_in_sample", value=cin, unit="1", **common)
-                    res.add(backend="pca", metric="cos_held_out", value=cout, unit="1", **common)
-                    res.add(backend="pca", metric="loo_gap", value=cin - cout, unit="1", **common)
-                    print(f"{name:<14}{kind:<5}{k:>4}{n:>4}{cin:>11.5f}{cout:>10.5f}")
+            for (k, n), (cin, cout) in sorted(calibration_study(g, ks, bar).items()):
+                common = dict(source=name, kind=kind, model=info["model"], k=k, n_calibration=n, dim=dim)
+                res.add(backend="pca", metric="cos_in_sample", value=cin, unit="1", **common)
+                res.add(backend="pca", metric="cos_held_out", value=cout, unit="1", **common)
+                res.add(backend="pca", metric="loo_gap", value=cin - cout, unit="1", **common)
+                tables.append(f"{name:<14}{kind:<5}{k:>4}{n:>4}{cin:>11.5f}{cout:>10.5f}")
+    bar.close()
+    print("\n".join(tables))  # after the bar has closed
     return res
 
 

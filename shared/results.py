@@ -129,6 +129,22 @@ def diff_summary(old, new, show: int = 5) -> list[str]:
     return lines
 
 
+def _minutes(m: float) -> str:
+    return f"{m * 60:.0f} s" if m < 1.5 else f"{m:.0f} min"
+
+
+def announce(poc: str, minutes: dict, machine: str = "a 2-core CPU machine") -> None:
+    """Say, before a long run starts, how long it takes: minutes = {"full": m, "quick": m} as measured
+    on `machine` from a fresh clone (captures included); the README's run-time table lists them."""
+    kind = "quick" if is_quick() else "full"
+    if minutes.get(kind) is None:
+        return
+    alt = (f"; --quick takes {_minutes(minutes['quick'])}" if kind == "full" and minutes.get("quick") else
+           f"; the full run takes {_minutes(minutes['full'])}" if kind == "quick" and minutes.get("full") else "")
+    print(f"PoC {poc}: a {kind} run takes about {_minutes(minutes[kind])} on {machine} (measured there, "
+          f"captures included; a faster machine takes less){alt}. Progress bars follow.", flush=True)
+
+
 class ResultsWriter:
     def __init__(self, poc: str, name: str, gpu: bool = False, quick: bool | None = None):
         self.poc, self.name, self.gpu = poc, name, gpu
