@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.basis import fit_basis  # noqa: E402
 from shared.metrics import quality, ratio  # noqa: E402
 from shared.pipeline import TensorCodec, read_header  # noqa: E402
-from shared.results import ResultsWriter, apply_style, legend_outside, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, legend_outside, load, save_figure  # noqa: E402
 
 TOKENS = 4096          # rows of each synthetic tensor
 CHANNELS = 256         # columns (channels) of each synthetic tensor
@@ -69,6 +69,7 @@ def real_source(tokens: int) -> dict[str, torch.Tensor]:
 
 
 def run(quick: bool) -> ResultsWriter:
+    announce("01")
     tokens, channels = (512, 64) if quick else (TOKENS, CHANNELS)
     frame = 64 if quick else FRAME
     sources = synthetic_sources(tokens, channels, SEED)

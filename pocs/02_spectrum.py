@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.basis import CovarianceAccumulator  # noqa: E402
-from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 
 LLM_CHUNKS = 6            # text chunks
 LLM_TOKENS = 1024         # tokens per chunk
@@ -86,6 +86,7 @@ def diffusion_spectra(quick: bool) -> dict[str, tuple[np.ndarray, dict]]:
 
 
 def run(quick: bool) -> ResultsWriter:
+    announce("02")
     spectra = {**diffusion_spectra(quick), **llm_spectra(quick)}
     res = ResultsWriter("02", "spectrum")
     print(f"{'source':<26}{'D':>5}{'eff_rank':>10}{'part_ratio':>11}{'top10%':>8}{'max/median':>12}")

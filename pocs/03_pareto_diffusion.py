@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 from shared.sweep import loo_sweep, plot_pareto, report_sweep, sweep_frame  # noqa: E402
 
 SEEDS = range(8)          # generations per class = leave-one-out groups
@@ -52,6 +52,7 @@ def step_tensors(quick: bool):
 
 
 def run(quick: bool) -> ResultsWriter:
+    announce("03")
     tensors, groups, meta = step_tensors(quick)
     ks, qps = ([8, 32, 128], [None, 18]) if quick else (KS, QPS)
     codecs = [("x265", {"qp": qp, "preset": "ultrafast" if quick else PRESET}) for qp in qps]

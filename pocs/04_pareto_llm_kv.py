@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 from shared.sweep import loo_sweep, plot_pareto, report_sweep, sweep_frame  # noqa: E402
 
 MODEL = "smollm2"         # embedded default; or a model id / local folder (--model)
@@ -45,6 +45,7 @@ def captures(model_name: str, quick: bool):
 
 
 def run(quick: bool, model_name: str) -> ResultsWriter:
+    announce("04")
     data, label = captures(model_name, quick)
     ks, qps = ([8, 32, 192], [None, 18]) if quick else (KS, QPS)
     frame = 64 if quick else FRAME

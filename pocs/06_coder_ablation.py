@@ -52,7 +52,7 @@ from shared.codecs import get_backend, rans  # noqa: E402
 from shared.errors import BackendUnavailable  # noqa: E402
 from shared.quant import PerChannelQuantizer  # noqa: E402
 from shared.rdquant import CudaProjection, find_step, quality  # noqa: E402
-from shared.results import ResultsWriter, apply_style, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, save_figure  # noqa: E402
 from shared.timing import cuda_ms  # noqa: E402
 
 SOURCES = ["synthetic", "llm_k", "llm_v", "diffusion"]
@@ -621,6 +621,7 @@ def main():
         except ImportError:
             pass
     shapes = BENCH_SHAPES if not args.shapes else [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
+    announce("06")
     res = ResultsWriter("06", "coder_ablation", gpu=gpu)
     if gpu:
         for T, D, K in ([(16384, 192, 192)] if args.quick else shapes):
@@ -634,8 +635,7 @@ def main():
             import pandas as pd
 
             old = pd.read_csv(csv, dtype={"poc": str})
-            pd.concat([old, res.frame()]).to_csv(csv, index=False)
-            print(f"merged {len(res.rows)} rows into {csv.name}")
+            res.save(csv, frame=pd.concat([old, res.frame()]))
         return
     print(f"{'source':<11}{'coder':<16}{'quant':<18}{'target':>7}{'ratio':>8}{'cos':>10}{'enc GB/s':>10}"
           f"{'dec GB/s':>10}")
@@ -650,11 +650,11 @@ def main():
 
         new = res.frame()
         old = pd.read_csv(csv, dtype={"poc": str})
-        pd.concat([old[~old.device.isin(set(new.device))], new]).to_csv(csv, index=False)
-        print(f"replaced the {', '.join(sorted(set(new.device)))} rows of {csv.name} ({len(new)} rows)")
+        print(f"replacing the {', '.join(sorted(set(new.device)))} rows of {csv.name} ({len(new)} rows)")
+        saved = res.save(csv, frame=pd.concat([old[~old.device.isin(set(new.device))], new]))
     else:
-        res.save(csv)
-    plot(csv, csv.parent.parent / "figures" / "06_coder_ablation.png")
+        saved = res.save(csv)
+    plot(saved, csv.parent.parent / "figures" / "06_coder_ablation.png")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ SEEDS = range(8)         # diffusion seeds (10 classes x STEPS steps each)
 STEPS = 20
 KS = [8, 16, 32, 64, 96]  # ranks for the calibration study
 BYTES_PER_VALUE = {"fp16": 2, "fp32": 4}
-RUN_MINUTES = {"full": 36, "quick": 1}  # wall time on a 2-core CPU machine, from a fresh clone (README)
 
 
 def basis_bytes(dim: int, k: int, bytes_per_value: int) -> int:
@@ -100,7 +99,7 @@ def calibration_study(groups: list[list[torch.Tensor]], ks: list[int], bar) -> d
 
 
 def run(quick: bool) -> ResultsWriter:
-    announce("07", RUN_MINUTES)
+    announce("07")
     res = ResultsWriter("07", "basis_artifact")
     sources = [("SmolLM2 L%d" % LAYER, *llm_groups(quick)), ("tiny_flux", *diffusion_groups(quick))]
     steps = sum(len(g) * (len(g) - 1) for _, groups, _ in sources for g in groups.values())

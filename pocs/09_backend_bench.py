@@ -64,7 +64,7 @@ GPU_REPEATS = 20               # timed GPU calls (median), after GPU_WARMUP unti
 GPU_WARMUP = 3
 NVDEC_REPEATS = 5              # timed NVDEC decodes of the same stream (median)
 X265_PRESET = "ultrafast"      # x265 preset for every x265 row (the fastest: speed is the question)
-LOSSY_QP = 18                  # the seed's speed setting
+LOSSY_QP = 18                  # the original write-up's speed setting
 ZSTD_LEVEL = 3                 # zstd's default level; PoC 06 compares ratios at higher levels
 SEED = 0
 
@@ -403,8 +403,7 @@ if __name__ == "__main__":
 
             new = res.frame()
             old = pd.read_csv(path, dtype={"poc": str})
-            pd.concat([old[~old.backend.isin(set(new.backend))], new]).to_csv(path, index=False)
-            print(f"merged {len(new)} rows into {path}")
+            res.save(path, frame=pd.concat([old[~old.backend.isin(set(new.backend))], new]))
         else:
             res.save(path)
     if args.out is None:

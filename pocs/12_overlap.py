@@ -1,6 +1,6 @@
 """PoC 12 - Does codec work overlap with model compute: a GEMM loop on one CUDA stream, decoding on another?
 
-The seed ran a GEMM loop (30 x 4096^2 fp16) beside NVENC encoding and got 67% of the ideal overlap.
+The original write-up ran a GEMM loop (30 x 4096^2 fp16) beside NVENC encoding and got 67% of the ideal overlap.
 This GPU (an NVIDIA H200) has no NVENC, so the codec side here is decoding:
 
   nvdec-hevc   NVDEC decodes 64 frames of 256x256 (x265 lossless streams, from memory) into CUDA
@@ -36,9 +36,9 @@ from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa
 from shared.sources import benchmark_frames  # noqa: E402
 from shared.timing import wall_ms  # noqa: E402
 
-GEMM_N = 4096          # square GEMM side (the seed's)
-GEMM_ITERS = 30        # GEMMs per loop (the seed's)
-FRAMES = 64            # frames decoded per codec run (the seed's)
+GEMM_N = 4096          # square GEMM side (the original write-up's)
+GEMM_ITERS = 30        # GEMMs per loop (the original write-up's)
+FRAMES = 64            # frames decoded per codec run (the original write-up's)
 FRAME = 256            # frame side, pixels
 REPEATS = 7            # timed runs per case (median), after one untimed
 NVCOMP_ALGO = "nvcomp-ans"
@@ -217,8 +217,7 @@ if __name__ == "__main__":
 
             new = res.frame()
             old = pd.read_csv(res.path, dtype={"poc": str})
-            pd.concat([old[~old.backend.isin(set(new.backend))], new]).to_csv(res.path, index=False)
-            print(f"merged {len(new)} rows into {res.path}")
+            res.save(frame=pd.concat([old[~old.backend.isin(set(new.backend))], new]))
         else:
             res.save()
     plot()

