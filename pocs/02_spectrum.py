@@ -10,9 +10,14 @@ max/median eigenvalue ratio.
 
 Command:   make poc-02            (or: python pocs/02_spectrum.py [--quick])
 Writes:    results/02_spectrum.csv, figures/02_spectrum.png
-Sample output (2-core CPU):
-    source              D   eff_rank  top10%  max/median
-    smollm2 L15 k     192   ...
+Sample output (quick run, --quick, on a 2-core CPU machine; its first 6 of 61 rows):
+    source                        D  eff_rank part_ratio  top10%  max/median
+    tiny_flux image stream      128      11.5        6.8   0.940      2090.7
+    smollm2 L0 k                192      34.5       16.8   0.744       570.9
+    smollm2 L0 v                192      20.8        7.1   0.816       710.4
+    smollm2 L1 k                192      58.5       33.1   0.652        55.8
+    smollm2 L1 v                192      57.5       27.7   0.600       114.7
+    smollm2 L2 k                192      64.9       35.2   0.598        61.5
 """
 from __future__ import annotations
 

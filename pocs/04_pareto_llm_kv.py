@@ -9,9 +9,18 @@ cos_min (worst chunk), p1 (worst 1% of channels), rel_mse; and the best ratio at
 
 Command:   make poc-04            (or: python pocs/04_pareto_llm_kv.py [--quick] [--model ID])
 Writes:    results/04_pareto_llm_kv.csv, figures/04_pareto_llm_kv.png
-Sample output (2-core CPU):
-    kind  cos>=   ratio  K    codec
-    k     0.999   ...
+Sample output (quick run, --quick, on a 2-core CPU machine):
+    kind  cos>=     ratio    K  codec          cos_min     p1
+    k     0.999      2.97  192  x265 qp18       0.9994  0.995
+    k     0.99       2.97  192  x265 qp18       0.9994  0.995
+    k     0.97       2.97  192  x265 qp18       0.9994  0.995
+    k     0.94       2.97  192  x265 qp18       0.9994  0.995
+    k     raw-channel control, lossless codec stage: 1.93x at cos 0.99999
+    v     0.999      1.92  192  x265 lossless   1.0000  1.000
+    v     0.99       2.94  192  x265 qp18       0.9981  0.996
+    v     0.97       2.94  192  x265 qp18       0.9981  0.996
+    v     0.94       2.94  192  x265 qp18       0.9981  0.996
+    v     raw-channel control, lossless codec stage: 1.93x at cos 0.99998
 """
 from __future__ import annotations
 

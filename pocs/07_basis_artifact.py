@@ -9,8 +9,23 @@ The basis is a per-model artifact the receiver must hold (like a LoRA). Three qu
 
 Command:   make poc-07            (or: python pocs/07_basis_artifact.py [--quick])
 Writes:    results/07_basis_artifact.csv, figures/07_basis_artifact.png
-Sample output (2-core CPU):
-    source  K   N  in-sample  held-out
+Sample output (quick run, --quick, on a 2-core CPU machine):
+    SmolLM2 L15: basis of one layer at K=64: 24.4 KiB fp16; whole model (60 tensors): 1.43 MiB
+    source        kind    K   N  in-sample  held-out
+    SmolLM2 L15   k       8   1    0.91153   0.87841
+    SmolLM2 L15   k       8   2    0.91153   0.88518
+    SmolLM2 L15   k      32   1    0.96659   0.92786
+    SmolLM2 L15   k      32   2    0.96659   0.93507
+    SmolLM2 L15   v       8   1    0.71209   0.56980
+    SmolLM2 L15   v       8   2    0.71209   0.60051
+    SmolLM2 L15   v      32   1    0.88453   0.72974
+    SmolLM2 L15   v      32   2    0.88453   0.75897
+    tiny_flux: basis of one layer at K=64: 16.2 KiB fp16; whole model (3 tensors): 0.05 MiB
+    source        kind    K   N  in-sample  held-out
+    tiny_flux     act     8   1    0.94909   0.94810
+    tiny_flux     act     8   2    0.94909   0.94833
+    tiny_flux     act    32   1    0.99484   0.99448
+    tiny_flux     act    32   2    0.99484   0.99456
 """
 from __future__ import annotations
 

@@ -14,6 +14,25 @@ diffusion transformer's middle double block (leave-one-seed-out).
 
 Command:   make poc-18            (or: python pocs/18_null_residual_reorder.py [--quick])
 Writes:    results/18_null_residual_reorder.csv, figures/18_null_residual_reorder.png
+Sample output (quick run, --quick, on a 2-core CPU machine):
+    smollm2 L15 k: base K=64 qp26: ratio 9.04x cos 0.96508
+       residual                0.010  ratio   7.96x  cos 0.96878  gain per extra KiB 8.53e-04
+       codec K=64 qp18         0.000  ratio   7.00x  cos 0.96613  gain per extra KiB 1.13e-04
+       channel order natural (variance)   lossless ratio 4.612x
+       channel order greedy correlation   lossless ratio 4.612x
+       channel order random               lossless ratio 4.586x
+    smollm2 L15 v: base K=64 qp26: ratio 8.80x cos 0.85493
+       residual                0.010  ratio   7.83x  cos 0.87005  gain per extra KiB 3.75e-03
+       codec K=64 qp18         0.000  ratio   6.84x  cos 0.85766  gain per extra KiB 2.90e-04
+       channel order natural (variance)   lossless ratio 4.536x
+       channel order greedy correlation   lossless ratio 4.550x
+       channel order random               lossless ratio 4.562x
+    tiny_flux: base K=32 qp26: ratio 14.34x cos 0.98967
+       residual                0.010  ratio  11.90x  cos 0.99091  gain per extra KiB 4.50e-05
+       codec K=32 qp18         0.000  ratio  10.73x  cos 0.99378  gain per extra KiB 9.13e-05
+       channel order natural (variance)   lossless ratio 6.549x
+       channel order greedy correlation   lossless ratio 6.542x
+       channel order random               lossless ratio 6.545x
 """
 from __future__ import annotations
 
