@@ -108,36 +108,43 @@ def run(quick: bool) -> ResultsWriter:
 
 
 def plot(csv: str = "02_spectrum", name: str = "02_spectrum"):
+    from shared.results import series_style
+
     plt = apply_style()
     df = load(csv)
     eig = df[df.metric == "eigenvalue"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     layers = sorted(eig[eig.model.str.startswith("SmolLM2")].layer.dropna().unique())
     shown = [layers[0], layers[len(layers) // 2], layers[-1]] if layers else []
+    every = dict(markevery=0.1, ms=4)  # markers spread along the log axis, one series each
     for ax, kind in zip(axes[:2], ("k", "v")):
-        for layer in shown:
+        for i, layer in enumerate(shown):
             s = eig[(eig.kind == kind) & (eig.layer == layer)]
-            ax.loglog(s["index"], s.value / s.value.sum(), label=f"layer {int(layer)}")
-        ax.set_title(f"SmolLM2-135M {kind.upper()} cache: eigenvalue spectrum")
-        ax.set_xlabel("component (largest first)")
-        ax.set_ylabel("share of variance")
-        ax.legend()
+            ax.loglog(s["index"], s.value / s.value.sum(), "-", **series_style(i), **every,
+                      label=f"layer {int(layer)}")
+        ax.set_title(f"SmolLM2-135M {'key' if kind == 'k' else 'value'} cache, per layer")
+        ax.legend(loc="lower left")
     s = eig[eig.model == "tiny_flux"]
-    axes[2].loglog(s["index"], s.value / s.value.sum(), color="#D55E00", label="tiny FLUX, image stream")
-    for kind, style in (("k", "--"), ("v", ":")):
+    axes[2].loglog(s["index"], s.value / s.value.sum(), "-", **series_style(3), **every,
+                   label="tiny FLUX, image stream")
+    for i, kind in ((4, "k"), (5, "v")):
         mid = eig[(eig.kind == kind) & (eig.layer == shown[1])] if shown else eig.iloc[:0]
         if len(mid):
-            axes[2].loglog(mid["index"], mid.value / mid.value.sum(), style, color="0.4",
-                           label=f"SmolLM2 L{int(shown[1])} {kind.upper()}")
+            axes[2].loglog(mid["index"], mid.value / mid.value.sum(), "--", **series_style(i), **every,
+                           label=f"SmolLM2 L{int(shown[1])} {'key' if kind == 'k' else 'value'} cache")
     axes[2].set_title("diffusion vs LLM (middle layer)")
-    axes[2].set_xlabel("component (largest first)")
-    axes[2].legend()
-    summary = df[df.metric == "var_top10pct"]
-    fig.suptitle("PoC 02: channel covariance spectra; share of variance in the top 10% of components: "
-                 + ", ".join(f"{r.source.replace('smollm2 ', '')} {r.value:.2f}"
-                             for r in summary[summary.source.isin(
-                                 ["tiny_flux image stream"] + [f"smollm2 L{int(shown[1])} {k}" for k in "kv"]
-                                 if shown else [])].itertuples()), fontsize=10)
+    axes[2].legend(loc="lower left")
+    for ax in axes:
+        ax.set_xlabel("component rank (largest first, log)")
+    axes[0].set_ylabel("share of the variance (fraction, log)")
+    top = df[df.metric == "var_top10pct"].set_index("source").value
+    mid = int(shown[1]) if shown else None
+    parts = [f"{100 * top[k]:.0f}% ({label})" for k, label in
+             (("tiny_flux image stream", "diffusion activations"), (f"smollm2 L{mid} k", "LLM keys"),
+              (f"smollm2 L{mid} v", "LLM values")) if k in top]
+    fig.suptitle("PoC 02: share of the variance in the top 10% of components: " + ", ".join(parts)
+                 + "; flat LLM spectra leave PCA less to take", x=0.02, ha="left")
+    fig.tight_layout()
     save_figure(fig, name, f"{csv}.csv")
 
 
