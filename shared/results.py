@@ -227,7 +227,8 @@ REFERENCE = dict(color="0.45", marker="*", markersize=12, linestyle="none")
 
 def series_style(i: int) -> dict:
     """Colour and marker of the i-th series of a figure (a distinct pair for i < 70)."""
-    return dict(color=COLORS[i % len(COLORS)], marker=MARKERS[(i + i // len(COLORS)) % len(MARKERS)])
+    n = len(COLORS)  # the marker steps by 3 (prime to 10) each time the colours wrap round
+    return dict(color=COLORS[i % n], marker=MARKERS[(i % n + 3 * (i // n)) % len(MARKERS)])
 
 
 def apply_style():
