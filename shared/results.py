@@ -98,7 +98,8 @@ def diff_summary(old, new, show: int = 5) -> list[str]:
         cols = [c for c in df.columns if c not in ENV_COLUMNS and not c.startswith("v_")]
         cols = [c for c in cols if not (pd.api.types.is_float_dtype(df[c])
                                         and (df[c].dropna() % 1 != 0).any())]
-        return df.assign(_key=df[cols].astype(str).agg("|".join, axis=1)), cols
+        text = df[cols].apply(lambda col: col.map(lambda v: "" if pd.isna(v) else str(v)))
+        return df.assign(_key=text.agg("|".join, axis=1) if cols else ""), cols
 
     old, old_cols = keyed(old.reset_index(drop=True))
     new, new_cols = keyed(new.reset_index(drop=True))

@@ -53,7 +53,8 @@ def test_full_rerun_prints_what_changes(tree, capsys):
 
 def test_diff_summary_matches_rows_on_settings_not_on_versions():
     old = pd.DataFrame({"poc": ["1", "1"], "backend": ["a", "a"], "metric": ["m", "m"], "value": [1.0, 2.0],
-                        "unit": ["x", "x"], "k": [8, 16], "v_numpy": ["1.0", "1.0"], "date": ["d1", "d1"]})
+                        "unit": ["x", "x"], "k": [8, 16], "qp": [None, 18.0], "setting": [None, "qp18"],
+                        "v_numpy": ["1.0", "1.0"], "date": ["d1", "d1"]})  # empty cells, as real CSVs have
     new = old.assign(v_numpy="2.0", date="d2")
     assert results.diff_summary(old, new)[0] == "2 rows before, 2 now: 0 added, 0 removed, 0 of 2 matched values changed"
     gone = results.diff_summary(old, new.iloc[:1])
