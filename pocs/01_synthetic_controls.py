@@ -9,9 +9,33 @@ channel basis. Every lossless codec stage must reproduce the quantized planes bi
 
 Command:   make poc-01            (or: python pocs/01_synthetic_controls.py [--quick])
 Writes:    results/01_synthetic_controls.csv, figures/01_synthetic_controls.png (make figures)
-Sample output (full run, 2-core CPU):
-    source      backend  setting   ratio  cos_mean  exact
-    zeros       x265     lossless  ...
+Sample output (full run, make poc-01, on a 2-core CPU machine):
+    source            backend setting       ratio  cos_mean  exact      ms
+    zeros             x265    lossless     416.51   1.00000    yes     558
+    zeros             x265    qp18         428.16   1.00000      -     735
+    zeros             ffv1    lossless     351.22   1.00000    yes     281
+    zeros             zstd    level19      869.11   1.00000    yes     144
+    constant          x265    lossless     416.51   1.00000    yes     776
+    constant          x265    qp18         428.16   1.00000      -     556
+    constant          ffv1    lossless     351.22   1.00000    yes     228
+    constant          zstd    level19      869.11   1.00000    yes     133
+    smooth            x265    lossless       7.27   0.99999    yes    4674
+    smooth            x265    qp18         112.18   0.99997      -    2919
+    smooth            ffv1    lossless      21.04   0.99999    yes     360
+    smooth            zstd    level19        7.19   0.99999    yes    3096
+    gaussian          x265    lossless       1.93   0.99996    yes    6145
+    gaussian          x265    qp18           3.54   0.99554      -    7815
+    gaussian          ffv1    lossless       2.08   0.99996    yes    1165
+    gaussian          zstd    level19        2.19   0.99996    yes    1187
+    low_rank_pca      x265    lossless      54.33   0.99995    yes     303
+    low_rank_pca      x265    qp18          76.28   0.99949      -     292
+    low_rank_pca      ffv1    lossless      60.70   0.99995    yes     172
+    low_rank_pca      zstd    level19       68.32   0.99995    yes     213
+    smollm2_k15_raw   x265    lossless       1.92   0.99999    yes    1068
+    smollm2_k15_raw   x265    qp18           3.91   0.99830      -    1459
+    smollm2_k15_raw   ffv1    lossless       2.20   0.99999    yes     292
+    smollm2_k15_raw   zstd    level19        2.12   0.99999    yes     664
+    lossless codec stages bit-exact: 18/18 matches
 """
 from __future__ import annotations
 
