@@ -130,15 +130,19 @@ def diff_summary(old, new, show: int = 5) -> list[str]:
     return lines
 
 
-# Wall time of each PoC on a 2-core CPU machine from a fresh clone (captures included), in minutes:
-# (full run, --quick run), measured with `time make poc-NN [ARGS=--quick]` on 2026-12-01 while the
-# machine also ran other jobs; None: not measured there (a GPU PoC, or a full run too long to repeat).
-# The README's run-time table lists the same numbers.
-RUN_MINUTES = {}
+# How long each CPU PoC takes on a 2-core CPU machine from a clean state (captures included), in
+# minutes: (full run, --quick run). CPU time (user + system) measured with /usr/bin/time on
+# 2026-12-01, which is about the wall time of an idle machine (that day's machine was busy); PoC 07's
+# full run: its wall time on a fresh clone before its study was made cheaper. None: not measured.
+# The README's "Run times" table gives the same numbers with the wall times.
+RUN_MINUTES = {
+    "01": (1.5, 0.05), "02": (None, 0.63), "03": (None, 0.25), "04": (None, None), "05": (None, None),
+    "06": (None, None), "07": (36, 0.63), "08": (0.23, 0.05), "18": (None, None),
+}
 
 
 def _minutes(m: float) -> str:
-    return f"{m * 60:.0f} s" if m < 1.5 else f"{m:.0f} min"
+    return f"{m * 60:.0f} s" if m < 2 else f"{m:.0f} min"
 
 
 def announce(poc: str, machine: str = "a 2-core CPU machine") -> None:
@@ -146,8 +150,9 @@ def announce(poc: str, machine: str = "a 2-core CPU machine") -> None:
     full, quick = RUN_MINUTES.get(poc, (None, None))
     mine, other = (quick, full) if is_quick() else (full, quick)
     kind, other_kind = ("quick", "full") if is_quick() else ("full", "quick")
-    said = (f"a {kind} run takes about {_minutes(mine)} on {machine} (measured there, captures included)"
-            if mine is not None else f"a {kind} run's time on {machine} is not measured")
+    said = (f"a {kind} run takes about {_minutes(mine)} on {machine} (measured there, captures included; "
+            "longer when the machine is busy)" if mine is not None else f"a {kind} run's time on {machine} is not "
+            "measured (README: Run times)")
     if other is not None:
         said += f"; the {other_kind} run takes about {_minutes(other)}"
     print(f"PoC {poc}: {said}. Progress bars follow.", flush=True)
