@@ -16,14 +16,14 @@ endif
 
 POCS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14 15 16 17 18 19
 RESULTS := $(wildcard results/[0-9][0-9]_*.csv)
-FIGURES := $(patsubst results/%.csv,figures/%.png,$(RESULTS))
 
-.PHONY: help test fuzz pocs figures readme planes clean setup models $(addprefix poc-,$(POCS))
+.PHONY: help test fuzz pocs figures readme planes clean setup lock models $(addprefix poc-,$(POCS))
 
 help:
 	@echo "make poc-01 .. poc-19   run one PoC (writes results/NN_*.csv and figures/NN_*.png); ARGS=--quick for a small run"
 	@echo "make pocs               every PoC that runs on this machine"
 	@echo "make figures            redraw every figure from its CSV (no rerun)"
+	@echo "make lock               re-pin requirements.txt (with hashes) from requirements.in"
 	@echo "make readme             rewrite README.md's results tables from results/*.csv"
 	@echo "make planes             export real quantized PCA planes for the GPU benchmarks (data/planes/)"
 	@echo "make test               the test suite (GPU tests skip without a GPU)"
@@ -33,10 +33,11 @@ help:
 
 setup: $(SETUP)
 
+# requirements.txt is the lock file (exact versions and hashes), made from requirements.in by `make lock`.
 $(VENV)/.installed: requirements.txt requirements-nodeps.txt
-	@echo ">> creating $(VENV) and installing requirements (first run only; a few minutes)"
+	@echo ">> creating $(VENV) and installing the pinned requirements (first run only; about 5 minutes)"
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install --progress-bar on -r requirements.txt
+	$(VENV)/bin/pip install --progress-bar on --require-hashes -r requirements.txt
 	$(VENV)/bin/pip install --progress-bar on --no-deps -r requirements-nodeps.txt
 	touch $@
 
@@ -51,10 +52,20 @@ pocs: $(SETUP)
 	  [ -n "$$script" ] || { echo ">> PoC $$n not built yet, skipped"; continue; }; \
 	  echo ">> $$script"; $(PYTHON) $$script $(ARGS) || exit $$?; done
 
-# Figures rebuild from the CSVs alone.
-figures: $(FIGURES)
-figures/%.png: results/%.csv $(SETUP)
-	$(PYTHON) pocs/$*.py --plot-only
+# Figures are redrawn from the committed CSVs alone, every time it is asked for (no rerun).
+figures: $(SETUP)
+	@for csv in $(RESULTS); do n=$$(basename $$csv .csv); \
+	  echo ">> $(PYTHON) pocs/$$n.py --plot-only"; $(PYTHON) pocs/$$n.py --plot-only || exit $$?; done
+
+# pip-tools resolves requirements.in on this machine (Python 3.11, Linux x86_64) and writes every
+# version with its hashes; commit both files.
+PIP_TOOLS := pip-tools==7.5.3
+lock:
+	@py=$(PYTHON); [ -x "$$py" ] || py=python3; \
+	$$py -m piptools --version >/dev/null 2>&1 || $$py -m pip install --quiet $(PIP_TOOLS); \
+	echo ">> $$py -m piptools compile requirements.in -> requirements.txt (a few minutes)"; \
+	CUSTOM_COMPILE_COMMAND="make lock" $$py -m piptools compile --quiet --generate-hashes --strip-extras \
+	  --allow-unsafe --no-emit-index-url --no-emit-find-links -o requirements.txt requirements.in
 
 readme: $(SETUP)
 	$(PYTHON) -m shared.report

@@ -2,7 +2,7 @@
 
 Question: can the suite have a real FLUX-architecture diffusion transformer (double and single
 MMDiT blocks) with no model hub, trained reproducibly on a 2-core CPU in minutes, whose
-activations are then captured and compressed like the seed's?
+activations are then captured and compressed like those of the original write-up (README)?
 
 Command:
     python models/train_tiny_flux.py            # full run: 680 s measured on a busy 2-core CPU machine

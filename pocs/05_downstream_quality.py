@@ -13,8 +13,12 @@ and PoC 04 found (the best ratio at cos >= 0.999, 0.99, 0.97, 0.94):
 Command:   make poc-05            (after poc-03 and poc-04, whose operating points it reads)
            python pocs/05_downstream_quality.py [--quick]
 Writes:    results/05_downstream_quality.csv, figures/05_downstream_quality.png
-Sample output (2-core CPU):
-    llm   cos>=0.99  K=..  x265 qp..   ratio ..   ppl .. -> .. (+..%)
+Sample output (quick run, --quick, on a 2-core CPU machine):
+    llm   untouched KV cache: perplexity 23.994 over 190 tokens
+    llm   cos>=0.999  K 192/192 qp 18/None  ratio  1.71x  ppl 23.994 -> 23.889 (-0.44%)
+    llm   cos>=0.99   K 192/192 qp 18/18  ratio  2.18x  ppl 23.994 -> 23.786 (-0.87%)
+    diff  cos>=0.999  K 128 qp None  ratio  1.87x (a step's batch of 10 images)  PSNR 59.9 dB (min over seeds 59.9)
+    diff  cos>=0.99   K 32 qp 18  ratio 10.57x (a step's batch of 10 images)  PSNR 36.7 dB (min over seeds 36.7)
 """
 from __future__ import annotations
 
@@ -25,11 +29,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.basis import leave_one_out  # noqa: E402
 from shared.pipeline import TensorCodec  # noqa: E402
-from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 
 CHUNKS = 6                 # LLM text chunks
 TOKENS = 1024              # tokens per chunk
@@ -91,6 +96,7 @@ def llm_rows(res: ResultsWriter, quick: bool):
     points_v = {t: (k, qp) for t, k, qp in operating_points("04_pareto_llm_kv", "v", dim)}
     if quick:
         points_k = points_k[:2]
+    bar, lines = tqdm(total=len(points_k) * n_chunks, desc="PoC 05 LLM (operating point x chunk)", unit="chunk"), []
     for threshold, k_k, qp_k in points_k:
         k_v, qp_v = points_v.get(threshold, (k_k, qp_k))
         # the bases: for chunk i, layer L, kind: fitted on the prefixes of every other chunk
@@ -110,6 +116,7 @@ def llm_rows(res: ResultsWriter, quick: bool):
             nll += out.chunk_nll
             raw += sum(c.raw_bytes for c in codecs.values())
             coded += sum(c.coded_bytes for c in codecs.values())
+            bar.update(1)
         ppl = float(np.exp(np.mean(nll)))
         change = ppl / base.perplexity - 1
         common = dict(backend="x265", domain="llm", model=label, threshold=threshold, k=k_k, qp=qp_k, k_v=k_v,
@@ -117,8 +124,10 @@ def llm_rows(res: ResultsWriter, quick: bool):
         res.add(metric="perplexity", value=ppl, unit="ppl", **common)
         res.add(metric="perplexity_change", value=change, unit="fraction", **common)
         res.add(metric="ratio_all_layers", value=raw / coded, unit="x", **common)
-        print(f"llm   cos>={threshold:<6} K {k_k}/{k_v} qp {qp_k}/{qp_v}  ratio {raw / coded:5.2f}x  "
-              f"ppl {base.perplexity:.3f} -> {ppl:.3f} ({100 * change:+.2f}%)")
+        lines.append(f"llm   cos>={threshold:<6} K {k_k}/{k_v} qp {qp_k}/{qp_v}  ratio {raw / coded:5.2f}x  "
+                     f"ppl {base.perplexity:.3f} -> {ppl:.3f} ({100 * change:+.2f}%)")
+    bar.close()
+    print("\n".join(lines))  # after the bar has closed
 
 
 def diffusion_rows(res: ResultsWriter, quick: bool):
@@ -135,6 +144,8 @@ def diffusion_rows(res: ResultsWriter, quick: bool):
     points = operating_points("03_pareto_diffusion", None, dim)
     if quick:
         points = points[:2]
+    bar = tqdm(total=len(points) * len(eval_seeds), desc="PoC 05 diffusion (operating point x seed)", unit="seed")
+    lines = []
     for threshold, k, qp in points:
         bases = dict((groups[i], b) for i, b in leave_one_out(caps, k, groups))
         values, raw, coded = [], 0, 0
@@ -145,16 +156,20 @@ def diffusion_rows(res: ResultsWriter, quick: bool):
             images = diffusion.generate(model, classes, seed, steps, activation_hook=codec, hook_whole_batch=True)
             values.append(psnr(reference, images))
             raw, coded = raw + codec.raw_bytes, coded + codec.coded_bytes
+            bar.update(1)
         common = dict(backend="x265", domain="diffusion", model="tiny_flux", threshold=threshold, k=k, qp=qp,
                       ratio=raw / coded, images=len(eval_seeds) * len(classes))
         res.add(metric="psnr", value=float(np.mean(values)), unit="dB", **common)
         res.add(metric="psnr_min", value=float(np.min(values)), unit="dB", **common)
         res.add(metric="ratio_per_step_batch", value=raw / coded, unit="x", **common)
-        print(f"diff  cos>={threshold:<6} K {k} qp {qp}  ratio {raw / coded:5.2f}x (a step's batch of 10 images)  "
-              f"PSNR {np.mean(values):.1f} dB (min over seeds {np.min(values):.1f})")
+        lines.append(f"diff  cos>={threshold:<6} K {k} qp {qp}  ratio {raw / coded:5.2f}x (a step's batch of 10 "
+                     f"images)  PSNR {np.mean(values):.1f} dB (min over seeds {np.min(values):.1f})")
+    bar.close()
+    print("\n".join(lines))
 
 
 def run(quick: bool, domains: list[str]) -> ResultsWriter:
+    announce("05")
     res = ResultsWriter("05", "downstream_quality")
     if "llm" in domains:
         llm_rows(res, quick)
@@ -169,14 +184,13 @@ def save(res: ResultsWriter, domains: list[str]) -> None:
     if res.path.exists() and set(domains) != {"llm", "diffusion"}:
         old = pd.read_csv(res.path, dtype={"poc": str})
         new = pd.concat([old[~old.domain.isin(domains)], new])
-    new.to_csv(res.path, index=False)
-    print(f"wrote {res.path.name} ({len(new)} rows)")
+    res.save(frame=new)
 
 
 def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"):
     plt = apply_style()
     df = load(csv)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.3))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.3))
     llm = df[(df.domain == "llm") & (df.metric == "perplexity_change")]
     ax1.plot(llm.ratio, 100 * llm.value, "o-")
     for r in llm.itertuples():
@@ -194,7 +208,15 @@ def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"
     ax2.set_xlabel("activation compression ratio, one step's batch of 10 images at a time (x)")
     ax2.set_ylabel("PSNR vs untouched generation (dB)")
     ax2.set_title("diffusion: tiny FLUX, middle double block coded at every step")
-    fig.suptitle("PoC 05: downstream cost of each operating point", fontsize=11)
+    for ax in (ax1, ax2):
+        ax.margins(x=0.12, y=0.18)  # room for the point labels inside the axes
+    take = []
+    if len(top := llm[llm.threshold == 0.999]):
+        take.append(f"perplexity {100 * top.value.iloc[0]:+.2f}% at {top.ratio.iloc[0]:.1f}x")
+    if len(top := diff[diff.threshold == 0.999]):
+        take.append(f"{top.value.iloc[0]:.1f} dB PSNR at {top.ratio.iloc[0]:.1f}x")
+    fig.suptitle("PoC 05: at cos >= 0.999 the downstream cost is small (" + "; ".join(take) + ")",
+                 x=0.02, ha="left")
     save_figure(fig, name, f"{csv}.csv")
 
 

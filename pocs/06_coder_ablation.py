@@ -52,7 +52,7 @@ from shared.codecs import get_backend, rans, rans_cuda  # noqa: E402
 from shared.errors import BackendUnavailable  # noqa: E402
 from shared.quant import PerChannelQuantizer  # noqa: E402
 from shared.rdquant import CudaProjection, find_step, quality  # noqa: E402
-from shared.results import ResultsWriter, apply_style, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, save_figure  # noqa: E402
 from shared.timing import cuda_ms  # noqa: E402
 
 SOURCES = ["synthetic", "llm_k", "llm_v", "diffusion"]
@@ -523,15 +523,22 @@ def plot(csv, png):
     nines = lambda c: -np.log10(np.clip(1 - np.asarray(c, float), 1e-7, None))  # noqa: E731
     ticks = [0.9, 0.97, 0.99, 0.997, 0.999, 0.9999, 0.99999]
     keys = ["backend", "quant", "qp", "target"]
-    groups = [("rans", "rd_shared_step", "-o", "compute codec: shared step + rANS"),
-              ("entropy_bound", "rd_shared_step", ":", "entropy bound of the shared-step symbols"),
-              ("predicted_bound", "rd_shared_step", "-.", "the same with a predictor along tokens (per component)"),
-              ("rans", "rd_water_fill", "--", "shared step + water-filling + rANS"),
-              ("zstd", "rd_shared_step", "-^", "zstd-19 on the shared-step symbols"),
-              ("x265", "rd_shared_step", "-v", "x265 lossless on the shared-step symbols"),
-              ("nvcomp-ans", "rd_shared_step", "-D", "nvCOMP ANS on the shared-step symbols"),
-              ("x265", "per_channel_8bit", "-s", "x265 QP sweep (lossless..QP34), 8-bit planes")]
+    from shared.results import legend_outside, series_style
+
+    # Coders first (ours, then peers on the same symbols, then the video path), then the two bounds:
+    # each its own colour and marker; the bounds drawn last, thin and black, so no coder hides them.
+    coders = [("rans", "rd_shared_step", "compute codec: shared step + rANS"),
+              ("rans", "rd_water_fill", "compute codec + water-filling"),
+              ("zstd", "rd_shared_step", "zstd-19 on the shared-step symbols"),
+              ("nvcomp-ans", "rd_shared_step", "nvCOMP ANS on the shared-step symbols"),
+              ("x265", "rd_shared_step", "x265 lossless on the shared-step symbols"),
+              ("x265", "per_channel_8bit", "x265 QP sweep (lossless..QP34) on 8-bit planes")]
+    bounds = [("entropy_bound", "rd_shared_step", dict(color="k", ls=":", lw=1.6, marker=""),
+               "entropy bound of the shared-step symbols (theory, not a coder)"),
+              ("predicted_bound", "rd_shared_step", dict(color="k", ls="-.", lw=1.2, marker=""),
+               "bound with a predictor along tokens (theory)")]
     handles = {}
+    gaps = []
     for ax, source in zip(axes[0], sources):
         d = df[df["source"] == source]
         for k in keys:
@@ -540,31 +547,46 @@ def plot(csv, png):
         d = d.assign(**{k: d[k].astype(object).where(d[k].notna(), "-").astype(str) for k in keys})
         wide = d.pivot_table(index=keys, columns="metric", values="value", aggfunc="first").reset_index()
         wide = wide.dropna(subset=["ratio", "cos_mean"])
-        for backend, quant, style, label in groups:
-            g = wide[(wide["backend"] == backend) & (wide["quant"] == quant)].sort_values("cos_mean")
+        pick = lambda b, q: wide[(wide["backend"] == b) & (wide["quant"] == q)].sort_values("cos_mean")  # noqa: E731
+        for i, (backend, quant, label) in enumerate(coders):
+            g = pick(backend, quant)
             if len(g):
-                (h,) = ax.plot(nines(g["cos_mean"]), g["ratio"], style, ms=4, label=label)
+                (h,) = ax.plot(nines(g["cos_mean"]), g["ratio"], "-", ms=5, lw=1.3, zorder=3 if i == 0 else 2, **series_style(i),
+                               label=label)
                 handles.setdefault(label, h)
-        lossless = wide[(wide["quant"] == "per_channel_8bit") & (wide["backend"] != "x265")]
-        markers = dict(ffv1="P", zstd="X", rans="*", entropy_bound="_")
-        for _, r in lossless.iterrows():
-            label = f"{r['backend']} on the 8-bit planes" + (" (lossless)" if r["backend"] != "entropy_bound" else "")
-            (h,) = ax.plot(nines([r["cos_mean"]]), [r["ratio"]], markers.get(r["backend"], "x"), ms=8, color="0.3"
-                           if r["backend"] != "entropy_bound" else "0.6", label=label)
+        for backend, quant, style, label in bounds:
+            g = pick(backend, quant)
+            if len(g):
+                (h,) = ax.plot(nines(g["cos_mean"]), g["ratio"], zorder=4, **style, label=label)
+                handles.setdefault(label, h)
+        ours, bound = pick("rans", "rd_shared_step"), pick("entropy_bound", "rd_shared_step")
+        both = ours.merge(bound, on="target", suffixes=("", "_b"))
+        both = both[both["target"].isin(["0.999", "0.99"])]
+        gaps += list(both["ratio_b"] / both["ratio"] - 1)
+        lossless = wide[(wide["quant"] == "per_channel_8bit") & ~wide["backend"].isin(["x265", "entropy_bound"])]
+        if len(lossless):  # every lossless coder on the 8-bit planes: one grey group, their range written
+            label = "lossless coders on the 8-bit planes (FFV1, zstd, nvCOMP x6, rANS)"
+            (h,) = ax.plot(nines(lossless["cos_mean"]), lossless["ratio"], "x", color="0.45", ms=6, ls="none",
+                           label=label)
             handles.setdefault(label, h)
+            ax.annotate(f"{lossless['ratio'].min():.1f}-{lossless['ratio'].max():.1f}x",
+                        (nines(lossless["cos_mean"]).mean(), lossless["ratio"].max()), textcoords="offset points",
+                        xytext=(-4, 6), fontsize=7, color="0.35", ha="right")
         ax.set_xticks(nines(ticks))
         ax.set_xticklabels([str(t) for t in ticks], rotation=45)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.FuncFormatter(
+            lambda v, _: f"{v:g}" if f"{v:g}"[0] in "235" else ""))
         ax.tick_params(axis="y", which="minor", labelsize=7)
-        ax.set_xlabel("cos_mean (mean per-token cosine)")
-        ax.set_ylabel("ratio (bf16 bytes / payload)")
+        ax.set_xlabel("cos_mean (mean per-token cosine, 1 = exact)")
+        ax.set_ylabel("ratio (x: bf16 bytes / payload bytes, log)")
         ax.set_title(source + (" (Gaussian, not a model)" if source == "synthetic" else ""))
-    fig.suptitle("PoC 06: every coder on identical PCA coefficients (K = D, leave-one-out basis)")
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
-    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=3, fontsize=7,
-               bbox_to_anchor=(0.5, 0.0))
+    gap = f"; within {100 * min(gaps):.0f}-{100 * max(gaps):.0f}% of the entropy bound at cos 0.99-0.999" if gaps else ""
+    fig.suptitle("PoC 06: on identical PCA coefficients the compute codec (shared step + rANS) beats libx265" + gap,
+                 x=0.02, ha="left")
+    fig.tight_layout()
+    legend_outside(fig, list(handles.values()), list(handles.keys()), where="below", ncol=3, fontsize=8)
     save_figure(fig, Path(png).stem, Path(csv).name)
     plt.close(fig)
 
@@ -599,6 +621,7 @@ def main():
         except ImportError:
             pass
     shapes = BENCH_SHAPES if not args.shapes else [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
+    announce("06")
     res = ResultsWriter("06", "coder_ablation", gpu=gpu)
     if gpu:
         for T, D, K in ([(16384, 192, 192)] if args.quick else shapes):
@@ -612,8 +635,7 @@ def main():
             import pandas as pd
 
             old = pd.read_csv(csv, dtype={"poc": str})
-            pd.concat([old, res.frame()]).to_csv(csv, index=False)
-            print(f"merged {len(res.rows)} rows into {csv.name}")
+            res.save(csv, frame=pd.concat([old, res.frame()]))
         return
     print(f"{'source':<11}{'coder':<16}{'quant':<18}{'target':>7}{'ratio':>8}{'cos':>10}{'enc GB/s':>10}"
           f"{'dec GB/s':>10}")
@@ -628,11 +650,11 @@ def main():
 
         new = res.frame()
         old = pd.read_csv(csv, dtype={"poc": str})
-        pd.concat([old[~old.device.isin(set(new.device))], new]).to_csv(csv, index=False)
-        print(f"replaced the {', '.join(sorted(set(new.device)))} rows of {csv.name} ({len(new)} rows)")
+        print(f"replacing the {', '.join(sorted(set(new.device)))} rows of {csv.name} ({len(new)} rows)")
+        saved = res.save(csv, frame=pd.concat([old[~old.device.isin(set(new.device))], new]))
     else:
-        res.save(csv)
-    plot(csv, csv.parent.parent / "figures" / "06_coder_ablation.png")
+        saved = res.save(csv)
+    plot(saved, csv.parent.parent / "figures" / "06_coder_ablation.png")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,23 @@ The basis is a per-model artifact the receiver must hold (like a LoRA). Three qu
 
 Command:   make poc-07            (or: python pocs/07_basis_artifact.py [--quick])
 Writes:    results/07_basis_artifact.csv, figures/07_basis_artifact.png
-Sample output (2-core CPU):
-    source  K   N  in-sample  held-out
+Sample output (quick run, --quick, on a 2-core CPU machine):
+    SmolLM2 L15: basis of one layer at K=64: 24.4 KiB fp16; whole model (60 tensors): 1.43 MiB
+    source        kind    K   N  in-sample  held-out
+    SmolLM2 L15   k       8   1    0.91153   0.87841
+    SmolLM2 L15   k       8   2    0.91153   0.88518
+    SmolLM2 L15   k      32   1    0.96659   0.92786
+    SmolLM2 L15   k      32   2    0.96659   0.93507
+    SmolLM2 L15   v       8   1    0.71209   0.56980
+    SmolLM2 L15   v       8   2    0.71209   0.60051
+    SmolLM2 L15   v      32   1    0.88453   0.72974
+    SmolLM2 L15   v      32   2    0.88453   0.75897
+    tiny_flux: basis of one layer at K=64: 16.2 KiB fp16; whole model (3 tensors): 0.05 MiB
+    source        kind    K   N  in-sample  held-out
+    tiny_flux     act     8   1    0.94909   0.94810
+    tiny_flux     act     8   2    0.94909   0.94833
+    tiny_flux     act    32   1    0.99484   0.99448
+    tiny_flux     act    32   2    0.99484   0.99456
 """
 from __future__ import annotations
 
@@ -19,11 +34,12 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared.basis import fit_basis  # noqa: E402
+from shared.basis import CovarianceAccumulator  # noqa: E402
 from shared.metrics import aggregate, quality  # noqa: E402
-from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 
 LAYER = 15               # LLM layer for the calibration study
 CHUNKS = 6               # LLM text chunks of TOKENS tokens
@@ -61,23 +77,49 @@ def diffusion_groups(quick: bool):
     return {"act": by_seed}, {"model": "tiny_flux", "dim": by_seed[0][0].shape[1], "tensors_per_model": n_double}
 
 
-def held_out_quality(groups: list[list[torch.Tensor]], k: int, n_calib: int) -> tuple[float, float]:
-    """Mean over test groups of (in-sample cos, held-out cos) with a basis from n_calib other groups."""
-    ins, outs = [], []
-    for test in range(len(groups)):
-        others = [g for i, g in enumerate(groups) if i != test][:n_calib]
-        calib = fit_basis([x for g in others for x in g], k)
-        own = fit_basis(groups[test], k)
-        for x in groups[test]:
-            xf = x.float().numpy()
-            outs.append(quality(xf, calib.reconstruct(calib.project(xf))))
-            ins.append(quality(xf, own.reconstruct(own.project(xf))))
-    return aggregate(ins)["cos_mean"], aggregate(outs)["cos_mean"]
+def calibration_study(groups: list[list[torch.Tensor]], ks: list[int], bar) -> dict[tuple[int, int], tuple[float, float]]:
+    """{(K, N): (in-sample cos, held-out cos)}, each the mean over test groups: held out = a basis
+    fitted on N other groups, in sample = a basis fitted on the test group itself.
+
+    Each group's covariance is accumulated once; a basis from N groups sums their accumulators and
+    is decomposed once for the largest K (a smaller K keeps its leading components). One step of
+    `bar` = one held-out basis (one N, one test group)."""
+    dim = groups[0][0].shape[1]
+    accs = [CovarianceAccumulator(dim) for _ in groups]
+    for acc, g in zip(accs, groups):
+        for x in g:
+            acc.add(x)
+    kmax, data = max(ks), [[x.float().numpy() for x in g] for g in groups]
+    ins = {k: [] for k in ks}
+    for acc, g in zip(accs, data):
+        own = acc.basis(kmax)
+        for k in ks:
+            b = own.truncate(k)
+            ins[k] += [quality(x, b.reconstruct(b.project(x))) for x in g]
+    out = {}
+    for n in range(1, len(groups)):
+        outs = {k: [] for k in ks}
+        for test in range(len(groups)):
+            calib = CovarianceAccumulator(dim)
+            for i in [i for i in range(len(groups)) if i != test][:n]:
+                calib += accs[i]
+            calib = calib.basis(kmax)
+            for k in ks:
+                b = calib.truncate(k)
+                outs[k] += [quality(x, b.reconstruct(b.project(x))) for x in data[test]]
+            bar.update(1)
+        for k in ks:
+            out[(k, n)] = (aggregate(ins[k])["cos_mean"], aggregate(outs[k])["cos_mean"])
+    return out
 
 
 def run(quick: bool) -> ResultsWriter:
+    announce("07")
     res = ResultsWriter("07", "basis_artifact")
     sources = [("SmolLM2 L%d" % LAYER, *llm_groups(quick)), ("tiny_flux", *diffusion_groups(quick))]
+    steps = sum(len(g) * (len(g) - 1) for _, groups, _ in sources for g in groups.values())
+    bar = tqdm(total=steps, desc="PoC 07 held-out bases (N x test group)", unit="basis")
+    tables = []
     for name, groups, info in sources:
         dim = info["dim"]
         for k in sorted(set([8, 16, 32, 64, 96, 128, dim])):
@@ -89,52 +131,68 @@ def run(quick: bool) -> ResultsWriter:
                 res.add(backend="pca", metric="basis_bytes_per_tensor", value=per_layer, unit="B", **common)
                 res.add(backend="pca", metric="basis_bytes_per_model", value=per_layer * info["tensors_per_model"],
                         unit="B", tensors=info["tensors_per_model"], **common)
-        print(f"{name}: basis of one layer at K={min(64, dim)}: {basis_bytes(dim, min(64, dim), 2) / 1024:.1f} KiB fp16; "
-              f"whole model ({info['tensors_per_model']} tensors): "
-              f"{basis_bytes(dim, min(64, dim), 2) * info['tensors_per_model'] / 2**20:.2f} MiB")
-        print(f"{'source':<14}{'kind':<5}{'K':>4}{'N':>4}{'in-sample':>11}{'held-out':>10}")
+        tables.append(f"{name}: basis of one layer at K={min(64, dim)}: {basis_bytes(dim, min(64, dim), 2) / 1024:.1f} "
+                      f"KiB fp16; whole model ({info['tensors_per_model']} tensors): "
+                      f"{basis_bytes(dim, min(64, dim), 2) * info['tensors_per_model'] / 2**20:.2f} MiB")
+        tables.append(f"{'source':<14}{'kind':<5}{'K':>4}{'N':>4}{'in-sample':>11}{'held-out':>10}")
         ks = [k for k in ([8, 32] if quick else KS) if k < dim]
         for kind, g in groups.items():
-            for k in ks:
-                for n in range(1, len(g)):
-                    cin, cout = held_out_quality(g, k, n)
-                    common = dict(source=name, kind=kind, model=info["model"], k=k, n_calibration=n, dim=dim)
-                    res.add(backend="pca", metric="cos_in_sample", value=cin, unit="1", **common)
-                    res.add(backend="pca", metric="cos_held_out", value=cout, unit="1", **common)
-                    res.add(backend="pca", metric="loo_gap", value=cin - cout, unit="1", **common)
-                    print(f"{name:<14}{kind:<5}{k:>4}{n:>4}{cin:>11.5f}{cout:>10.5f}")
+            for (k, n), (cin, cout) in sorted(calibration_study(g, ks, bar).items()):
+                common = dict(source=name, kind=kind, model=info["model"], k=k, n_calibration=n, dim=dim)
+                res.add(backend="pca", metric="cos_in_sample", value=cin, unit="1", **common)
+                res.add(backend="pca", metric="cos_held_out", value=cout, unit="1", **common)
+                res.add(backend="pca", metric="loo_gap", value=cin - cout, unit="1", **common)
+                tables.append(f"{name:<14}{kind:<5}{k:>4}{n:>4}{cin:>11.5f}{cout:>10.5f}")
+    bar.close()
+    print("\n".join(tables))  # after the bar has closed
     return res
 
 
 def plot(csv: str = "07_basis_artifact", name: str = "07_basis_artifact"):
+    from matplotlib.lines import Line2D
+
+    from shared.results import legend_outside, series_style
+
     plt = apply_style()
     df = load(csv)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    cal = df[df.metric.isin(["cos_in_sample", "cos_held_out"])]
+    panels = [(src, kind) for src in cal.source.unique() for kind in ("k", "v", "act")
+              if len(cal[(cal.source == src) & (cal.kind == kind)])]
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(4.2 * (1 + len(panels)), 4.3))
     size = df[(df.metric == "basis_bytes_per_model") & (df.storage == "fp16")]
-    for src, s in size.groupby("source"):
-        axes[0].plot(s.k, s.value / 2**20, "o-", label=f"{src} ({int(s.tensors.iloc[0])} tensors, D={int(s.dim.iloc[0])})")
-    axes[0].set_xlabel("K (components kept)")
+    for i, (src, s) in enumerate(size.groupby("source")):
+        axes[0].plot(s.k, s.value / 2**20, "-", **series_style(i),
+                     label=f"{src} ({int(s.tensors.iloc[0])} tensors, D={int(s.dim.iloc[0])})")
+    axes[0].set_xlabel("K, components kept (count)")
     axes[0].set_ylabel("basis size for the whole model, fp16 (MiB)")
     axes[0].set_title("the artifact a receiver must hold")
-    axes[0].legend()
-    cal = df[df.metric.isin(["cos_in_sample", "cos_held_out"])]
-    cmaps = {"k": plt.cm.Blues, "v": plt.cm.Oranges, "act": plt.cm.Greens}
-    for ax, src in zip(axes[1:], cal.source.unique()):
-        sub = cal[cal.source == src]
-        ks = sorted(sub.k.unique())
-        for (kind, k), s in sub.groupby(["kind", "k"]):
-            color = cmaps.get(kind, plt.cm.Greys)(0.35 + 0.6 * ks.index(k) / max(len(ks) - 1, 1))
-            out = s[s.metric == "cos_held_out"]
-            inn = s[s.metric == "cos_in_sample"]
-            ax.plot(out.n_calibration, 1 - out.value, "o-" if kind != "v" else "s-", color=color,
-                    label=f"{kind.upper() if kind != 'act' else 'act'} K={int(k)}")
-            ax.plot(inn.n_calibration, 1 - inn.value, "--", color=color, alpha=0.7)
+    axes[0].legend(loc="upper left")
+    names = {"k": "key cache", "v": "value cache", "act": "activations"}
+    ranks = sorted(cal.k.unique())
+    for ax, (src, kind) in zip(axes[1:], panels):
+        sub = cal[(cal.source == src) & (cal.kind == kind)]
+        for k, s in sub.groupby("k"):
+            st = series_style(ranks.index(k))
+            out, inn = s[s.metric == "cos_held_out"], s[s.metric == "cos_in_sample"]
+            ax.plot(out.n_calibration, 1 - out.value, "-", **st)
+            ax.plot(inn.n_calibration, 1 - inn.value, "--", color=st["color"], lw=1, alpha=0.8)
         ax.set_yscale("log")
-        ax.set_xlabel("calibration captures N (LLM: chunks; diffusion: seeds)")
-        ax.set_ylabel("1 - cos_mean of the PCA projection (log)")
-        ax.set_title(f"{src}: held-out (solid) vs in-sample (dashed)")
-        ax.legend(fontsize=6, ncol=2)
-    fig.suptitle("PoC 07: basis size, and how many captures a held-out basis needs", fontsize=11)
+        ax.set_xlabel("calibration captures N (count)")
+        ax.set_title(f"{src} {names[kind]}\n(N = {'seeds' if kind == 'act' else 'text chunks'})")
+    axes[1].set_ylabel("1 - cos_mean of the PCA projection (log)")
+    handles = [Line2D([], [], ls="-", **series_style(i)) for i in range(len(ranks))]
+    labels = [f"rank K={int(k)}" for k in ranks]
+    handles += [Line2D([], [], color="0.3", ls="-"), Line2D([], [], color="0.3", ls="--")]
+    labels += ["held out (basis from N other captures)", "in sample (basis from the tensor itself)"]
+    legend_outside(axes[-1], handles, labels)
+    held = cal[cal.metric == "cos_held_out"]
+    first = held[held.n_calibration == 1].set_index(["source", "kind", "k"]).value
+    last = held.loc[held.groupby(["source", "kind", "k"]).n_calibration.idxmax()].set_index(["source", "kind", "k"])
+    gain = ((1 - first) / (1 - last.value) - 1).max()
+    big = size[size.k == min(64, size.k.max())].value.max() / 2**20
+    fig.suptitle(f"PoC 07: a basis is small ({big:.1f} MiB for a whole model at K=64, fp16) and one calibration "
+                 f"capture is within {100 * gain:.0f}% of the most captures' held-out error", x=0.02, ha="left")
+    fig.tight_layout()
     save_figure(fig, name, f"{csv}.csv")
 
 

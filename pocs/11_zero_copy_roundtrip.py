@@ -236,22 +236,38 @@ def plot(csv: str = "11_zero_copy_roundtrip", name: str = "11_zero_copy_roundtri
     df = load(csv)
     v = {(r.backend, r.metric): r.value for r in df.itertuples()}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-    stages = [(b, m) for b, m in v if m.startswith("ms_")]
+    from matplotlib.patches import Patch
+
+    from shared.results import COLORS
+
+    stages = [(b, m) for b, m in v if m.startswith("ms_")]  # in pipeline order: drawn top to bottom
     labels = [m.removeprefix("ms_").replace("_", " ") for _, m in stages]
-    ax1.barh(labels, [v[k] for k in stages], color=["#0072B2" if b != "x265" else "#D55E00" for b, _ in stages])
+    on_cpu = [b == "x265" for b, _ in stages]
+    ms = [v[k] for k in stages]
+    ax1.barh(labels, ms, color=[COLORS[3] if c else COLORS[0] for c in on_cpu])
+    for y, t in enumerate(ms):
+        ax1.text(t * 1.1, y, f"{t:.2f} ms", va="center", fontsize=8)
+    ax1.invert_yaxis()
     ax1.set_xscale("log")
-    ax1.set_xlabel("ms for the whole tensor (log)")
-    ax1.set_title("where the round trip spends its time")
+    ax1.set_xlim(right=max(ms) * 6)
+    ax1.set_xlabel("time for the whole tensor (ms, log)")
+    ax1.set_title("where the round trip spends its time (pipeline order)")
+    ax1.legend([Patch(color=COLORS[0]), Patch(color=COLORS[3])], ["on the GPU", "on the CPU (libx265: no NVENC)"],
+               loc="lower right")
     sides = ["encode", "decode"]
     copies = [v.get(("x265", "encode_frame_host_copies"), 0), v.get(("nvdec-hevc", "decode_frame_host_copies"), 0)]
-    ax2.bar(sides, copies, color=["#D55E00", "#0072B2"])
+    ax2.bar(sides, copies, color=[COLORS[3], COLORS[0]])
     for i, c in enumerate(copies):
         ax2.text(i, c, f"{int(c)}", ha="center", va="bottom")
-    ax2.set_ylabel("host copies of frame data")
+    ax2.set_ylabel("host copies of frame data (count)")
+    ax2.yaxis.set_major_locator(plt.matplotlib.ticker.MaxNLocator(integer=True))
     ax2.set_title("copies between GPU and host (profiler)")
     exact = "bit-exact" if v.get(("x265+nvdec-hevc", "exact_tensor")) == 1 else "NOT bit-exact"
-    fig.suptitle(f"PoC 11: CUDA tensor -> libx265 (CPU) -> NVDEC -> CUDA tensor on {df.device.iloc[0]}: {exact}, "
-                 f"ratio {v.get(('x265+nvdec-hevc', 'ratio'), float('nan')):.2f}x, NVENC absent", fontsize=10)
+    cpu_ms = sum(t for t, c in zip(ms, on_cpu) if c)
+    fig.suptitle(f"PoC 11: the CUDA round trip is {exact} and decodes with no host copy; libx265 on the CPU "
+                 f"(no NVENC) takes {cpu_ms:.0f} of its {sum(ms):.0f} ms", x=0.02, ha="left")
+    ax1.annotate(f"{df.device.iloc[0]}; ratio {v.get(('x265+nvdec-hevc', 'ratio'), float('nan')):.2f}x",
+                 (0.99, 1.0), xycoords="axes fraction", ha="right", va="bottom", fontsize=7, color="0.4")
     save_figure(fig, name, f"{csv}.csv")
 
 

@@ -251,28 +251,42 @@ def gpu_rows(res: ResultsWriter, payload10: bytes, frames10: np.ndarray, common:
 def plot(csv: str = "19_null_av1_10bit", name: str = "19_null_av1_10bit"):
     plt = apply_style()
     df = load(csv)
+    from shared.results import COLORS, series_style
+
     codecs = df[df.metric == "ratio"].backend.unique()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.3), gridspec_kw={"width_ratios": [3, 2]})
-    for codec in codecs:
+    names = {"hevc444_8bit": "HEVC 4:4:4 8-bit (reference)", "hevc444_10bit_x4": "HEVC 4:4:4 10-bit, values x4",
+             "hevc444_10bit_q": "HEVC 4:4:4 10-bit, 10-bit quantizer", "av1_420_luma": "AV1 4:2:0, one channel per luma plane"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for i, codec in enumerate(codecs):
         r = df[(df.backend == codec) & (df.metric == "ratio")].set_index("setting").value
         c = df[(df.backend == codec) & (df.metric == "cos_mean")].set_index("setting").value
-        ax1.plot(1 - c.reindex(r.index), r, "o-", label=codec)
+        ax1.plot(1 - c.reindex(r.index), r, "-", **series_style(i), label=names.get(codec, codec))
     ax1.set_xscale("log")
     ax1.set_yscale("log")
-    ax1.set_xlabel("1 - cos_mean (log; left is better)")
-    ax1.set_ylabel("ratio vs bf16 (log)")
-    ax1.set_title(f"same planes, four coders (source: {df.source.dropna().iloc[0]})")
-    ax1.legend(fontsize=8)
+    ax1.yaxis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax1.yaxis.set_minor_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax1.set_xlabel("1 - cos_mean (mean per-token cosine; log, left = better)")
+    ax1.set_ylabel("compression ratio vs bf16 (x, log)")
+    ax1.set_title("the same planes through four coders (QP sweep)")
+    ax1.legend(loc="upper left", fontsize=8)
+    ax1.annotate(f"source: {df.source.dropna().iloc[0]}", (0.99, 0.02), xycoords="axes fraction", ha="right",
+                 fontsize=7, color="0.4")
     caps = df[df.metric == "nvdec_supported"]
     if len(caps):
         labels = [f"{r.nvdec_codec} {int(float(r.chroma))} {int(r.bit_depth)}-bit" for r in caps.itertuples()]
-        ax2.barh(labels, caps.value, color=["#009E73" if v else "#D55E00" for v in caps.value])
-        ax2.set_xticks([0, 1], ["no", "yes"])
-        ax2.set_title(f"NVDEC support reported by {caps.device.iloc[0]}")
+        ax2.barh(labels, [1] * len(caps), color=[COLORS[2] if v else COLORS[3] for v in caps.value])
+        for y, v in enumerate(caps.value):
+            ax2.text(0.5, y, "decodes" if v else "not supported", ha="center", va="center", color="white",
+                     fontweight="bold")
+        ax2.set_xticks([])
+        ax2.grid(False)
+        ax2.set_title(f"NVDEC support reported by {caps.device.iloc[0]} (GetDecoderCaps)")
     else:
         ax2.text(0.5, 0.5, "no GPU in this run:\nNVDEC capabilities not queried", ha="center", va="center")
         ax2.set_axis_off()
-    fig.suptitle("PoC 19: AV1 (4:2:0, one channel per luma plane) and 10-bit against HEVC 4:4:4 8-bit", fontsize=11)
+    fig.suptitle("PoC 19: AV1 codes these planes at least as well as HEVC 4:4:4 (lossy), but this GPU's NVDEC cannot decode it; "
+                 "10-bit is no better", x=0.02, ha="left", fontsize=10.5)
+    fig.tight_layout()
     save_figure(fig, name, f"{csv}.csv")
 
 

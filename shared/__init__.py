@@ -10,5 +10,6 @@ from .errors import (  # noqa: F401
     BasisMismatchError,
     BitstreamError,
     BackendUnavailable,
+    UnknownBackend,
     CodecError,
 )

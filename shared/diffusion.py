@@ -15,7 +15,7 @@ the way FLUX packs latents: 2x2 patches become 64 tokens of 4 values. The class 
 prompt: a learned embedding gives the text tokens (`encoder_hidden_states`) and the pooled vector.
 
 What is captured and replaced is the IMAGE-stream output of one double block (default the middle
-one), [T tokens, D channels] per denoising step, the tensor the seed compressed on FLUX.
+one), [T tokens, D channels] per denoising step, the tensor the original write-up compressed on FLUX.
 The replace hook calls `fn(x) -> x_hat` once per batch item with x of shape [T, D].
 
 Real path: `load_flux_pipeline("black-forest-labs/FLUX.1-schnell")` or a local diffusers folder;

@@ -26,6 +26,10 @@ class BackendUnavailable(TensorCodecError, RuntimeError):
     """A codec backend cannot run on this machine (library missing, no GPU, no NVENC...)."""
 
 
+class UnknownBackend(ConfigurationError):
+    """A codec backend name this build does not have; the message lists the known ones."""
+
+
 class CodecError(TensorCodecError, RuntimeError):
     """A codec call failed. The message names the call, the status and a fix."""
 

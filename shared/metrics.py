@@ -1,4 +1,4 @@
-"""Quality and size metrics exactly as DESIGN section 3 defines them.
+"""Quality and size metrics, one definition for every PoC and table.
 
 ratio:    bytes of the original tensor at 2 bytes per value (bf16) / bytes of the whole bitstream.
 cos_mean: mean over tokens of the cosine similarity between original and reconstructed token vectors.

@@ -34,8 +34,8 @@ import numpy as np
 from . import frames as framing
 from . import schema
 from .basis import PCABasis, as_float_matrix
-from .codecs import get_backend
-from .errors import BackendUnavailable, BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
+from .codecs import get_backend, require_cuda
+from .errors import BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from .quant import PerChannelQuantizer
 
 SYMBOL_CODER = "rans"  # the compute codec: integer symbols, not frames
@@ -183,14 +183,6 @@ PREFIX_READ = 4096  # bytes of a GPU-resident container read to the host to pars
 
 def _is_tensor(x) -> bool:
     return type(x).__module__.startswith("torch")
-
-
-def _require_cuda(device) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise BackendUnavailable(f"device={device!r} asks for CUDA, but this machine has no CUDA GPU (or torch was "
-                                 "built without CUDA); decode with device=None (the CPU), or run on a GPU machine")
 
 
 class TensorCodec:
@@ -554,7 +546,7 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
         raise ConfigurationError(f"{len(codecs)} codecs for {len(blobs)} blobs: give one codec per blob")
     on_gpu = device is not None and str(device).startswith("cuda")
     if on_gpu:
-        _require_cuda(device)
+        require_cuda(f"decode(device={str(device)!r})", device)
     resident = [i for i, b in enumerate(blobs) if on_gpu and _is_tensor(b) and b.is_cuda]
     heads = {}
     if resident:  # every resident container's first bytes, in one device->host copy

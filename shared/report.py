@@ -12,7 +12,7 @@ import pandas as pd
 
 from .results import RESULTS, ROOT
 
-SEED_ANCHORS = {  # DESIGN section 6: the seed's numbers, on other (much larger) models
+WRITEUP_NUMBERS = {  # the original write-up's numbers (README, 'Where this started'), on much larger models
     ("diffusion", 0.99): "6.1x at cos 0.991 (FLUX.2 Klein 9B)",
     ("diffusion", 0.97): "18.4x at cos 0.966",
     ("diffusion", 0.94): "37x at cos 0.943",
@@ -55,7 +55,7 @@ def compression() -> str | None:
             label = {"diffusion": "tiny FLUX activations", "k": "SmolLM2 L15 K", "v": "SmolLM2 L15 V"}[kind]
             rows.append([label, f">= {r.threshold:g}", f"**{r.value:.2f}x**", int(r.k), f"x265 {_qp(r.qp)}",
                          f"{r.cos_mean:.4f}", f"{r.cos_min:.4f}", f"{r.p1:.3f}",
-                         SEED_ANCHORS.get((kind, r.threshold), "")])
+                         WRITEUP_NUMBERS.get((kind, r.threshold), "")])
         raw = df[(df.metric == "ratio") & (df.basis == "raw") & df.qp.isna()]
         for src, r in raw.groupby("source" if domain is None else "basis"):
             v = r.value.max()
@@ -63,7 +63,7 @@ def compression() -> str | None:
             rows.append([f"{label}, raw channels (no PCA)", "control", f"{v:.2f}x", "all", "x265 lossless", "", "", "",
                          ""])
         parts.append(_table(rows, ["tensor", "cos_mean target", "best ratio", "K", "codec", "cos_mean", "cos_min",
-                                   "p1", "seed's number (other model)"]) + "\n\n" + _source(df, name))
+                                   "p1", "the original write-up (other model)"]) + "\n\n" + _source(df, name))
     return "\n\n".join(parts) if parts else None
 
 
@@ -109,7 +109,7 @@ def controls() -> str | None:
         cells = [f"{row[c]:.2f}x (cos {cos[(src, *c.split(' '))]:.4f})" for c in wide.columns]
         rows.append([src, *cells])
     exact = df[df.metric == "exact"]
-    note = (f"Lossless codec stages bit-exact: {int(exact.value.sum())}/{len(exact)}. The seed's controls "
+    note = (f"Lossless codec stages bit-exact: {int(exact.value.sum())}/{len(exact)}. The original write-up's controls "
             "(another pipeline and model): Gaussian noise 4.2x, a real activation without PCA 4.8x.")
     return _table(rows, ["source", *wide.columns]) + f"\n\n{note} " + _source(df, "01_synthetic_controls")
 

@@ -1,11 +1,19 @@
-"""Long-format results CSVs (DESIGN section 7) and the one plotting style every figure uses.
+"""Long-format results CSVs and the one plotting style every figure uses.
 
     res = ResultsWriter("01", "synthetic_controls")
     res.add(backend="x265", metric="ratio", value=4.1, unit="x", source="gaussian", qp=18)
     res.save()            # results/01_synthetic_controls.csv
 
 Every row carries poc, device (the GPU name from the driver, or 'cpu'), backend, metric, value,
-unit, the settings given, and the versions of the libraries that made it.
+unit, the settings given, the run size (`run`: full or quick), and the versions of the libraries
+that made it.
+
+Committed results are not overwritten by accident:
+- a `--quick` run (the PoC's command line holds `--quick`) writes results/local/ and figures/local/
+  (both ignored by git), and its rows say `run=quick`; figures drawn in that run read the quick CSV;
+- a full run that would replace a CSV first prints what changes (rows added, removed, values moved),
+  then writes it: `git diff --stat results/` and `git checkout results/` undo it;
+- a run on a machine without the GPU that measured a committed CSV writes results/local/ instead.
 """
 from __future__ import annotations
 
@@ -13,12 +21,14 @@ import datetime
 import importlib.metadata
 import platform
 import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 FIGURES = ROOT / "figures"
+LOCAL = "local"  # results/local/ and figures/local/: quick runs and runs that must not replace committed rows
 FIRST_COLUMNS = ["poc", "device", "backend", "metric", "value", "unit"]
 VERSIONED = ["torch", "numpy", "av", "zstandard", "transformers", "diffusers", "PyNvVideoCodec",
              "nvidia-nvcomp-cu13", "triton"]
@@ -56,11 +66,104 @@ def environment() -> dict[str, str]:
     return env
 
 
+def is_quick() -> bool:
+    """True in a CI-sized run: every PoC's command line spells it `--quick`."""
+    return "--quick" in sys.argv[1:]
+
+
+def results_dir(quick: bool | None = None) -> Path:
+    return RESULTS / LOCAL if (is_quick() if quick is None else quick) else RESULTS
+
+
+def figures_dir(quick: bool | None = None) -> Path:
+    return FIGURES / LOCAL if (is_quick() if quick is None else quick) else FIGURES
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+ENV_COLUMNS = {"value", "date", "python", "cpu_count", "driver", "run"}
+
+
+def diff_summary(old, new, show: int = 5) -> list[str]:
+    """What replacing CSV `old` by `new` changes: rows added/removed, values moved (largest first).
+
+    Rows are matched on every column that is not the value, a library version or the date, and
+    that holds no fractional number (those are measurements recorded beside the value)."""
+    import numpy as np
+    import pandas as pd
+
+    def keyed(df):
+        cols = [c for c in df.columns if c not in ENV_COLUMNS and not c.startswith("v_")]
+        cols = [c for c in cols if not (pd.api.types.is_float_dtype(df[c])
+                                        and (df[c].dropna() % 1 != 0).any())]
+        text = df[cols].apply(lambda col: col.map(lambda v: "" if pd.isna(v) else str(v)))
+        return df.assign(_key=text.agg("|".join, axis=1) if cols else ""), cols
+
+    old, old_cols = keyed(old.reset_index(drop=True))
+    new, new_cols = keyed(new.reset_index(drop=True))
+    lines = []
+    if old_cols != new_cols:
+        lines.append(f"columns: {len(old_cols)} key columns before, {len(new_cols)} now")
+    for df in (old, new):
+        df["_n"] = df.groupby("_key").cumcount()
+    m = old.merge(new, on=["_key", "_n"], how="outer", suffixes=("_old", "_new"), indicator=True)
+    gone, added = (m["_merge"] == "left_only").sum(), (m["_merge"] == "right_only").sum()
+    both = m[m["_merge"] == "both"]
+    a = pd.to_numeric(both["value_old"], errors="coerce").to_numpy(float)
+    b = pd.to_numeric(both["value_new"], errors="coerce").to_numpy(float)
+    rel = np.abs(b - a) / np.maximum(np.abs(a), 1e-12)
+    moved = ~(np.isclose(a, b, rtol=1e-9, atol=0) | (np.isnan(a) & np.isnan(b)))
+    lines.append(f"{len(old)} rows before, {len(new)} now: {added} added, {gone} removed, "
+                 f"{int(moved.sum())} of {len(both)} matched values changed")
+    if moved.any():
+        order = np.argsort(-np.nan_to_num(rel, nan=np.inf))[: show]
+        for i in order:
+            if not moved[i]:
+                continue
+            r = both.iloc[i]
+            what = ", ".join(f"{c}={r[c + '_old'] if c + '_old' in r else r[c]}" for c in ("backend", "metric")
+                             if (c + "_old") in r)
+            lines.append(f"  {what} [{r['_key'][:90]}]: {a[i]:.6g} -> {b[i]:.6g} ({100 * rel[i]:+.1f}%)"
+                         if np.isfinite(rel[i]) else f"  {what}: {a[i]} -> {b[i]}")
+    return lines
+
+
+# How long each CPU PoC takes on a 2-core CPU machine from a clean state (captures included), in
+# minutes: (full run, --quick run). CPU time (user + system) measured with /usr/bin/time on
+# 2026-12-01, which is about the wall time of an idle machine (that day's machine was busy); PoC 07's
+# full run: its wall time on a fresh clone before its study was made cheaper. None: not measured.
+# The README's "Run times" table gives the same numbers with the wall times.
+RUN_MINUTES = {
+    "01": (1.5, 0.05), "02": (3.2, 0.63), "03": (None, 0.25), "04": (None, 0.4), "05": (None, None),
+    "06": (None, 0.73), "07": (36, 0.63), "08": (0.23, 0.05), "18": (None, 0.43),
+}
+
+
+def _minutes(m: float) -> str:
+    return f"{m * 60:.0f} s" if m < 2 else f"{m:.0f} min"
+
+
+def announce(poc: str, machine: str = "a 2-core CPU machine") -> None:
+    """Say, before a long run starts, how long it takes on `machine` (RUN_MINUTES)."""
+    full, quick = RUN_MINUTES.get(poc, (None, None))
+    mine, other = (quick, full) if is_quick() else (full, quick)
+    kind, other_kind = ("quick", "full") if is_quick() else ("full", "quick")
+    said = (f"a {kind} run takes about {_minutes(mine)} on {machine} (measured there, captures included; "
+            "longer when the machine is busy)" if mine is not None else f"a {kind} run's time on {machine} is not "
+            "measured (README: Run times)")
+    if other is not None:
+        said += f"; the {other_kind} run takes about {_minutes(other)}"
+    print(f"PoC {poc}: {said}. Progress bars follow.", flush=True)
+
+
 class ResultsWriter:
-    def __init__(self, poc: str, name: str, gpu: bool = False):
+    def __init__(self, poc: str, name: str, gpu: bool = False, quick: bool | None = None):
         self.poc, self.name, self.gpu = poc, name, gpu
+        self.quick = is_quick() if quick is None else quick
         self.rows: list[dict] = []
-        self.path = RESULTS / f"{poc}_{name}.csv"
+        self.path = results_dir(self.quick) / f"{poc}_{name}.csv"
 
     def add(self, *, backend: str, metric: str, value: float, unit: str, device: str | None = None, **settings):
         row = {"poc": self.poc, "device": device or device_name(self.gpu), "backend": backend,
@@ -76,24 +179,34 @@ class ResultsWriter:
         env = environment()
         for k, v in env.items():
             df[k] = v
+        df["run"] = "quick" if self.quick else "full"
         df["date"] = datetime.date.today().isoformat()
         cols = FIRST_COLUMNS + [c for c in df.columns if c not in FIRST_COLUMNS]
         return df[cols]
 
-    def save(self, path: str | Path | None = None) -> Path:
-        path = Path(path) if path else self.path
-        frame = self.frame()
-        if path.exists():
-            import pandas as pd
+    def save(self, path: str | Path | None = None, frame=None) -> Path:
+        """Write `frame` (default: this run's rows) to `path` (default: self.path), never over committed
+        results by accident: a quick run goes to results/local/, a full run prints what it changes."""
+        import pandas as pd
 
-            lost = set(pd.read_csv(path, usecols=["device"]).device.astype(str)) - set(frame.device) - {"cpu"}
+        path = Path(path) if path else self.path
+        frame = self.frame() if frame is None else frame
+        if self.quick and path.parent == RESULTS:
+            path = RESULTS / LOCAL / path.name
+        if path.exists() and path.parent == RESULTS:
+            old = pd.read_csv(path, dtype={"poc": str})
+            lost = set(old.device.astype(str)) - set(frame.device.astype(str)) - {"cpu"}
             if lost:  # never replace GPU measurements with a run on a machine without that GPU
-                path = RESULTS / "local" / path.name
+                path = RESULTS / LOCAL / path.name
                 print(f"results/{path.name} holds rows measured on {', '.join(sorted(lost))}, which this run did "
-                      f"not use: writing {path.relative_to(ROOT)} instead")
+                      f"not use: writing {_rel(path)} instead")
+            else:
+                lines = diff_summary(old, frame.astype({"poc": str}))
+                print(f"replacing {_rel(path)} (undo: git checkout {_rel(path)}):")
+                print("\n".join("  " + line for line in lines))
         path.parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(path, index=False)
-        print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} ({len(self.rows)} rows)")
+        print(f"wrote {_rel(path)} ({len(frame)} rows{', quick run' if self.quick else ''})")
         return path
 
     def merge(self, **match) -> Path:
@@ -113,35 +226,81 @@ class ResultsWriter:
         return self.path
 
 
+def csv_path(poc_name: str) -> Path:
+    """results/<poc_name>.csv, or in a quick run the quick run's results/local/<poc_name>.csv."""
+    local = results_dir() / f"{poc_name}.csv"
+    return local if local.exists() else RESULTS / f"{poc_name}.csv"
+
+
 def load(poc_name: str):
-    """Read results/<poc_name>.csv into a DataFrame."""
+    """Read the CSV a figure is drawn from (csv_path) into a DataFrame."""
     import pandas as pd
 
-    return pd.read_csv(RESULTS / f"{poc_name}.csv")
+    return pd.read_csv(csv_path(poc_name))
+
+
+# Okabe-Ito (colour-blind safe; its yellow is left out: it vanishes on white), each with its own marker,
+# so two series never share both colour and marker, and a grey print still tells them apart.
+COLORS = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000"]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h"]
+# Another project's (or a theoretical) number drawn beside ours: grey star, labelled as such.
+REFERENCE = dict(color="0.45", marker="*", markersize=12, linestyle="none")
+
+
+def series_style(i: int) -> dict:
+    """Colour and marker of the i-th series of a figure (a distinct pair for i < 70)."""
+    n = len(COLORS)  # the marker steps by 3 (prime to 10) each time the colours wrap round
+    return dict(color=COLORS[i % n], marker=MARKERS[(i % n + 3 * (i // n)) % len(MARKERS)])
 
 
 def apply_style():
-    """The one look for every figure: white, readable fonts, light grid, colour-blind-safe colours."""
+    """The one look for every figure: white, readable fonts, light grid, colour-blind-safe colours
+    with a marker per series, legends outside the data (legend_outside)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     plt.rcParams.update({
-        "figure.dpi": 110, "savefig.dpi": 150, "savefig.bbox": "tight",
-        "font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 8,
+        "figure.dpi": 110, "savefig.dpi": 150, "savefig.bbox": "tight", "savefig.pad_inches": 0.15,
+        "font.size": 10, "axes.titlesize": 10.5, "axes.labelsize": 10, "legend.fontsize": 8,
+        "figure.titlesize": 12, "figure.titleweight": "bold",
         "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
-        "axes.prop_cycle": matplotlib.cycler(color=["#0072B2", "#E69F00", "#009E73", "#D55E00",
-                                                    "#CC79A7", "#56B4E9", "#F0E442", "#000000"]),
+        "legend.frameon": False, "lines.markersize": 5,
+        "axes.prop_cycle": matplotlib.cycler(color=COLORS) + matplotlib.cycler(marker=MARKERS[:len(COLORS)]),
     })
     return plt
 
 
+def legend_outside(target, handles=None, labels=None, where: str = "right", ncol: int = 1, title=None, **kw):
+    """A legend beside the axes (where='right') or below the figure (where='below'), never over data.
+
+    `target` is an Axes or a Figure; handles/labels default to the target's own, in drawing order."""
+    import matplotlib.figure
+
+    if handles is None:
+        src = target.axes[0] if isinstance(target, matplotlib.figure.Figure) else target
+        handles, labels = src.get_legend_handles_labels()
+    if where == "right":
+        kw = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), **kw)
+    else:
+        kw = dict(loc="upper center", bbox_to_anchor=(0.5, -0.02 if isinstance(target, matplotlib.figure.Figure)
+                                                        else -0.18), **kw)
+    return target.legend(handles, labels, ncol=ncol, title=title, **kw)
+
+
 def save_figure(fig, name: str, source_csv: str) -> Path:
-    """Save figures/<name>.png with a footer naming the CSV it was drawn from."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    fig.text(0.99, 0.005, f"data: results/{source_csv}", ha="right", va="bottom", fontsize=7, color="0.4")
-    path = FIGURES / f"{name}.png"
+    """Save figures/<name>.png (a quick run: figures/local/) with a footer, below everything drawn,
+    naming the CSV it was drawn from."""
+    out = figures_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    src = csv_path(Path(source_csv).stem)
+    fig.canvas.draw()
+    box = fig.get_tightbbox(fig.canvas.get_renderer())  # inches
+    note = " (quick run)" if src.parent.name == LOCAL and is_quick() else ""
+    fig.text(box.x1 / fig.get_figwidth(), box.y0 / fig.get_figheight() - 0.01, f"data: {_rel(src)}{note}",
+             ha="right", va="top", fontsize=7, color="0.4")
+    path = out / f"{name}.png"
     fig.savefig(path)
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {_rel(path)}")
     return path

@@ -100,24 +100,47 @@ def sweep_frame(df):
     return wide
 
 
-def plot_pareto(ax, wide, anchors: Sequence[tuple[float, float, str]] = (), title: str = ""):
-    """Ratio against 1 - cos_mean for every codec setting; PCA points joined along K; anchors as stars."""
-    codecs = list(dict.fromkeys(wide.codec))
-    colors = dict(zip(codecs, ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000",
-                               "#F0E442"] * 3))
-    for codec in codecs:
+def codec_order(codec: str):
+    """Sort key for codec labels: lossless first, then constant QP from fine to coarse."""
+    tail = codec.split()[-1]
+    return (codec.split()[0], -1 if tail == "lossless" else int(tail[2:]) if tail[2:].isdigit() else 999)
+
+
+def plot_pareto(ax, wide, anchors: Sequence[tuple[float, float, str]] = (), title: str = "",
+                anchor_source: str = "the original write-up, another model", label_k=("first", "last")):
+    """Ratio against 1 - cos_mean for every codec setting (ordered lossless, QP fine..coarse), one colour
+    and marker each; PCA points joined along K and labelled with K on the first and last setting; the
+    raw-channel control as a cross of the setting's colour; another project's numbers as grey stars."""
+    import matplotlib.ticker as mticker
+
+    from .results import REFERENCE, series_style
+
+    codecs = sorted(dict.fromkeys(wide.codec), key=codec_order)
+    labelled = {codecs[0] if "first" in label_k else None, codecs[-1] if "last" in label_k else None}
+    for i, codec in enumerate(codecs):
+        st = series_style(i)
         pca = wide[(wide.codec == codec) & (wide.basis == "pca_loo")].sort_values("k")
-        ax.plot(1 - pca.cos_mean, pca.ratio, "o-", ms=3, lw=1, color=colors[codec], label=f"{codec} (PCA, K sweep)")
+        ax.plot(1 - pca.cos_mean, pca.ratio, "-", lw=1.2, ms=4.5, **st, label=f"{codec}, PCA (K sweep)")
+        if codec in labelled:
+            for r in pca.itertuples():
+                ax.annotate(f"K{int(r.k)}", (1 - r.cos_mean, r.ratio), textcoords="offset points", xytext=(3, -9),
+                            fontsize=6, color=st["color"])
         raw = wide[(wide.codec == codec) & (wide.basis == "raw")]
-        ax.plot(1 - raw.cos_mean, raw.ratio, "x", ms=7, color=colors[codec])
-    ax.plot([], [], "x", color="0.3", label="raw channels (no PCA)")
-    for cos, r, label in anchors:
-        ax.plot(1 - cos, r, "*", ms=12, color="#CC0000", markeredgecolor="k", zorder=5)
-        ax.annotate(label, (1 - cos, r), textcoords="offset points", xytext=(6, 4), fontsize=7, color="#990000")
+        ax.plot(1 - raw.cos_mean, raw.ratio, "x", ms=8, mew=2, color=st["color"], ls="none")
+    ax.plot([], [], "x", ms=8, mew=2, color="0.3", ls="none", label="raw channels, no PCA (colour: setting)")
+    for j, (cos, r, label) in enumerate(anchors):
+        ax.plot(1 - cos, r, **REFERENCE, zorder=5, label=f"{anchor_source}" if j == 0 else None)
+        ax.annotate(label, (1 - cos, r), textcoords="offset points", xytext=(7, 2), fontsize=7, color="0.3")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("1 - cos_mean (log; left is better)")
-    ax.set_ylabel("compression ratio vs bf16 (log)")
+    fmt = mticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(fmt)
+    ax.yaxis.set_minor_formatter(mticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "2357" else ""))
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.set_xlabel("1 - cos_mean (mean per-token cosine; log, left = better)")
+    ax.set_ylabel("compression ratio vs bf16 (x, log)")
     for t in COS_THRESHOLDS:
         ax.axvline(1 - t, color="0.75", lw=0.7, ls=":")
+        ax.annotate(f"cos {t:g}", (1 - t, 0.01), xycoords=("data", "axes fraction"), fontsize=6, color="0.5",
+                    rotation=90, va="bottom", ha="right")
     ax.set_title(title)

@@ -1,4 +1,4 @@
-"""Timing as DESIGN section 7 asks: warm-up, synchronize, median of repeats."""
+"""Timing for every benchmark: warm-up, synchronize, median of repeats."""
 from __future__ import annotations
 
 import time

@@ -159,12 +159,33 @@ def test_registry_explains_unavailable_backends(monkeypatch):
 def test_unknown_codec_id_is_named():
     """A wrong name in code is a configuration error listing the known backends (rans among them);
     a name read from a bitstream is a bitstream error."""
-    with pytest.raises(ConfigurationError, match="unknown codec backend 'h266'; known: .*rans"):
+    with pytest.raises(ConfigurationError, match="unknown codec backend 'h266'; known backends: .*rans"):
         get_backend("h266")
     with pytest.raises(ConfigurationError, match="h266"):
         TensorCodec(None, backend="h266")
-    with pytest.raises(BitstreamError, match="names codec 'h266'"):
+    with pytest.raises(BitstreamError, match="unknown codec id 'h266' in the bitstream"):
         get_backend("h266", from_bitstream=True)
+
+
+def test_availability_prints_a_table():
+    table = availability()
+    text = str(table)
+    lines = text.splitlines()
+    assert lines[0].split() == ["backend", "runs", "here", "why", "not", "/", "fix"]
+    assert len(lines) == 2 + len(table)
+    x265 = next(line for line in lines if line.split()[0] == "x265")
+    assert x265.split()[1] == "yes"
+    for name, reason in table.items():
+        if reason is not None:
+            row = next(line for line in lines if line.split()[0] == name)
+            assert row.split()[1] == "no" and reason in row
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_decode_on_cuda_without_cuda_says_so():
+    blob = TensorCodec(None, backend="zstd", frame_size=64).encode(make_tensor())
+    with pytest.raises(BackendUnavailable, match="CUDA is not available here.*device=None"):
+        TensorCodec(None, backend="zstd").decode(blob, device="cuda")
 
 
 # -- pipeline ----------------------------------------------------------------------------------------
@@ -247,7 +268,7 @@ def test_unknown_codec_id_in_bitstream():
     header, chunks = unpack(TensorCodec(None, backend="zstd", frame_size=64).encode(make_tensor()))
     header["codec"]["id"] = "h266"
     header.pop("chunks")
-    with pytest.raises(BitstreamError, match="names codec .h266."):
+    with pytest.raises(BitstreamError, match="unknown codec id 'h266'"):
         TensorCodec(None, backend="zstd").decode(pack(header, chunks))
 
 

@@ -16,6 +16,7 @@ from .base import (  # noqa: F401
     check_frames,
     get_backend,
     register,
+    require_cuda,
 )
 
 # Each module registers its backends on import. GPU modules import their libraries lazily.

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import BackendUnavailable, BitstreamError, ConfigurationError, InvalidTensorError
+from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError, UnknownBackend
 
 
 def check_frames(frames: np.ndarray, width: int, height: int) -> np.ndarray:
@@ -184,9 +184,12 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
-def get_backend(name: str, from_bitstream: bool = False) -> Backend:
-    """The backend registered as `name`. An unknown name is a ConfigurationError listing the known
-    ones; from_bitstream=True (a name read from a header) makes it a BitstreamError instead."""
+AVAILABILITY_HINT = 'python -c "from shared.codecs import availability; print(availability())"'
+
+
+def get_backend(name: str, *, from_bitstream: bool = False) -> Backend:
+    """The registered backend `name`. An unknown name raises UnknownBackend listing the known ones;
+    with from_bitstream=True (a name read from a bitstream header) BitstreamError instead."""
     from . import _load_all
 
     _load_all()
@@ -195,9 +198,12 @@ def get_backend(name: str, from_bitstream: bool = False) -> Backend:
     except KeyError:
         known = ", ".join(sorted(_REGISTRY))
         if from_bitstream:
-            raise BitstreamError(f"the bitstream names codec '{name}', which this build does not know (known: "
-                                 f"{known}): the blob is corrupt, or was written by a newer build") from None
-        raise ConfigurationError(f"unknown codec backend '{name}'; known: {known}") from None
+            raise BitstreamError(
+                f"unknown codec id '{name}' in the bitstream header; this build knows: {known}. The blob was "
+                "written by a newer or different build, or its header is corrupt") from None
+        raise UnknownBackend(
+            f"unknown codec backend '{name}'; known backends: {known}. "
+            f"Which of them run on this machine: {AVAILABILITY_HINT}") from None
 
 
 def all_backends() -> list[Backend]:
@@ -207,6 +213,40 @@ def all_backends() -> list[Backend]:
     return list(_REGISTRY.values())
 
 
-def availability() -> dict[str, str | None]:
-    """{backend name: None if it runs here, else the reason it does not}."""
-    return {b.name: b.unavailable_reason() for b in all_backends()}
+class Availability(dict):
+    """{backend name: None if it runs here, else the reason it does not}; prints as a table."""
+
+    def __str__(self) -> str:
+        width = max((len(n) for n in self), default=7)
+        lines = [f"{'backend':<{width}}  runs here  why not / fix", f"{'-' * width}  ---------  {'-' * 40}"]
+        lines += [f"{name:<{width}}  {'yes' if reason is None else 'no':<9}  {reason or ''}"
+                  for name, reason in self.items()]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle):  # IPython / Jupyter: the table too
+        p.text(str(self))
+
+
+def availability() -> Availability:
+    """Every registered backend (in registration order), whether it runs here and, if not, why not
+    and what to install. `print(availability())` shows a table."""
+    return Availability((b.name, b.unavailable_reason()) for b in all_backends())
+
+
+def require_cuda(what: str, device=None) -> None:
+    """Raise BackendUnavailable, naming `what` and the fix, when `device` (default: "cuda") asks for
+    CUDA and this machine's torch cannot reach a CUDA GPU. The one check every CUDA entry point uses."""
+    if device is not None and not str(device).startswith("cuda"):
+        return
+    try:
+        import torch
+    except ImportError:
+        raise BackendUnavailable(f"{what} needs CUDA, but torch is not installed. Fix: install a CUDA build of "
+                                 "torch on a machine with an NVIDIA GPU, or stay on the CPU") from None
+    if torch.cuda.is_available():
+        return
+    build = (f"this torch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None else
+             f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) sees no CUDA GPU")
+    raise BackendUnavailable(f"{what} needs CUDA, but CUDA is not available here: {build}. Fix: leave device=None "
+                             "(the CPU decodes the same blob), or run on a machine with an NVIDIA GPU, its driver and "
+                             "a CUDA build of torch")

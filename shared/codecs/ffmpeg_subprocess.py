@@ -1,6 +1,6 @@
 """The baseline: one `ffmpeg` process per encode or decode call, frames through pipes.
 
-This is how tensors usually meet video codecs (and the seed's starting point). Every flush pays a
+This is how tensors usually meet video codecs (and the original write-up's starting point). Every flush pays a
 process spawn and a codec initialisation; PoC 08 splits the time into those parts.
 The binary comes from the imageio-ffmpeg PyPI package, or FFMPEG_BINARY / the system PATH.
 """
