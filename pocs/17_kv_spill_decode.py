@@ -382,7 +382,7 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             print(f"  CUDA graphs not used ({type(error).__name__}: {error}); the step runs eagerly")
     common = dict(model=label, shape=str(shape), dtype=str(dtype).removeprefix("torch."), chunk_tokens=CHUNK_TOKENS,
                   cuda_graphs=graphs, bases="fitted on the model's own prompt KV (in-sample)",
-                  target_cos=TARGET_COS, driver=DRIVERS["timing"],
+                  target_cos=TARGET_COS, loop=DRIVERS["timing"],
                   fetch_path="pinned host memory -> GPU over PCIe" if on_cuda else
                   "a CPU smoke run: host-to-host copies, blobs decoded once (keep_decoded); no PCIe, not a fetch measurement")
     kv_bf16_per_token = 2 * shape["layers"] * model.kv_dim * 2
@@ -518,7 +518,7 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
     label = llm.model_label(model)
     print(f"SmolLM2: {layers} layers; bases and steps from {q['cal']} calibration chunks of {q['tokens']} tokens "
           f"(step {min(steps):.4g}..{max(steps):.4g}); {q['eval']} other chunks evaluated")
-    common = dict(model=label, driver=DRIVERS["quality"], target_cos=TARGET_COS,
+    common = dict(model=label, loop=DRIVERS["quality"], target_cos=TARGET_COS,
                   bases=f"{q['cal']} calibration chunks x {q['tokens']} tokens, not evaluated")
     # perplexity: the second half of each evaluated chunk from a cache of its first half
     prefix = q["prefix"]
@@ -653,7 +653,7 @@ def save(res: ResultsWriter, measured: set[str]) -> None:
     new, path = res.frame(), res.path
     if path.exists():
         old = pd.read_csv(path, dtype={"poc": str})
-        replaced = old.driver.isin([DRIVERS[part] for part in measured])
+        replaced = old.loop.isin([DRIVERS[part] for part in measured])
         lost = set(old[replaced].device.astype(str)) - set(new.device.astype(str)) - {"cpu"}
         if lost:
             path = path.parent / "local" / path.name
@@ -667,7 +667,7 @@ def save(res: ResultsWriter, measured: set[str]) -> None:
 def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
     plt = apply_style()
     df = load(csv)
-    timing = df[(df.metric == "tokens_per_s") & (df.driver == "own decode loop")]
+    timing = df[(df.metric == "tokens_per_s") & (df.loop == "own decode loop")]
     gpu = timing[timing.device != "cpu"]
     timing = gpu if len(gpu) else timing
     fig, ax = plt.subplots(figsize=(8.5, 4.6))
@@ -699,7 +699,7 @@ def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
         title = "a CPU smoke run (host-to-host copies, no PCIe): not a fetch measurement"
     ax.set_title(f"PoC 17: {title} ({device}); labels: compressed / raw")
     text = [f"timing model: {timing.model.iloc[0]}" if len(timing) else ""]
-    lm = df[(df.driver == "transformers forward / generate()") & (df["mode"] == "compressed_fetch")]
+    lm = df[(df.loop == "transformers forward / generate()") & (df["mode"] == "compressed_fetch")]
     for metric, fmt in (("ppl_change_pct", "perplexity change {:+.3f}%"), ("agreement", "greedy agreement {:.3f}"),
                         ("cos", "KV cos {:.5f}"), ("ratio", "ratio {:.2f}x")):
         values = lm[lm.metric == metric].value

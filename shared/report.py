@@ -359,7 +359,7 @@ def kv_spill() -> str | None:
     if df is None:
         return None
     parts = []
-    timing = df[df.driver == "own decode loop"]
+    timing = df[df.loop == "own decode loop"]
     if (timing.device != "cpu").any():
         timing = timing[timing.device != "cpu"]
     if len(timing):
@@ -386,7 +386,7 @@ def kv_spill() -> str | None:
                             "compressed / raw", "GB fetched per step (raw / compressed)", "raw fetch GB/s",
                             "ratio", "KV cos"])
             + (f"\n\nCompressed blobs decoded by: {api.iloc[0]}." if len(api) else ""))
-    lm = df[df.driver != "own decode loop"]
+    lm = df[df.loop != "own decode loop"]
     if len(lm):
         v = {(r.mode, r.metric): r.value for r in lm.itertuples()}
         comp = "compressed_fetch"

@@ -177,8 +177,8 @@ class ResultsWriter:
 
         df = pd.DataFrame(self.rows)
         env = environment()
-        for k, v in env.items():
-            df[k] = v
+        for k, v in env.items():  # a PoC's own column of the same name keeps its values
+            df[k if k not in df else f"env_{k}"] = v
         df["run"] = "quick" if self.quick else "full"
         df["date"] = datetime.date.today().isoformat()
         cols = FIRST_COLUMNS + [c for c in df.columns if c not in FIRST_COLUMNS]
