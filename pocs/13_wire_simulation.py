@@ -70,7 +70,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.links import TCP_PAYLOAD_FRACTION, ShapedLink, delay_unavailable_reason, link_unavailable_reason  # noqa: E402
 from shared.metrics import quality  # noqa: E402
-from shared.results import RESULTS, ResultsWriter, apply_style, device_name, load, save_figure  # noqa: E402
+from shared.results import RESULTS, ResultsWriter, announce, apply_style, device_name, load, save_figure  # noqa: E402
 from shared.timing import wall_ms  # noqa: E402
 from shared.transfer import exported_kv, kv_cache_tensors, kv_codecs, tokens_for  # noqa: E402
 
@@ -601,6 +601,7 @@ def model_only() -> None:
 
 
 def main(args) -> None:
+    announce("13")
     cfg = dict(chunks=CHUNKS, chunk_tokens=CHUNK_TOKENS, calib=CALIB_CHUNKS, sizes=SIZES_MB, stream_mb=STREAM_MB,
                layers=STREAM_LAYERS, links=LINKS, repeats=REPEATS)
     if args.quick:

@@ -59,7 +59,7 @@ from tqdm.auto import tqdm  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.links import TCP_PAYLOAD_FRACTION, ShapedLink, link_unavailable_reason  # noqa: E402
 from shared.metrics import quality  # noqa: E402
-from shared.results import ResultsWriter, apply_style, device_name, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, device_name, load, save_figure  # noqa: E402
 from shared.timing import wall_ms  # noqa: E402
 from shared.transfer import (check_summary, exported_kv, kv_cache_tensors, kv_codecs, run_stream,  # noqa: E402
                              tokens_for, write_stream)
@@ -367,6 +367,7 @@ def plot(csv: str = "14_dual_lane", name: str = "14_dual_lane"):
 
 # -------------------------------------------------------------------------------------------------- main
 def main(args) -> None:
+    announce("14")
     cfg = dict(chunks=CHUNKS, chunk_tokens=CHUNK_TOKENS, calib=CALIB_CHUNKS, stream_mb=STREAM_MB, layers=STREAM_LAYERS,
                links=LINKS_MBIT, fractions=FRACTIONS, codecs=list(CODECS), repeats=REPEATS)
     if args.quick:

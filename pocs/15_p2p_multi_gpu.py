@@ -52,7 +52,7 @@ for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DI
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared.results import RESULTS, ResultsWriter, apply_style, save_figure  # noqa: E402
+from shared.results import RESULTS, ResultsWriter, announce, apply_style, save_figure  # noqa: E402
 
 NAME = "15_p2p_multi_gpu"
 SIZES_MB = (1, 4, 16, 64, 256)  # original bf16 MB per tensor (synthetic)
@@ -383,6 +383,7 @@ def free_port() -> int:
 
 
 def run(args) -> ResultsWriter:
+    announce("15")
     import torch
     import torch.multiprocessing as mp
 

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared.results import ResultsWriter, apply_style, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, save_figure  # noqa: E402
 
 # ---------------------------------------------------------------- knobs
 SPLIT_LAYER = 15                 # LLM: stage 0 = embeddings + layers [0, 15); stage 1 = layers [15, 30) + norm + head
@@ -964,6 +964,7 @@ def main():
         print(markdown_table(csv_path or RESULTS / f"{NAME}.csv"))
         return
     if not args.plot_only:
+        announce("16")
         t0 = time.time()
         res = make_rows(run_link_experiment(args.quick, args.loopback))
         summary(res)

@@ -71,7 +71,7 @@ from shared.errors import BackendUnavailable, WeightsUnavailable  # noqa: E402
 from shared.kvcache import MODES, SpillCache, cache_kwarg, rows_to_states  # noqa: E402
 from shared.pipeline import TensorCodec  # noqa: E402
 from shared.rdquant import find_step, quality  # noqa: E402
-from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.results import ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 
 # -- the timing model ---------------------------------------------------------------------------------
 SHAPE = dict(layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128, mlp=27648, vocab=32000)  # 32B class
@@ -638,6 +638,7 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
 
 def run(res: ResultsWriter, measured: set[str], quick: bool, device: str, only: str | None) -> None:
     """Both parts (or `only` one); `measured` names the parts whose rows replace an earlier run's."""
+    announce("17")
     if only in (None, "quality") and quality_rows(res, device, quick):
         measured.add("quality")
     if only in (None, "timing"):

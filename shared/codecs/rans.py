@@ -340,6 +340,7 @@ class Layout:
     def __init__(self, T, K, S, G, n_table, n_escapes, stream_words, k_coded=0, lo_bytes=4, w_bytes=2, n_param=0):
         self.T, self.K, self.S, self.G = T, K, S, G
         self.lo_bytes, self.w_bytes, self.k_coded, self.n_param = lo_bytes, w_bytes, k_coded, n_param
+        self.n_table, self.n_escapes, self.stream_words = n_table, n_escapes, stream_words
         self.P = -(-T // S)
         self.n_lanes = self.P * K
         self.n_groups = -(-self.n_lanes // G)

@@ -256,16 +256,7 @@ class _EncodeBatch:
         table = np.zeros((N, len(fields)), np.int64)
         patches, patch_rows, at = [], [], 0
         for s, (lay, r, start, front) in enumerate(zip(lays, summaries, starts, fronts)):
-            base = start + front
-            row = dict(base=base, len=lay.total, lo_el=(base + lay.lo) // lay.lo_bytes,
-                       wflag_el=(base + lay.wflag) // lay.w_bytes, model=base + lay.model,
-                       mu16_el=(base + lay.mu16) // 2, scale=base + lay.scale, codes=base + lay.codes,
-                       check_el=(base + CHECKED_HEADER_BYTES) // 4, gw_el=(base + lay.group_words) // 4,
-                       ge_el=(base + lay.group_escapes) // 4, esc_el=(base + lay.escapes) // 4,
-                       states_el=(base + lay.states) // 4, streams_el=(base + lay.streams) // 2,
-                       n_table=r["n_table"], k_coded=r["k_coded"], n_param=r["n_param"], n_words=r["stream_words"],
-                       n_esc=r["n_escapes"], lo_bytes=lay.lo_bytes, w_bytes=lay.w_bytes)
-            table[s] = [row[f] for f in fields]
+            table[s] = _segment_row(fields, lay, start + front)
             head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, r["n_table"], r["n_escapes"], r["k_coded"],
                                r["n_param"], lay.lo_bytes, lay.w_bytes, 0, r["stream_words"], 0,
                                0)[:CHECKED_HEADER_BYTES]
@@ -333,6 +324,20 @@ def _checksum_torch(torch, buf, segs, sums, max_len: int):
     kern["checksum"][(triton_cdiv(max_len, CHECKSUM_BLOCK * CHECKSUM_ITERS), segs.shape[0])](
         buf, segs, sums, SKIP_LO=CHECKED_HEADER_BYTES, SKIP_HI=HEADER.size, BLOCK=CHECKSUM_BLOCK,
         ITERS=CHECKSUM_ITERS, SEG_FIELDS=segs.shape[1])
+
+
+def _segment_row(fields, lay: Layout, base: int) -> list[int]:
+    """A payload's row of the kernels' segment table (_rans_triton.SEG_FIELDS): where its sections
+    start in a batch buffer when the payload starts at byte `base` (16-byte aligned), as element
+    offsets for the sections read through typed views, and the header counts the kernels check."""
+    row = dict(base=base, len=lay.total, lo_el=(base + lay.lo) // lay.lo_bytes,
+               wflag_el=(base + lay.wflag) // lay.w_bytes, model=base + lay.model, mu16_el=(base + lay.mu16) // 2,
+               scale=base + lay.scale, codes=base + lay.codes, check_el=(base + CHECKED_HEADER_BYTES) // 4,
+               gw_el=(base + lay.group_words) // 4, ge_el=(base + lay.group_escapes) // 4,
+               esc_el=(base + lay.escapes) // 4, states_el=(base + lay.states) // 4,
+               streams_el=(base + lay.streams) // 2, n_table=lay.n_table, k_coded=lay.k_coded, n_param=lay.n_param,
+               n_words=lay.stream_words, n_esc=lay.n_escapes, lo_bytes=lay.lo_bytes, w_bytes=lay.w_bytes)
+    return [row[f] for f in fields]
 
 
 def _device_table(torch, rows, dev):
@@ -414,18 +419,7 @@ def _decode_same_shape(payloads, hdrs):
     else:
         zeros = torch.zeros(16, dtype=torch.uint8, device=dev)
         buf = torch.cat([t for p in payloads for t in (p, zeros[:(-len(p)) % 16])])
-    table = np.zeros((N, len(fields)), np.int64)
-    for s, (hdr, base) in enumerate(zip(hdrs, bases)):
-        lay = hdr.layout
-        row = dict(base=base, len=lay.total, lo_el=(base + lay.lo) // lay.lo_bytes,
-                   wflag_el=(base + lay.wflag) // lay.w_bytes, model=base + lay.model, mu16_el=(base + lay.mu16) // 2,
-                   scale=base + lay.scale, codes=base + lay.codes, check_el=(base + CHECKED_HEADER_BYTES) // 4,
-                   gw_el=(base + lay.group_words) // 4, ge_el=(base + lay.group_escapes) // 4,
-                   esc_el=(base + lay.escapes) // 4, states_el=(base + lay.states) // 4,
-                   streams_el=(base + lay.streams) // 2, n_table=hdr.n_table, k_coded=lay.k_coded,
-                   n_param=lay.n_param, n_words=hdr.stream_words, n_esc=hdr.n_escapes, lo_bytes=lay.lo_bytes,
-                   w_bytes=lay.w_bytes)
-        table[s] = [row[f] for f in fields]
+    table = [_segment_row(fields, hdr.layout, base) for hdr, base in zip(hdrs, bases)]
     segs = _device_table(torch, table, dev)
     err = torch.zeros(N, dtype=torch.int32, device=dev)
     sums = torch.zeros((N, 2), dtype=torch.int64, device=dev)
