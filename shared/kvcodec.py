@@ -210,30 +210,45 @@ def allocate_by_sensitivity(codec: KVCodec, delta: dict[tuple[int, str], float],
     new *= np.exp(np.log(old).mean() - np.log(new).mean())
     transforms = {k: dataclasses.replace(codec.transforms[k], unit=float(u)) for k, u in zip(keys, new)}
     meta = dict(codec.meta, allocation="sensitivity", probe_scale=probe_scale)
+    meta["hash"] = hashlib.sha256((codec.meta.get("hash", "") + json.dumps(new.tolist())).encode()).hexdigest()[:16]
     return KVCodec(transforms, sink=codec.sink, pre_rope=codec.pre_rope, rope=codec.rope, scale=codec.scale,
                    meta=meta)
 
 
 def calibrate_scale(codec: KVCodec, evaluate: Callable[[KVCodec], float], target: float,
-                    lo: float = 0.05, hi: float = 8.0, iters: int = 7) -> KVCodec:
-    """The largest scale (bisection in log scale) whose evaluate(codec) -- the perplexity change,
-    a fraction, on calibration text -- stays <= target; stores the target and what was measured."""
+                    grid: tuple[float, ...] = (0.1, 0.2, 0.4), refine: int = 2) -> KVCodec:
+    """The largest scale whose evaluate(codec) -- the perplexity change (fraction) on calibration
+    text -- stays <= target: measured on a grid of scales, then `refine` secant steps on
+    log(change) vs log(scale) (a change grows about as scale^2); the scale kept is the largest
+    measured one that met the target. Stores the target and the measured change in codec.meta."""
     if not target > 0:
         raise InvalidTensorError(f"the perplexity target must be a positive fraction (0.003 = +0.3%), got {target}")
-    measured = {}
-
-    def at(scale):
+    measured = {float(g): evaluate(codec.set_scale(float(g))) for g in grid}
+    for _ in range(refine):
+        pts = sorted((s, c) for s, c in measured.items() if c > 0)
+        if len(pts) < 2:
+            break
+        above = [p for p in pts if p[1] > target]
+        below = [p for p in pts if p[1] <= target]
+        pair = [below[-1], above[0]] if above and below else (pts[-2:] if below else pts[:2])
+        (x0, y0), (x1, y1) = [(math.log(sc), math.log(c)) for sc, c in pair]
+        slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+        icpt = y0 - slope * x0
+        if not slope > 0:
+            break
+        scale = float(np.exp((np.log(target) - icpt) / slope))
+        scale = min(max(scale, min(measured) / 4), max(measured) * 4)
+        if any(abs(math.log(scale / s)) < 0.01 for s in measured):
+            break
         measured[scale] = evaluate(codec.set_scale(scale))
-        return measured[scale]
-
-    if at(lo) > target:
-        raise InvalidTensorError(f"even scale {lo} changes calibration perplexity by {100 * measured[lo]:.3f}% > "
-                                 f"the target {100 * target:.3f}%: lower `lo` or relax the target")
-    for _ in range(iters):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if at(mid) <= target else (lo, mid)
-    codec.set_scale(lo)
-    codec.meta.update(target_ppl_change=target, calibrated_ppl_change=measured[lo])
+    ok = [s for s, c in measured.items() if c <= target]
+    if not ok:
+        raise InvalidTensorError(f"no scale tried ({', '.join(f'{s:.3g}' for s in sorted(measured))}) keeps the "
+                                 f"calibration perplexity change within the target {100 * target:.3f}% "
+                                 f"(smallest change {100 * min(measured.values()):.3f}%): add smaller scales to grid")
+    codec.set_scale(max(ok))
+    codec.meta.update(target_ppl_change=target, calibrated_ppl_change=measured[max(ok)],
+                      calibration_points={f"{s:.6g}": c for s, c in sorted(measured.items())})
     return codec
 
 
@@ -286,6 +301,9 @@ class KVCodec:
         return torch.round(((body - mean) @ A) / self.step(layer, kind)).to(torch.int32).numpy()
 
     def encode(self, x: torch.Tensor, layer: int, kind: str, start: int = 0) -> bytes:
+        return self._encode(x, layer, kind, start)[0]
+
+    def _encode(self, x: torch.Tensor, layer: int, kind: str, start: int) -> tuple[bytes, np.ndarray]:
         from .codecs import rans
 
         if x.dim() != 2 or x.shape[0] <= self.sink or not torch.isfinite(x).all():
@@ -294,7 +312,8 @@ class KVCodec:
         header = {"shape": list(x.shape), "dtype": "bfloat16", "layer": layer, "kind": kind, "start": start,
                   "sink": self.sink, "pre_rope": self.pre_rope and kind == "k", "step": self.step(layer, kind),
                   "codec": {"id": CODEC_ID}, "basis": self.meta.get("hash")}
-        return pack(header, {"RAWS": raw, "DATA": rans.encode(self.symbols(x, layer, kind, start))})
+        sym = self.symbols(x, layer, kind, start)
+        return pack(header, {"RAWS": raw, "DATA": rans.encode(sym)}), sym
 
     def reconstruct(self, symbols: np.ndarray, raw: torch.Tensor, layer: int, kind: str, start: int,
                     step: float, pre_rope: bool) -> torch.Tensor:
@@ -328,10 +347,8 @@ class KVCodec:
     def roundtrip(self, x: torch.Tensor, layer: int, kind: str, start: int = 0) -> tuple[torch.Tensor, int]:
         """(decode(encode(x)), len(encode(x))) without running the rANS decoder: the symbols are
         what the decoder returns (tests check it), so the reconstruction is made from them."""
-        from .codecs import rans
-
-        sym = self.symbols(x, layer, kind, start)
-        blob_len = len(self.encode(x, layer, kind, start))
+        blob, sym = self._encode(x, layer, kind, start)
+        blob_len = len(blob)
         raw = x[:self.sink].to(torch.bfloat16)
         return self.reconstruct(sym, raw, layer, kind, start, self.step(layer, kind),
                                 self.pre_rope and kind == "k"), blob_len

@@ -401,7 +401,7 @@ def capture_queries(model, chunk: torch.Tensor) -> list[torch.Tensor]:
     """Per layer, the pre-RoPE queries of every token of `chunk` (int64 [T]): q_proj's output,
     float32 [T, heads * head_dim] (channel = head * head_dim + d)."""
     out: list[torch.Tensor] = []
-    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda _m, _i, y: out.append(y[0].detach().float()))
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda _m, _i, y: out.append(y[0].detach().float().cpu()))
              for layer in model.model.layers]
     try:
         with torch.no_grad():
