@@ -23,13 +23,21 @@ Command:   make poc-05            (after poc-03, whose operating points it reads
            python pocs/05_downstream_quality.py [--quick] [--only llm|diffusion] [--eval-chunks N]
 Writes:    results/05_downstream_quality.csv, figures/05_downstream_quality.png
            data/kv_codec/smollm2_p512_target*.safetensors (calibrated codec files); data/cache/05/ (scores)
-Sample output (2-core CPU machine):
-    (filled from the final run)
+Sample output (2-core CPU machine, --eval-chunks 8 --ablation-chunks 4):
+    llm p512  untouched cache: perplexity 10.852 over 8 held-out chunks x 511 scored tokens
+    llm p512  KIVI int4 K/V groups 128/64                   4.38 b/v  3.66x  ppl  +0.90% (SE 0.21% per token, 0.18% over 8 chunks)
+    llm p512  KIVI int3 K/V groups 128/64                   3.38 b/v  4.74x  ppl  +4.95% (SE 0.49% per token, 0.43% over 8 chunks)
+    llm p512  transformers QuantizedCache quanto int4 (defaults)  4.50 b/v  3.56x  ...
+    llm p512  codec + sink tokens raw, scale 0.6            2.47 b/v  6.47x  ppl  +0.30% (SE 0.39% per token, 0.49% over 4 chunks)
+    llm p512  codec, all ideas, calibrated for <= +0.3%     2.43 b/v  6.59x  ppl  +0.70% (SE 0.19% per token, 0.26% over 8 chunks)
+    llm p512  codec, all ideas, calibrated for <= +1%       1.93 b/v  8.31x  ppl  +1.73% (SE 0.36% per token, 0.56% over 8 chunks)
+    llm p512  codec, all ideas, calibrated for <= +5%       1.23 b/v 12.96x  ppl  +6.25% (SE 0.60% per token, 1.03% over 8 chunks)
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import os
 import sys
@@ -57,15 +65,16 @@ LONG_PREFIXES = [2048]     # longer caches (chunks of prefix + SCORED_LONG token
 LONG_CHUNKS = 8            # held-out chunks at a long prefix
 SCORED_LONG = 512          # tokens after a long prefix (the last one's prediction is not scored)
 CALIB_CHUNKS = 8           # chunks at the start of the text: bases, query covariances, sensitivities
-SENS_CHUNKS = 2            # of those, the ones scored for sensitivities and target calibration
-EVAL_CHUNKS = 48           # held-out chunks after the calibration chunks (SE ~0.1%; a GPU run)
-ABLATION_CHUNKS = 16       # held-out chunks for the ablation curves (the headline rows use EVAL_CHUNKS)
+SENS_CHUNKS = 1            # of those, the ones scored for sensitivities (SENS_SCORED tokens each)
+TARGET_CHUNKS = 6          # of those, the ones scored to calibrate the codec for a perplexity target
+EVAL_CHUNKS = 24           # held-out chunks after the calibration chunks (paired SE ~0.1% per token)
+ABLATION_CHUNKS = 12       # held-out chunks for the ablation curves (the headline rows use EVAL_CHUNKS)
 SINK = 4                   # tokens kept raw (bf16) at the start of the cache
-SCALES = [0.15, 0.3, 0.6, 1.2]     # codec step scale sweep (step = scale x unit of each tensor)
-BEST_SCALES = [0.15, 0.3, 0.6, 0.9, 1.2]  # the same for the codec with all ideas
+SCALES = [0.15, 0.3, 0.6]          # codec step scale sweep (step = scale x unit of each tensor)
+BEST_SCALES = []           # the codec with all ideas: its calibrated operating points are its curve
 PROBE_SCALE = 1.2          # scale at which each tensor alone is coded to measure its sensitivity
 SENS_SCORED = 128          # tokens after the prefix scored for sensitivities (calibration text)
-CALIB_GRID = (0.3, 0.6, 1.2)   # scales measured on calibration text before refining for a target
+CALIB_GRID = (0.15, 0.3, 0.6, 0.9)   # scales measured on calibration text before refining for a target
 TARGETS = [0.003, 0.01, 0.05]      # perplexity-change targets the codec is calibrated for
 SHIPPED_COS = [0.999, 0.995]   # target cosines of the compute codec as it ships
 CACHE = ROOT / "data" / "cache" / "05_v1"
@@ -139,7 +148,9 @@ class Scorer:
             return torch.load(path)
         raw = coded = 0
         rows = []
+        device = next(self.model.parameters()).device  # methods run where the model runs
         for layer, (k, v) in enumerate(self.kv[i]):
+            k, v = k.to(device), v.to(device)
             if method is None:
                 rows.append((k, v))
                 continue
@@ -174,7 +185,7 @@ def peer_methods(heads: int, quick: bool) -> list[tuple[str, str, object]]:
         return lambda layer, k, v: fn(k, v, heads=heads)
 
     out = []
-    kivi_sets = [(4, 128, 64), (2, 32, 32)] if quick else \
+    kivi_sets = [(4, 128, 64), (3, 128, 64), (2, 32, 32)] if quick else \
         [(b, gk, gv) for b in (4, 3, 2) for gk, gv in ((32, 32), (64, 64), (128, 64))]
     for bits, gk, gv in kivi_sets:
         out.append((f"KIVI-style int{bits}", f"KIVI int{bits} K/V groups {gk}/{gv}", wrap(kq.kivi(bits, gk, gv))))
@@ -269,7 +280,7 @@ CODEC_VARIANTS = {  # curve name -> options (each idea alone, then together)
     "codec + keys before RoPE": dict(pre_rope=True),
     "codec + attention-weighted": dict(weighted=True),
     "codec + per-head bases": dict(per_head=True),
-    "codec + sensitivity allocation": dict(alloc=True),
+    "codec, all but the allocation": dict(sink=SINK, pre_rope=True, weighted=True),
     "codec, all ideas": dict(sink=SINK, pre_rope=True, weighted=True, alloc=True),
 }
 BEST = "codec, all ideas"
@@ -296,6 +307,9 @@ def build_codec(name, opts, calib_kv, queries, model, heads, calib_scorer, rope,
             out = calib_scorer.run(f"{codec.meta['hash']} alone {key} scale {PROBE_SCALE}",
                                    single_tensor_method(codec, key), progress=False)
             delta[key] = out["change"]
+        d = np.array(list(delta.values()))
+        print(f"sensitivities ({name}): median {100 * np.median(d):+.3f}%, max {100 * d.max():+.3f}% "
+              f"({max(delta, key=delta.get)}), {int((d <= 0).sum())} of {len(d)} at or below 0")
         codec = allocate_by_sensitivity(codec, delta, PROBE_SCALE)
         codec.meta["sensitivity"] = {f"{L}.{k}": v for (L, k), v in delta.items()}
     return codec
@@ -314,8 +328,8 @@ def llm_prefix_rows(res, model, tokenizer, quick, prefix, tokens, n_eval, n_abla
     held_chunks, held_kv = prefix_kv(model, tokenizer, CALIB_CHUNKS, n_eval, tokens, prefix)
     tag = f"{'q' if quick else 'f'}_t{tokens}_p{prefix}"
     held = Scorer(model, held_chunks, held_kv, f"held_{tag}", heads)
-    n_sens = 1 if quick else SENS_CHUNKS
-    calib = Scorer(model, calib_chunks[:n_sens], calib_kv[:n_sens], f"calib_{tag}", heads)
+    n_sens, n_target = (1, 1) if quick else (SENS_CHUNKS, TARGET_CHUNKS)
+    calib = Scorer(model, calib_chunks[:n_target], calib_kv[:n_target], f"calib_{tag}", heads)
     sens = Scorer(model, calib_chunks[:n_sens, :prefix + SENS_SCORED + 1], calib_kv[:n_sens], f"sens_{tag}", heads)
     print(f"llm p{prefix}  untouched cache: perplexity {held.run('untouched', None)['base_ppl']:.3f} over "
           f"{n_eval} held-out chunks x {tokens - prefix - 1} scored tokens")
@@ -343,7 +357,7 @@ def llm_prefix_rows(res, model, tokenizer, quick, prefix, tokens, n_eval, n_abla
                     row(res, BEST, f"{BEST}, scale {scale}", out, scale=scale, **settings)
                 codec = KVCodec.load(path)
         return codecs
-    queries = [[q[prefix:] for q in llm.capture_queries(model, c)] for c in calib_chunks[:max(2, n_sens)]]
+    queries = [[q[prefix:] for q in llm.capture_queries(model, c)] for c in calib_chunks[:max(2, n_target)]]
     variants = {"all": CODEC_VARIANTS, "peers": {}, "best": {BEST: CODEC_VARIANTS[BEST]},
                 "ablation": {k: v for k, v in CODEC_VARIANTS.items() if k != BEST}}[part]
     calibrated = {}
@@ -363,13 +377,14 @@ def llm_prefix_rows(res, model, tokenizer, quick, prefix, tokens, n_eval, n_abla
         for target in TARGETS[:1] if quick else TARGETS:
             def evaluate(c):
                 return calib.run(f"{c.meta['hash']} scale {c.scale}", codec_method(c), progress=False)["change"]
-            calibrate_scale(codec, evaluate, target, grid=CALIB_GRID, refine=1 if quick else 2)
+            calibrate_scale(codec, evaluate, target, grid=CALIB_GRID, refine=1)
             path = CODEC_DIR / f"smollm2_p{prefix}_target{100 * target:g}pct.safetensors"
             codec.save(path)
             calibrated[target] = path
             out = held.run(f"{codec.meta['hash']} scale {codec.scale}", codec_method(codec), n_eval)
             row(res, f"{name}, calibrated for a target", f"{name}, calibrated for <= +{100 * target:g}%", out,
                 scale=codec.scale, target=target, calibrated_change=codec.meta["calibrated_ppl_change"],
+                calibration_points=json.dumps(codec.meta["calibration_points"]),
                 codec_file=str(path.relative_to(ROOT)), **settings)
     return calibrated
 
@@ -379,8 +394,6 @@ def summary_rows(res: ResultsWriter):
     df = pd.DataFrame(res.rows)
     df = df[(df.domain == "llm") & (df.metric == "perplexity_change")]
     for (curve, prefix), g in df.groupby(["curve", "prefix"]):
-        if "calibrated" in curve:
-            continue
         for target in TARGETS:
             r = interpolate(list(zip(g.value, g.ratio)), target)
             if r is not None:
@@ -531,7 +544,7 @@ def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"
         g = g.sort_values("ratio")
         ls, marker = next((v for k, v in CURVE_STYLE.items() if curve.startswith(k)), ("-", "o"))
         if "calibrated" in curve:
-            ls, marker = "", "*"
+            ls, marker = "-", "*"
         bold = curve.startswith("codec, all") or curve.startswith("KIVI-style int")
         ax1.errorbar(g.ratio, 100 * g.value, yerr=100 * g.se_token, ls=ls or "none", marker=marker, ms=9 if marker == "*" else 4,
                      lw=2 if bold else 1, capsize=2, label=curve)

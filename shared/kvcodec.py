@@ -58,7 +58,8 @@ class Rope:
         return 2 * len(self.inv_freq)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.double()[:, None] * torch.as_tensor(self.inv_freq, dtype=torch.float64)[None, :]
+        inv = torch.as_tensor(self.inv_freq, dtype=torch.float64, device=positions.device)
+        freqs = positions.double()[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
@@ -81,12 +82,12 @@ class Rope:
     def apply(self, rows: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate pre-RoPE rows [T, heads * head_dim] at positions start.. (what the model does to keys),
         or at the given per-row positions."""
-        positions = torch.arange(start, start + rows.shape[0]) if positions is None else positions
-        return self._apply(rows, positions, +1)
+        positions = torch.arange(start, start + rows.shape[0], device=rows.device) if positions is None else positions
+        return self._apply(rows, positions.to(rows.device), +1)
 
     def invert(self, rows: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Undo apply(): post-RoPE rows back to pre-RoPE."""
-        return self._apply(rows, torch.arange(start, start + rows.shape[0]), -1)
+        return self._apply(rows, torch.arange(start, start + rows.shape[0], device=rows.device), -1)
 
 
 def rope_of(model) -> Rope:
@@ -195,19 +196,22 @@ def fit_kv_codec(calib: list[list[tuple[torch.Tensor, torch.Tensor]]], heads: in
 
 
 def allocate_by_sensitivity(codec: KVCodec, delta: dict[tuple[int, str], float], probe_scale: float,
-                            floor: float = 0.05) -> KVCodec:
+                            floor: float = 0.1, max_shift: float = 4.0) -> KVCodec:
     """Set each tensor's unit from its measured sensitivity: delta[(layer, kind)] is the perplexity
     change (fraction) when that tensor alone was coded at probe_scale. With a cost a = delta / step^2
     (quantization error ~ step^2), the steps that minimize the total bits for a total cost satisfy
-    step ~ 1 / sqrt(a) (equal marginal cost per bit). Deltas below floor x their median are raised
-    to it (noise). The geometric mean of the units is kept, so scales stay comparable."""
+    step ~ 1 / sqrt(a) (equal marginal cost per bit). Deltas below floor x their median magnitude
+    are raised to it (noise; a tensor that seems free still gets a step), the geometric mean of the
+    units is kept (scales stay comparable), and no unit moves more than max_shift from equal
+    relative error."""
     keys = sorted(codec.transforms)
     d = np.array([delta[k] for k in keys], np.float64)
-    d = np.maximum(d, floor * max(float(np.median(d)), 1e-12))
+    d = np.maximum(d, floor * max(float(np.median(np.abs(d))), 1e-6))
     probe = np.array([probe_scale * codec.transforms[k].unit for k in keys])
     new = 1 / np.sqrt(d / probe ** 2)
     old = np.array([codec.transforms[k].unit for k in keys])
     new *= np.exp(np.log(old).mean() - np.log(new).mean())
+    new = np.clip(new, old / max_shift, old * max_shift)  # a noisy measurement moves a step at most this far
     transforms = {k: dataclasses.replace(codec.transforms[k], unit=float(u)) for k, u in zip(keys, new)}
     meta = dict(codec.meta, allocation="sensitivity", probe_scale=probe_scale)
     meta["hash"] = hashlib.sha256((codec.meta.get("hash", "") + json.dumps(new.tolist())).encode()).hexdigest()[:16]
@@ -215,40 +219,42 @@ def allocate_by_sensitivity(codec: KVCodec, delta: dict[tuple[int, str], float],
                    meta=meta)
 
 
+def fit_power_law(points: dict[float, float]) -> tuple[float, float]:
+    """(a, b) of change = a * scale^b fitted by least squares to measured (scale, change) points
+    (b searched over 1..5: a perplexity change measured on a few thousand tokens is noisy and can
+    come out negative at small scales, which rules out a fit in log space)."""
+    s = np.array(list(points), np.float64)
+    c = np.array(list(points.values()), np.float64)
+    best = None
+    for b in np.linspace(1, 5, 81):
+        x = s ** b
+        a = max(float((x * c).sum() / (x * x).sum()), 1e-12)
+        err = float(((c - a * x) ** 2).sum())
+        if best is None or err < best[0]:
+            best = (err, a, float(b))
+    return best[1], best[2]
+
+
 def calibrate_scale(codec: KVCodec, evaluate: Callable[[KVCodec], float], target: float,
-                    grid: tuple[float, ...] = (0.1, 0.2, 0.4), refine: int = 2) -> KVCodec:
-    """The largest scale whose evaluate(codec) -- the perplexity change (fraction) on calibration
-    text -- stays <= target: measured on a grid of scales, then `refine` secant steps on
-    log(change) vs log(scale) (a change grows about as scale^2); the scale kept is the largest
-    measured one that met the target. Stores the target and the measured change in codec.meta."""
+                    grid: tuple[float, ...] = (0.1, 0.2, 0.4), refine: int = 1) -> KVCodec:
+    """The scale whose perplexity change on calibration text (evaluate(codec), a fraction) meets
+    the target: the change is measured on a grid of scales, a power law change = a * scale^b is
+    fitted to every measured point, the scale it predicts for the target is measured too
+    (`refine` times, refitting), and the final prediction is kept. Stores the target, the fit and
+    the measured points in codec.meta."""
     if not target > 0:
         raise InvalidTensorError(f"the perplexity target must be a positive fraction (0.003 = +0.3%), got {target}")
     measured = {float(g): evaluate(codec.set_scale(float(g))) for g in grid}
     for _ in range(refine):
-        pts = sorted((s, c) for s, c in measured.items() if c > 0)
-        if len(pts) < 2:
-            break
-        above = [p for p in pts if p[1] > target]
-        below = [p for p in pts if p[1] <= target]
-        pair = [below[-1], above[0]] if above and below else (pts[-2:] if below else pts[:2])
-        (x0, y0), (x1, y1) = [(math.log(sc), math.log(c)) for sc, c in pair]
-        slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
-        icpt = y0 - slope * x0
-        if not slope > 0:
-            break
-        scale = float(np.exp((np.log(target) - icpt) / slope))
-        scale = min(max(scale, min(measured) / 4), max(measured) * 4)
-        if any(abs(math.log(scale / s)) < 0.01 for s in measured):
-            break
+        a, b = fit_power_law(measured)
+        scale = float((target / a) ** (1 / b))
+        scale = min(max(scale, min(measured) / 8), max(measured) * 4)
         measured[scale] = evaluate(codec.set_scale(scale))
-    ok = [s for s, c in measured.items() if c <= target]
-    if not ok:
-        raise InvalidTensorError(f"no scale tried ({', '.join(f'{s:.3g}' for s in sorted(measured))}) keeps the "
-                                 f"calibration perplexity change within the target {100 * target:.3f}% "
-                                 f"(smallest change {100 * min(measured.values()):.3f}%): add smaller scales to grid")
-    codec.set_scale(max(ok))
-    codec.meta.update(target_ppl_change=target, calibrated_ppl_change=measured[max(ok)],
-                      calibration_points={f"{s:.6g}": c for s, c in sorted(measured.items())})
+    a, b = fit_power_law(measured)
+    scale = min(max(float((target / a) ** (1 / b)), min(measured) / 8), max(measured) * 4)
+    codec.set_scale(scale)
+    codec.meta.update(target_ppl_change=target, calibrated_ppl_change=float(a * scale ** b), fit_a=a, fit_b=b,
+                      calibration_points={f"{k:.6g}": v for k, v in sorted(measured.items())})
     return codec
 
 
@@ -281,44 +287,49 @@ class KVCodec:
     def step(self, layer: int, kind: str) -> float:
         return self.scale * self.transforms[(layer, kind)].unit
 
-    def _mats(self, layer: int, kind: str):
-        key = (layer, kind)
+    def _mats(self, layer: int, kind: str, device="cpu"):
+        key = (layer, kind, str(device))
         if key not in self._torch:
-            t = self.transforms[key]
-            self._torch[key] = tuple(torch.as_tensor(np.asarray(a, np.float32)) for a in (t.mean, t.analysis, t.synthesis))
+            t = self.transforms[(layer, kind)]
+            self._torch[key] = tuple(torch.as_tensor(np.asarray(a, np.float32), device=device)
+                                     for a in (t.mean, t.analysis, t.synthesis))
         return self._torch[key]
 
     def _prepare(self, x: torch.Tensor, kind: str, start: int) -> torch.Tensor:
         x = x.float()
         return self.rope.invert(x, start) if kind == "k" and self.pre_rope else x
 
-    def symbols(self, x: torch.Tensor, layer: int, kind: str, start: int = 0) -> np.ndarray:
-        """int32 [T - sink, C]: the quantized coefficients of the coded tokens."""
+    def symbols(self, x: torch.Tensor, layer: int, kind: str, start: int = 0) -> torch.Tensor:
+        """int32 [T - sink, C] on x's device: the quantized coefficients of the coded tokens."""
         if (layer, kind) not in self.transforms:
             raise InvalidTensorError(f"the codec has no transform for layer {layer} {kind!r}; fit it on that model")
-        mean, A, _ = self._mats(layer, kind)
+        mean, A, _ = self._mats(layer, kind, x.device)
         body = self._prepare(x, kind, start)[self.sink:]
-        return torch.round(((body - mean) @ A) / self.step(layer, kind)).to(torch.int32).numpy()
+        return torch.round(((body - mean) @ A) / self.step(layer, kind)).to(torch.int32)
 
     def encode(self, x: torch.Tensor, layer: int, kind: str, start: int = 0) -> bytes:
         return self._encode(x, layer, kind, start)[0]
 
-    def _encode(self, x: torch.Tensor, layer: int, kind: str, start: int) -> tuple[bytes, np.ndarray]:
+    def _encode(self, x: torch.Tensor, layer: int, kind: str, start: int) -> tuple[bytes, torch.Tensor]:
         from .codecs import rans
 
         if x.dim() != 2 or x.shape[0] <= self.sink or not torch.isfinite(x).all():
             raise InvalidTensorError(f"need a finite [T > {self.sink} sink tokens, C] tensor, got {tuple(x.shape)}")
-        raw = x[:self.sink].to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+        raw = x[:self.sink].to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes()
         header = {"shape": list(x.shape), "dtype": "bfloat16", "layer": layer, "kind": kind, "start": start,
                   "sink": self.sink, "pre_rope": self.pre_rope and kind == "k", "step": self.step(layer, kind),
                   "codec": {"id": CODEC_ID}, "basis": self.meta.get("hash")}
         sym = self.symbols(x, layer, kind, start)
-        return pack(header, {"RAWS": raw, "DATA": rans.encode(sym)}), sym
+        # a CUDA tensor is entropy-coded on its GPU (the same bytes as the CPU coder)
+        data = rans.encode_cuda(sym).cpu().numpy().tobytes() if sym.is_cuda else rans.encode(sym.numpy())
+        return pack(header, {"RAWS": raw, "DATA": data}), sym
 
-    def reconstruct(self, symbols: np.ndarray, raw: torch.Tensor, layer: int, kind: str, start: int,
+    def reconstruct(self, symbols, raw: torch.Tensor, layer: int, kind: str, start: int,
                     step: float, pre_rope: bool) -> torch.Tensor:
-        mean, _, S = self._mats(layer, kind)
-        body = (torch.as_tensor(symbols).float() * step) @ S + mean
+        symbols = torch.as_tensor(symbols)
+        mean, _, S = self._mats(layer, kind, symbols.device)
+        body = (symbols.float() * step) @ S + mean
+        raw = raw.to(symbols.device)
         if pre_rope:
             body = self.rope.apply(body, start + self.sink)
         return torch.cat([raw.float(), body], 0)

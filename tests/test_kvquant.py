@@ -148,4 +148,8 @@ def test_allocation_and_calibration(calib, rope):
     assert got.scale == pytest.approx(0.5, rel=0.02) and 0.01 * got.scale ** 2 <= 0.0025 + 1e-12
     assert got.meta["target_ppl_change"] == 0.0025
     with pytest.raises(InvalidTensorError, match="target"):
-        calibrate_scale(codec, lambda c: 1.0, target=0.003)
+        calibrate_scale(codec, lambda c: 1.0, target=-0.003)
+    # noise on the measured changes (even below zero at small scales) still gives the fitted scale
+    noise = iter([-0.002, 0.001, -0.001, 0.0])
+    got = calibrate_scale(codec, lambda c: 0.04 * c.scale ** 3 + next(noise), target=0.01, grid=(0.1, 0.3, 0.6))
+    assert got.scale == pytest.approx(0.63, rel=0.1)
