@@ -346,10 +346,11 @@ def llm_prefix_rows(res, model, tokenizer, quick, prefix, tokens, n_eval, n_abla
     if headline_only:
         for target, path in (codecs or {}).items() if part in ("all", "best") else []:
             codec = KVCodec.load(path)
-            for scale in SCALES + [codec.scale]:
+            calibrated_scale = codec.scale
+            for scale in (SCALES if target == TARGETS[0] else []) + [calibrated_scale]:
                 codec.set_scale(scale)
                 out = held.run(f"{codec.meta['hash']} scale {scale}", codec_method(codec), n_eval)
-                if scale == codec.scale:
+                if scale == calibrated_scale:
                     row(res, f"{BEST}, calibrated for a target", f"{BEST}, calibrated for <= +{100 * target:g}% "
                         f"at prefix {PREFIX}", out, scale=scale, target=target, codec_file=str(path.relative_to(ROOT)),
                         **settings)
