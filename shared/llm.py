@@ -363,3 +363,50 @@ def _result(chunk_nll: list[float], scored_per_chunk: int) -> PerplexityResult:
     mean_nll = sum(chunk_nll) / len(chunk_nll)  # chunks score equal token counts
     return PerplexityResult(float(torch.tensor(mean_nll, dtype=torch.float64).exp()), chunk_nll,
                             scored_per_chunk * len(chunk_nll))
+
+
+# ---------------------------------------------------------------- scoring from a given cache
+
+def cache_from_rows(model, kv_rows: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A DynamicCache holding the given per-layer (K, V) rows [T, kv_heads * head_dim], in the model's
+    dtype and device (K post-RoPE, as the cache holds it)."""
+    from transformers import DynamicCache
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_key_value_heads
+    param = next(model.parameters())
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(kv_rows):
+        cache.update(rows_to_kv(k.to(param.device, param.dtype), heads),
+                     rows_to_kv(v.to(param.device, param.dtype), heads), layer)
+    return cache
+
+
+def suffix_nll(model, chunk: torch.Tensor, kv_rows: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Per-token NLL (nats, float64 [T - P - 1]) of tokens P+1..T-1 of `chunk` (int64 [T]) predicted
+    from a cache of the first P tokens given as per-layer (K, V) rows [P, C] (e.g. a capture of the
+    prefix, possibly round-tripped through a codec): the scoring of perplexity() without rerunning
+    the prefix, so one prefix capture serves every method."""
+    prefix = kv_rows[0][0].shape[0]
+    _check_split(chunk[None], prefix)
+    device = next(model.parameters()).device
+    ids = chunk[None].to(device)
+    with torch.no_grad():
+        logits = _forward(model, ids[:, prefix:], cache=cache_from_rows(model, kv_rows)).logits[0, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.float(), ids[0, prefix + 1:], reduction="none")
+    return nll.double().cpu()
+
+
+def capture_queries(model, chunk: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, the pre-RoPE queries of every token of `chunk` (int64 [T]): q_proj's output,
+    float32 [T, heads * head_dim] (channel = head * head_dim + d)."""
+    out: list[torch.Tensor] = []
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda _m, _i, y: out.append(y[0].detach().float().cpu()))
+             for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            _forward(model, chunk[None].to(next(model.parameters()).device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out

@@ -124,7 +124,7 @@ def _cached_header(raw: bytes, max_elements: int) -> dict:
 
 
 def _parse(blob: bytes, total: int, lazy_last: bool = False,
-           max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> tuple[dict, dict[str, tuple[int, int]]]:
+           max_elements: int | None = schema.DEFAULT_MAX_ELEMENTS) -> tuple[dict, dict[str, tuple[int, int]]]:
     """Header and chunk spans (start, end) of a container of `total` bytes whose first len(blob)
     bytes are given; CRCs checked. lazy_last: the last chunk may lie beyond `blob` when it checks
     itself (a GPU-resident container read from its prefix only)."""
@@ -148,7 +148,13 @@ def _parse(blob: bytes, total: int, lazy_last: bool = False,
     if crc != zlib.crc32(blob[:end]):
         raise BitstreamError("header CRC32 mismatch: the bitstream is corrupt")
     raw = bytes(blob[9:end])
-    header = _cached_header(raw, max_elements) if lazy_last else _checked_header(raw, max_elements)
+    if max_elements is None:  # another format's header in this container: bounded JSON, a chunk list
+        header = schema.parse_header_json(raw)
+        if not (isinstance(header.get("chunks"), list) and all(isinstance(t, str) for t in header["chunks"])
+                and len(header["chunks"]) <= 8):
+            raise BitstreamError("header field 'chunks' is not a short list of chunk tags; the bitstream is corrupt")
+    else:
+        header = _cached_header(raw, max_elements) if lazy_last else _checked_header(raw, max_elements)
     checks = header.get("checks") or {}
     offset, spans = end + 4, {}
     for i, tag in enumerate(header["chunks"]):
@@ -627,6 +633,15 @@ def _parse_resident(blob, head: bytes, total: int, max_elements: int):
         if len(head) >= total:
             raise
         return _parse(bytes(blob.cpu().numpy()), total, lazy_last=True, max_elements=max_elements)
+
+
+def unpack_container(blob) -> tuple[dict, dict[str, bytes]]:
+    """(header, chunks) of a container that holds another format than a TensorCodec's (the KV codec of
+    shared.kvcodec): magic, version, CRCs and the chunk list checked, the header a bounded JSON
+    object; its fields are that format's to check."""
+    blob = _host_bytes(blob)
+    header, spans = _parse(blob, len(blob), max_elements=None)
+    return header, {tag: blob[a:b] for tag, (a, b) in spans.items()}
 
 
 def read_header(blob, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> dict:

@@ -8,8 +8,8 @@ import torch
 
 from shared.captures import CaptureStore
 from shared.errors import InvalidTensorError, TensorCodecError
-from shared.llm import (ModelWeightsMissing, capture_kv, load_causal_lm, load_smollm2, perplexity,
-                        reference_perplexity, text_chunks)
+from shared.llm import (ModelWeightsMissing, capture_kv, capture_queries, load_causal_lm, load_smollm2, perplexity,
+                        reference_perplexity, suffix_nll, text_chunks)
 
 LAYERS, CHANNELS, KV_HEADS = 30, 192, 3
 CHUNK, PREFIX = 128, 48  # tokens per chunk; tokens in the cache (the rest but one are scored)
@@ -101,6 +101,32 @@ def test_identity_transform_matches_untouched_model(smollm2, chunks):
     assert identity_cache.chunk_nll == pytest.approx(reference.chunk_nll, rel=1e-4)
     assert 1.5 < reference.perplexity < 100  # a working model on English text
     assert reference.perplexity == pytest.approx(math.exp(sum(reference.chunk_nll) / len(chunks)))
+
+
+def test_suffix_nll_from_a_captured_prefix_matches_perplexity(smollm2, chunks, tmp_path):
+    """Scoring from a stored prefix capture (what PoC 05 does for every method) gives the
+    perplexity harness's numbers, and pre-RoPE queries rotate into the model's own."""
+    from shared.kvcodec import rope_of
+
+    model = smollm2[0]
+    store = capture_kv(model, chunks[:1, :PREFIX], CaptureStore(tmp_path / "prefix"), progress=False)
+    t = store.load("chunk000")
+    rows = [(t[f"layer{L}.k"], t[f"layer{L}.v"]) for L in range(LAYERS)]
+    nll = suffix_nll(model, chunks[0], rows)
+    assert nll.shape == (CHUNK - PREFIX - 1,)
+    assert float(nll.mean()) == pytest.approx(perplexity(model, chunks[:1], None, PREFIX, progress=False).chunk_nll[0],
+                                              rel=1e-5)
+    with pytest.raises(ValueError, match="prefix"):
+        suffix_nll(model, chunks[0, :PREFIX + 1], rows)
+    q = capture_queries(model, chunks[0, :PREFIX])
+    assert len(q) == LAYERS and q[0].shape == (PREFIX, 3 * CHANNELS)
+    # keys: k_proj rotated by the codec's RoPE equals the cache (layer 0, from first principles)
+    block = model.model.layers[0]
+    with torch.no_grad():
+        k_pre = block.self_attn.k_proj(block.input_layernorm(model.model.embed_tokens(chunks[0, :PREFIX])))
+    rope = rope_of(model)
+    torch.testing.assert_close(rope.apply(k_pre.double()).float(), t["layer0.k"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rope.invert(t["layer0.k"].double()).float(), k_pre, rtol=1e-4, atol=1e-4)
 
 
 def test_lossy_transform_raises_perplexity(smollm2, chunks):

@@ -1,0 +1,155 @@
+"""The KV-cache peers (KIVI-style, int8 per token, fp8 per tensor, transformers' quantized caches)
+and the attention-aware KV codec: round-trip error bounds, byte accounting, RoPE inversion."""
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from shared import kvquant as kq
+from shared.errors import BitstreamError, InvalidTensorError
+from shared.kvcodec import (KVCodec, Rope, allocate_by_sensitivity, calibrate_scale, fit_kv_codec, query_metric,
+                            value_metric)
+
+T, C, HEADS = 256, 192, 3
+
+
+@pytest.fixture(scope="module")
+def kv():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(T, C, generator=g) * torch.linspace(0.2, 4, C) + 1.5
+    v = torch.randn(T, C, generator=g) * torch.linspace(1, 0.3, C)
+    return k, v
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("groups", [(32, 32), (128, 64), (100, 50)])
+def test_kivi_error_bound_and_bits(kv, bits, groups):
+    k, v = kv
+    k_hat, v_hat, nbytes = kq.kivi(bits, *groups)(k, v)
+    levels = 2 ** bits - 1
+    # K: per channel, groups of tokens; V: per token, groups of channels
+    for x, x_hat, rows_along in ((k.t(), k_hat.t(), groups[0]), (v, v_hat, groups[1])):
+        for s in range(0, x.shape[1], rows_along):
+            g, gh = x[:, s:s + rows_along], x_hat[:, s:s + rows_along]
+            span = (g.amax(1) - g.amin(1))[:, None]
+            tol = span / levels / 2 * (1 + 2e-3) + 2e-3 * g.abs().amax(1, keepdim=True)
+            assert bool(((g - gh).abs() <= tol).all())
+    k_groups = C * -(-T // groups[0])
+    v_groups = T * -(-C // groups[1])
+    assert nbytes == 2 * (T * C * bits // 8) + 4 * (k_groups + v_groups)
+    if groups == (128, 64):
+        assert kq.bits_per_value(nbytes, 2 * T * C) == pytest.approx(bits + 0.5 * (32 / 128 + 32 / 64))
+
+
+def test_int8_and_fp8_bounds_and_bits(kv):
+    k, v = kv
+    k_hat, v_hat, nbytes = kq.int8_per_token()(k, v)
+    assert bool(((k - k_hat).abs() <= k.abs().amax(1, keepdim=True) / 127 * 0.502).all())
+    assert nbytes == 2 * (T * C + 2 * T)
+    k_hat, v_hat, nbytes = kq.fp8_per_tensor()(k, v)
+    assert nbytes == 2 * (T * C + 4)
+    # e4m3 has 3 mantissa bits: relative error <= 2^-4 for normal values
+    big = k.abs() > k.abs().amax() / 448 * 2 ** -6 * 8
+    assert bool(((k - k_hat).abs()[big] <= k.abs()[big] * 2 ** -4 * 1.001).all())
+
+
+def test_peers_refuse_bad_input(kv):
+    with pytest.raises(InvalidTensorError, match="NaN"):
+        kq.kivi(4, 32, 32)(torch.full((4, 8), float("nan")), torch.zeros(4, 8))
+    with pytest.raises(InvalidTensorError, match="2-D"):
+        kq.int8_per_token()(torch.zeros(4), torch.zeros(4, 8))
+    with pytest.raises(InvalidTensorError, match="bits"):
+        kq.kivi(9, 32, 32)(*kv)
+
+
+@pytest.mark.parametrize("backend,package", [("quanto", "optimum.quanto"), ("hqq", "hqq")])
+def test_transformers_backends_count_their_stored_bytes(kv, backend, package):
+    if importlib.util.find_spec(package.split(".")[0]) is None:
+        pytest.skip(f"{package} is not installed")
+    k, v = kv
+    k_hat, v_hat, nbytes = kq.hf_quantized_cache(backend)(k, v, heads=HEADS)
+    # defaults: 4-bit codes, groups of 64 along head_dim with a bf16 scale and zero each: 4.5 bits
+    assert kq.bits_per_value(nbytes, 2 * T * C) == pytest.approx(4.5)
+    for x, x_hat in ((k, k_hat), (v, v_hat)):
+        assert float(((x - x_hat) ** 2).mean() / x.var()) < 0.02  # 4 bits: about (range / 15)^2 / 12
+
+
+def test_rope_matches_transformers_and_inverts_exactly():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                      rope_theta=100000.0, max_position_embeddings=4096)
+    emb = LlamaRotaryEmbedding(cfg)
+    rope = Rope(emb.inv_freq.double().numpy(), float(emb.attention_scaling))
+    x = torch.randn(40, 128, dtype=torch.float64)
+    pos = torch.arange(100, 140)
+    cos, sin = emb(x.float(), pos[None])
+    hf_rows = apply_rotary_pos_emb(x.float().reshape(1, 40, 2, 64).transpose(1, 2),
+                                   x.float().reshape(1, 40, 2, 64).transpose(1, 2), cos, sin)[1]
+    hf_rows = hf_rows.transpose(1, 2).reshape(40, 128).double()
+    torch.testing.assert_close(rope.apply(x, 100), hf_rows, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rope.invert(rope.apply(x, 100), 100), x, rtol=0, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def calib():
+    g = torch.Generator().manual_seed(1)
+    mix = torch.randn(C, C, generator=g) / C ** 0.5
+    return [[((torch.randn(T, C, generator=g) * torch.linspace(3, 0.1, C)) @ mix + 0.5,
+              torch.randn(T, C, generator=g) * torch.linspace(2, 0.2, C)) for _ in range(2)] for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def rope():
+    return Rope(1.0 / 10000 ** (np.arange(0, 64, 2) / 64))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(sink=4, pre_rope=True), dict(per_head=True, weighted=True)])
+def test_codec_round_trip_is_what_roundtrip_reports(calib, rope, options, tmp_path):
+    weighted = options.pop("weighted", False)
+    qs = [torch.randn(64, 2 * C) for _ in range(2)]
+    km = {L: query_metric(qs, HEADS, rope, T, options.get("pre_rope", False), np.random.default_rng(0))
+          for L in range(2)} if weighted else None
+    vm = {L: value_metric(torch.randn(C, 2 * C), HEADS, 64) for L in range(2)} if weighted else None
+    codec = fit_kv_codec(calib[:2], HEADS, rope=rope, key_metric=km, value_metric=vm, **options).set_scale(0.3)
+    x = calib[2][1][0]
+    for kind in "kv":
+        blob = codec.encode(x, 1, kind, start=0)
+        x_hat = codec.decode(blob)
+        rt, n = codec.roundtrip(x, 1, kind)
+        assert n == len(blob)
+        torch.testing.assert_close(x_hat, rt, rtol=0, atol=1e-5)
+        if codec.sink:
+            torch.testing.assert_close(x_hat[:codec.sink], x[:codec.sink].bfloat16().float(), rtol=0, atol=0)
+        rel = float(((x_hat - x) ** 2).sum() / ((x - x.mean(0)) ** 2).sum())
+        assert rel < 0.05
+        # a finer scale gives a smaller error and more bytes
+        fine, n_fine = codec.set_scale(0.1).roundtrip(x, 1, kind)
+        assert float(((fine - x) ** 2).sum()) < float(((x_hat - x) ** 2).sum()) and n_fine > n
+        codec.set_scale(0.3)
+    codec.save(tmp_path / "c.safetensors")
+    again = KVCodec.load(tmp_path / "c.safetensors")
+    assert again.decode(codec.encode(x, 0, "k")).equal(codec.decode(codec.encode(x, 0, "k")))
+    other = fit_kv_codec(calib[1:], HEADS, rope=rope)
+    with pytest.raises(BitstreamError, match="codec tables"):
+        other.decode(codec.encode(x, 0, "k"))
+
+
+def test_allocation_and_calibration(calib, rope):
+    codec = fit_kv_codec(calib[:2], HEADS)
+    delta = {(L, kind): (0.04 if (L, kind) == (0, "k") else 0.01) for L in range(2) for kind in "kv"}
+    alloc = allocate_by_sensitivity(codec, delta, probe_scale=1.0)
+    ratio = {key: alloc.transforms[key].unit / codec.transforms[key].unit for key in delta}
+    assert ratio[(0, "k")] == pytest.approx(ratio[(1, "v")] / 2)  # 4x the cost: half the step
+    # calibration: the largest scale meeting the target of a monotone cost
+    got = calibrate_scale(codec, lambda c: 0.01 * c.scale ** 2, target=0.0025, grid=(0.1, 0.2, 0.4))
+    assert got.scale == pytest.approx(0.5, rel=0.02) and 0.01 * got.scale ** 2 <= 0.0025 + 1e-12
+    assert got.meta["target_ppl_change"] == 0.0025
+    with pytest.raises(InvalidTensorError, match="target"):
+        calibrate_scale(codec, lambda c: 1.0, target=-0.003)
+    # noise on the measured changes (even below zero at small scales) still gives the fitted scale
+    noise = iter([-0.002, 0.001, -0.001, 0.0])
+    got = calibrate_scale(codec, lambda c: 0.04 * c.scale ** 3 + next(noise), target=0.01, grid=(0.1, 0.3, 0.6))
+    assert got.scale == pytest.approx(0.63, rel=0.1)
