@@ -502,7 +502,9 @@ def encode_many(codecs, tensors) -> list:
 
     prepared = {i: codecs[i]._cuda_prepare(tensors[i]) for i in gpu}
     symbols, stats, guards = {}, {}, {}
-    for group in _same_shape_groups([(tuple(tensors[i].shape), str(tensors[i].device)) for i in gpu]):
+    # one launch needs one input shape and dtype and one basis shape
+    for group in _same_shape_groups([(tuple(tensors[i].shape), tensors[i].dtype, str(tensors[i].device),
+                                      prepared[i][0].K) for i in gpu]):
         idx = [gpu[j] for j in group]
         projs = [prepared[i][0] for i in idx]
         proj = projs[0] if len(idx) == 1 else _stacked_projection(projs)

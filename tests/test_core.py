@@ -470,6 +470,15 @@ def test_encode_many_equals_single_calls_and_names_the_corrupt_blob():
     bad[len(bad) // 2] ^= 0x40
     with pytest.raises(BitstreamError, match="blob 7"):
         decode_many(codecs, blobs[:7] + [bad] + blobs[8:], device="cuda")
+    # same [T, D] but another basis K, and another dtype: coded in launches of their own, same bytes as alone
+    rows = torch.from_numpy(low_rank(2048, 64, seed=99)).to(torch.bfloat16)
+    other = TensorCodec(calibrate_step(fit_basis([rows[:1024]], k=24), [rows[:1024]], 0.999), backend="rans")
+    mixed_codecs = codecs[:2] + [other, codecs[2]]
+    mixed = xs[:2] + [rows[1024:].cuda(), xs[2].float()]
+    mixed_blobs = encode_many(mixed_codecs, mixed)
+    assert all(torch.equal(b, c.encode(x)) for b, c, x in zip(mixed_blobs, mixed_codecs, mixed))
+    back = decode_many(mixed_codecs, mixed_blobs, device="cuda")
+    assert back[3].dtype == torch.float32 and back[2].shape == mixed[2].shape
 
 
 def test_calibrated_step_lives_in_the_basis(tmp_path):

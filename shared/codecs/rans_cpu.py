@@ -707,7 +707,7 @@ def benchmark_cpu_pipeline(T: int = 4096, D: int = 1024, ks=(None, 1024, 256), t
     import threadpoolctl
 
     from ..basis import as_float_matrix, fit_basis
-    from ..pipeline import TensorCodec, _to_output, unpack
+    from ..pipeline import TensorCodec, _to_output, pack, unpack
     from ..rdquant import RDQuantizer, find_step, quality
 
     _require()
@@ -745,14 +745,14 @@ def benchmark_cpu_pipeline(T: int = 4096, D: int = 1024, ks=(None, 1024, 256), t
                  (lambda: basis.project(values))),
                 ("encode", "quantize", lambda: q.quantize(coeffs)),
                 ("encode", "rANS encode", lambda: encode(sym)),
-                ("encode", "container (CRC32, join)", lambda: codec._pack_symbols(x.shape, "bfloat16", q,
-                                                                                  chunks["DATA"])),
+                ("encode", "container (CRC32, join)", lambda: pack(codec._symbols_header(x.shape, "bfloat16", q)[0],
+                                                                  {"QPAR": q.to_bytes(), "DATA": chunks["DATA"]})),
                 ("decode", "container (CRC32 check)", lambda: unpack(blob)),
                 ("decode", "rANS decode", lambda: decode(chunks["DATA"])),
                 ("decode", "dequantize", lambda: q.dequantize(sym)),
                 ("decode", "reconstruct c @ C.T + mean", (lambda: coeffs) if basis is None else
                  (lambda: basis.reconstruct(coeffs))),
-                ("decode", "float32 -> bf16 tensor", lambda: _to_output(values, "bfloat16")),
+                ("decode", "float32 -> bf16 tensor", lambda: _to_output(values, header)),
             ]
             if basis is None:  # the numpy reference on the same symbols, once (it is ~100x slower)
                 stages += [("encode", "(reference) rANS encode, numpy", lambda: rans.encode(sym)),
