@@ -13,7 +13,7 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     tensor s = program_id(2) of a batch of same-shape tensors, each with its own basis and step.
 
     Also folds each column's min, max and integer sum into mn/mx/sum (atomics), and the largest
-    |scaled value| into amax, so the caller can refuse int32 overflow."""
+    |scaled value| (inf for a NaN) into amax, so the caller can refuse int32 overflow and NaN/Inf."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     seg = tl.program_id(2).to(tl.int64)
@@ -45,7 +45,8 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0)
     v = (acc - bias[None, :]) * inv_step
     m = rmask[:, None] & cmask[None, :]
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(m, tl.abs(v), 0.0), 1), 0))
+    # NaN counts as infinite (max() would drop it), so amax alone tells the caller x was not finite
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(m, tl.where(v == v, tl.abs(v), float("inf")), 0.0), 1), 0))
     v = tl.minimum(tl.maximum(v, -2147483520.0), 2147483520.0)  # refused by the caller via amax
     s = tl.floor(v + 0.5).to(tl.int32)
     tl.store(sym_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], s, mask=m)
@@ -56,10 +57,11 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
 
 
 @triton.jit
-def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step_ptr,
+def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step_ptr, bad_ptr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
     """out = bf16((sym * step) @ basis_t + mean), [T, D]; basis_t is [K, D] bf16; for tensor
-    s = program_id(2) of a batch of same-shape tensors, each with its own basis and step."""
+    s = program_id(2) of a batch of same-shape tensors, each with its own basis and step.
+    bad[s] is set to 1 where an output is not finite (out-of-range parameters of a corrupt blob)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     seg = tl.program_id(2).to(tl.int64)
@@ -87,7 +89,12 @@ def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step_pt
             acc = tl.dot(a, b, acc)
     mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0)
     out = (acc + mean[None, :]).to(tl.bfloat16)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
+    m = rmask[:, None] & cmask[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=m)
+    o = out.to(tl.float32)
+    nonfinite = tl.max(tl.max(tl.where(m & ~((o == o) & (tl.abs(o) < float("inf"))), 1, 0), 1), 0)
+    if nonfinite > 0:
+        tl.atomic_max(bad_ptr + seg, 1)
 
 
 # Tile shapes tried once per (D, K) on a GPU; the fastest is kept (triton.autotune).

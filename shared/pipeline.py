@@ -509,10 +509,9 @@ def encode_many(codecs, tensors) -> list:
         projs = [prepared[i][0] for i in idx]
         proj = projs[0] if len(idx) == 1 else _stacked_projection(projs)
         xs = tensors[idx[0]].unsqueeze(0) if len(idx) == 1 else torch.stack([tensors[i] for i in idx])
+        # amax is inf where a tensor holds NaN/Inf: the coder's guard refuses it in its one sync
         sym, (mn, mx, sm), amax = proj.quantize_many(xs, [prepared[i][1].step for i in idx])
-        finite = torch.isfinite(xs).reshape(len(idx), -1).all(1)  # checked in the coder's one sync, as amax
-        amax = torch.where(finite, amax, torch.full_like(amax, float("inf")))
-        for j, i in enumerate(idx):  # amax is inf where a tensor holds NaN/Inf: the coder's guard refuses it
+        for j, i in enumerate(idx):
             symbols[i], stats[i], guards[i] = sym[j], (mn[j], mx[j], sm[j]), amax[j:j + 1]
             keep = prepared[i][1].keep
             if keep is not None and not keep.all():  # water-filling dropped components
@@ -611,14 +610,14 @@ def _decode_symbols_cuda(codecs, jobs, out):
         steps = [quantizers[j].step for j in group]
         if jobs[group[0]][1]["dtype"] == "bfloat16":  # fused: symbols * step @ basis.T + mean, in bf16
             proj = projs[group[0]] if len(group) == 1 else _stacked_projection([projs[j] for j in group])
-            sym = symbols[group[0]].unsqueeze(0) if len(group) == 1 else torch.stack([symbols[j] for j in group])
-            values = proj.reconstruct_many(sym, steps)
+            sym = rans_cuda._stacked(torch, [symbols[j] for j in group])  # no copy: slices of one tensor
+            nonfinite = torch.zeros(len(group), dtype=torch.int32, device=sym.device)
+            values = proj.reconstruct_many(sym, steps, bad=nonfinite)  # flags non-finite outputs as it writes them
         else:
             values = [((symbols[j].float() * quantizers[j].step) @ projs[j].components_t.float() + projs[j].mean).to(
                 getattr(torch, jobs[j][1]["dtype"])) for j in group]
-        finite = torch.stack([torch.isfinite(v).all() for v in values]) if len(group) > 1 else \
-            torch.isfinite(values[0]).all().view(1)
-        err[group] |= (~finite).to(err.dtype)  # non-finite output (out-of-range parameters) is corruption too
+            nonfinite = torch.stack([~torch.isfinite(v).all() for v in values]).to(torch.int32)
+        err[group] |= nonfinite.to(err.dtype)  # non-finite output (out-of-range parameters) is corruption too
         for j, v in zip(group, values):
             out[jobs[j][0]] = v
     bad = err.cpu()  # the one host synchronization

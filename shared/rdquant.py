@@ -422,8 +422,9 @@ class CudaProjection:
             raise InvalidTensorError(f"symbols must be [T, {self.K}], got {tuple(symbols.shape)}")
         return self.reconstruct_many(symbols.unsqueeze(0), [step])[0]
 
-    def reconstruct_many(self, symbols, steps):
-        """int32 [N, T, K] -> bf16 [N, T, D], tensor i with its basis and steps[i]; one launch."""
+    def reconstruct_many(self, symbols, steps, bad=None):
+        """int32 [N, T, K] -> bf16 [N, T, D], tensor i with its basis and steps[i]; one launch.
+        bad: optional int32 [N] on the device, set to 1 where tensor i's output is not finite."""
         import torch
 
         from . import _rdquant_triton as kt
@@ -435,7 +436,9 @@ class CudaProjection:
         out = torch.empty((N, T, self.D), dtype=torch.bfloat16, device=dev)
         st = torch.tensor(list(steps), dtype=torch.float32)
         st = st.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else st
-        args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st)
+        if bad is None:
+            bad = torch.zeros(N, dtype=torch.int32, device=dev)
+        args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st, bad)
         if _interpreting():
             b = self.BLOCK
             kt.reconstruct_kernel[(-(-T // b["BM"]), -(-self.D // b["BN"]), N)](

@@ -130,4 +130,14 @@ def test_fused_projection_in_triton_interpreter():
         assert bytes(payload.numpy()) == rans.encode(s)
         x_hat = proj.reconstruct(rans_cuda.decode_cuda(payload), step).float().numpy()
         assert quality(x.astype(np.float64), x_hat.astype(np.float64), "cos") > 0.999
+        # NaN or Inf in the input makes the largest |scaled value| infinite (the coder's guard refuses it)
+        for bad_value in (float("nan"), float("inf")):
+            xb = xt.clone()
+            xb[7, 3] = bad_value
+            assert float(proj.quantize_unchecked(xb, step)[2]) == float("inf"), bad_value
+        assert float(proj.quantize_unchecked(xt, step)[2]) < 2**31
+        # a step that makes outputs overflow bf16 raises the tensor's flag, and only that tensor's
+        flags = torch.zeros(2, dtype=torch.int32)
+        proj.reconstruct_many(torch.stack([sym, sym]), [step, 1e38], bad=flags)
+        assert flags.tolist() == [0, 1]
     """)

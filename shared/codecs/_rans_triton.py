@@ -32,17 +32,24 @@ def mf_decode(c):
 def normalize_row(w, j, PROB_BITS: tl.constexpr):
     """Same integer rule as numpy normalize(); returns (freq, cum, ok)."""
     M: tl.constexpr = 1 << PROB_BITS
-    total = tl.sum(w, 0)
+    # every weight is < 2^19 (the largest minifloat weight; model weights are < 2^16) and the
+    # bisection's mid <= 2^(n+1): for n <= 11 the products and the sum fit int32, whose division is cheaper
+    if PROB_BITS <= 11:
+        wn = w.to(tl.int32)
+    else:
+        wn = w
+    total = tl.sum(wn, 0)
     safe = tl.maximum(total, 1)
     lo = total * 0 + 1
     hi = total * 0 + 2 * M
     for _ in tl.static_range(PROB_BITS + 2):
         mid = (lo + hi) // 2
-        f = tl.where(w > 0, tl.maximum(w * mid // safe, 1), 0)
+        f = tl.where(wn > 0, tl.maximum(wn * mid // safe, 1), 0)
         ok = tl.sum(f, 0) <= M
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid)
-    f = tl.where(w > 0, tl.maximum(w * lo // safe, 1), 0)
+    f = tl.where(wn > 0, tl.maximum(wn * lo // safe, 1), 0).to(tl.int64)
+    total = total.to(tl.int64)
     top = tl.argmax(w, 0, tie_break_left=True)
     f = f + tl.where(j == top, M - tl.sum(f, 0), 0)
     good = total > 0
@@ -62,13 +69,14 @@ def first_window(mn, mx, sm, T, A_MAX: tl.constexpr):
 
 
 @triton.jit
-def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, R,
-                HCAP: tl.constexpr, BLOCK: tl.constexpr, WIDE_INDEX: tl.constexpr):
+def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, R,
+                HS: tl.constexpr, HCAP: tl.constexpr, BLOCK: tl.constexpr, WIDE_INDEX: tl.constexpr):
     """Per-component histograms of the sampled rows (every R-th token) inside the first windows.
     One thread walks HS sampled rows of one component (lanes like the coder's, so loads are
     coalesced over components) and keeps the 8 bins around the component's mean in registers:
     those take most of the hits and would otherwise serialize on a few global atomics. Other
-    bins get a global atomic each."""
+    bins get a global atomic each, relaxed (counts need no ordering), so the unrolled loop's loads
+    can all be in flight at once."""
     s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
     sym_ptr += s * T * K
     mn_ptr += s * K
@@ -94,7 +102,7 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, 
     n6 = tl.zeros([BLOCK], tl.int32)
     n7 = tl.zeros([BLOCK], tl.int32)
     row0 = p * HS
-    for i in range(0, HS):
+    for i in tl.static_range(HS):  # rows past the sampled ones are past T, so masked
         row = (row0 + i) * R
         active = lane_ok & (row < T)
         if WIDE_INDEX:
@@ -114,15 +122,15 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, HS, 
         n6 += (inw & (d == 6)).to(tl.int32)
         n7 += (inw & (d == 7)).to(tl.int32)
         tail = inw & ((d < 0) | (d >= 8))
-        tl.atomic_add(counts_ptr + row_ptr + tl.where(tail, idx, 0), 1, mask=tail)
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 0, n0, mask=n0 > 0)
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 1, n1, mask=n1 > 0)
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 2, n2, mask=n2 > 0)
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 3, n3, mask=n3 > 0)
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 4, n4, mask=n4 > 0)
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 5, n5, mask=n5 > 0)
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 6, n6, mask=n6 > 0)
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 7, n7, mask=n7 > 0)
+        tl.atomic_add(counts_ptr + row_ptr + tl.where(tail, idx, 0), 1, mask=tail, sem="relaxed")
+    tl.atomic_add(counts_ptr + row_ptr + c0 + 0, n0, mask=n0 > 0, sem="relaxed")
+    tl.atomic_add(counts_ptr + row_ptr + c0 + 1, n1, mask=n1 > 0, sem="relaxed")
+    tl.atomic_add(counts_ptr + row_ptr + c0 + 2, n2, mask=n2 > 0, sem="relaxed")
+    tl.atomic_add(counts_ptr + row_ptr + c0 + 3, n3, mask=n3 > 0, sem="relaxed")
+    tl.atomic_add(counts_ptr + row_ptr + c0 + 4, n4, mask=n4 > 0, sem="relaxed")
+    tl.atomic_add(counts_ptr + row_ptr + c0 + 5, n5, mask=n5 > 0, sem="relaxed")
+    tl.atomic_add(counts_ptr + row_ptr + c0 + 6, n6, mask=n6 > 0, sem="relaxed")
+    tl.atomic_add(counts_ptr + row_ptr + c0 + 7, n7, mask=n7 > 0, sem="relaxed")
 
 
 # the encoder's scalar summary: one int64 slot per field, read by the host in its one synchronization
@@ -225,7 +233,11 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
         shape = t // (2 * SEARCH + 1)
         scode = tl.minimum(tl.maximum(code0 + (t % (2 * SEARCH + 1)) - SEARCH, 0), 255)
         wp = model_row(shapes_ptr, inv_ptr, shape, scode, mu16, W, has_esc, j64, SHAPE_STEPS)
-        fp = tl.where(wp > 0, tl.maximum(wp * (1 << PROB_BITS) // tl.sum(wp, 0), 1), 0)  # cost proxy
+        if PROB_BITS <= 11:  # model weights are < 2^16, so the proxy's products fit int32
+            wpn = wp.to(tl.int32)
+        else:
+            wpn = wp
+        fp = tl.where(wpn > 0, tl.maximum(wpn * (1 << PROB_BITS) // tl.sum(wpn, 0), 1), 0)  # cost proxy
         cost = tl.sum(kept * tl.load(nlog_ptr + fp), 0) * R + 8 * 65536 * PARAM_BYTES
         better = cost < best
         best = tl.where(better, cost, best)
@@ -297,30 +309,34 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     row0 = p * S
     out_row = buf_ptr + grp.to(tl.int64)[:, None] * cap
     esc_row = ebuf_ptr + grp.to(tl.int64)[:, None] * ecap
+    # Software pipeline: step jj codes the symbol and table entry loaded during step jj - 1 and
+    # loads the next step's entry and the symbol after that, so no load waits on the state chain.
     row = row0 + (S - 1)
-    active = lane_ok & (row < T)
     if WIDE_INDEX:
         off_next = row.to(tl.int64) * K + k
     else:
         off_next = row * K + k
-    v_next = tl.load(sym_ptr + off_next, mask=active, other=0)
+    v_cur = tl.load(sym_ptr + off_next, mask=lane_ok & (row < T), other=0).to(tl.int32)
+    e_cur = tl.load(tab_row + tl.where((v_cur < lo) | (v_cur > hi), W, v_cur - lo), mask=lane_ok & (row < T), other=M)
+    off_next = off_next - K
+    v_next = tl.load(sym_ptr + off_next, mask=lane_ok & (row - 1 < T) & (S > 1), other=0).to(tl.int32)
     for jj in range(0, S):
         row = row0 + (S - 1 - jj)
         active = lane_ok & (row < T)
-        off = off_next
-        v = v_next.to(tl.int32)
-        # fetch the next step's symbols now, so their latency overlaps this step's arithmetic
-        off_next = off - K
-        v_next = tl.load(sym_ptr + off_next, mask=lane_ok & (row - 1 < T) & (jj + 1 < S), other=0)
+        v = v_cur
+        e = e_cur
         outside = (v < lo) | (v > hi)
-        idx = tl.where(outside, W, v - lo)
+        e_cur = tl.load(tab_row + tl.where((v_next < lo) | (v_next > hi), W, v_next - lo),
+                        mask=lane_ok & (row - 1 < T) & (jj + 1 < S), other=M)
+        v_cur = v_next
+        off_next = off_next - K
+        v_next = tl.load(sym_ptr + off_next, mask=lane_ok & (row - 2 < T) & (jj + 2 < S), other=0).to(tl.int32)
         if may_escape:
             esc_now = active & outside
             ee = esc_now.to(tl.int32)
             epos = eptr[:, None] + (tl.cumsum(ee, 1) - ee)
             tl.store(esc_row + epos, v, mask=esc_now & (epos < ecap))
             eptr += tl.sum(ee, 1)
-        e = tl.load(tab_row + idx, mask=active, other=M)
         f = (e & 0xFFFF).to(tl.uint32)
         c = (e >> 16).to(tl.uint32)
         emit = (x >> (32 - PROB_BITS)) >= f
@@ -658,6 +674,9 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         off = row0.to(tl.int64) * K + k
     else:
         off = row0 * K + k
+    jg = tl.arange(0, G)[None, :]
+    wp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] - G + jg), 0), last_word)
+    window = tl.load(words_ptr + wp, mask=grp_ok[:, None] & (n_words > 0), other=0).to(tl.int32) & 0xFFFF
     for i in range(0, S):
         row = row0 + i
         active = lane_ok & (row < T)
@@ -677,10 +696,15 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         need = x < 65536
         nd = need.to(tl.int32)
         rank_w = tl.cumsum(nd, 1) - nd
-        ptr -= tl.sum(nd, 1)
+        tot = tl.sum(nd, 1)
+        ptr -= tot
         bad |= (ptr < 0).to(tl.int32)[:, None]
-        rp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] + rank_w), 0), last_word)
-        wd = tl.load(words_ptr + rp, mask=need, other=0).to(tl.int32) & 0xFFFF
+        # the lane of rank r reads word ptr + r, which is window slot G - tot + r
+        wd = tl.gather(window, tl.minimum(G - tot[:, None] + rank_w, G - 1), 1)
+        # the next step's window: the G words below the new read position (issued now, so its
+        # latency overlaps the next lookup's)
+        wp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] - G + jg), 0), last_word)
+        window = tl.load(words_ptr + wp, mask=grp_ok[:, None] & (n_words > 0), other=0).to(tl.int32) & 0xFFFF
         x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
         val = lo32 + s  # wraps only for an escape symbol, whose value is replaced
         if may_escape:

@@ -85,6 +85,7 @@ def _summary_start(torch, dev):
 GROUPS_PER_PROGRAM = 4  # lane groups per Triton program: 4 x 32 lanes = 128 threads
 HIST_TOKENS, HIST_BLOCK = 32, 128  # histogram: sampled tokens per thread, threads per program
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
+TABLE_WARPS, META_WARPS = 8, 8  # warps per component of the encoder's and the decoder's table kernels
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
 
@@ -151,6 +152,21 @@ def encode_many_cuda(ts, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = 
     return outs
 
 
+def _stacked(torch, ts):
+    """torch.stack(ts), or without a copy the tensor ts were cut from when they are its
+    consecutive slices (what a batched producer such as the fused quantizer hands over)."""
+    t0 = ts[0]
+    if len(ts) == 1:
+        return t0.unsqueeze(0)
+    step = t0.numel() * t0.element_size()
+    start = t0.data_ptr()
+    if t0.is_contiguous() and [t.data_ptr() for t in ts] == list(range(start, start + len(ts) * step, step)) \
+            and all(t.shape == t0.shape and t.dtype == t0.dtype and t.is_contiguous() for t in ts) \
+            and all(t.untyped_storage().data_ptr() == ts[0].untyped_storage().data_ptr() for t in ts):
+        return t0.as_strided((len(ts),) + tuple(t0.shape), (t0.numel(),) + tuple(t0.stride()), t0.storage_offset())
+    return torch.stack(ts)
+
+
 def _as_symbols(torch, t):
     if not isinstance(t, torch.Tensor):
         raise InvalidTensorError(f"encode_cuda takes a torch tensor, got {type(t).__name__}; use encode() for numpy")
@@ -180,26 +196,24 @@ class _EncodeBatch:
         n, G, HCAP = prob_bits, group_lanes, max_alphabet(prob_bits)
         kern = _kernels()
         dev = ts[0].device
-        t = ts[0].view(1, T, K) if N == 1 else torch.stack(ts)
+        t = _stacked(torch, ts)
         if all(s is not None for s in stats):
-            mn, mx, sm = ((x.view(1, K) for x in stats[0]) if N == 1
-                          else (torch.stack(list(x)) for x in zip(*stats)))
+            mn, mx, sm = (_stacked(torch, list(x)) for x in zip(*stats))
         else:
             mn, mx = torch.aminmax(t, dim=1)
             sm = t.sum(1, dtype=torch.int64)
         has_guard = all(g is not None for g in guards)
-        guard = (guards[0].view(1) if N == 1 else torch.cat([g.view(1) for g in guards])) if has_guard else None
+        guard = _stacked(torch, [g.view(()) for g in guards]) if has_guard else None
 
         # 1. histograms of the sampled tokens inside the first windows; 2. trimmed windows and tables
         wide_index = (T + 1) * K >= 2**31
         R = hist_row_stride(T)
         n_sampled = triton_cdiv(T, R)
         counts = torch.zeros((N, K, HCAP), dtype=torch.int32, device=dev)
-        hs = min(n_sampled, HIST_TOKENS)
-        n_hist = triton_cdiv(n_sampled, hs) * K
+        n_hist = triton_cdiv(n_sampled, HIST_TOKENS) * K
         kern["hist"][(triton_cdiv(n_hist, HIST_BLOCK), N)](
-            t, mn, mx, sm, counts, T, K, n_hist, hs, R, HCAP=HCAP, BLOCK=HIST_BLOCK, WIDE_INDEX=wide_index,
-            num_warps=HIST_BLOCK // 32)
+            t, mn, mx, sm, counts, T, K, n_hist, R, HS=HIST_TOKENS, HCAP=HCAP, BLOCK=HIST_BLOCK,
+            WIDE_INDEX=wide_index, num_warps=HIST_BLOCK // 32)
         lo = torch.empty((N, K), dtype=torch.int64, device=dev)
         W, A = torch.empty_like(lo), torch.empty_like(lo)
         codes = torch.empty((N, K, HCAP), dtype=torch.uint8, device=dev)
@@ -212,7 +226,7 @@ class _EncodeBatch:
                                T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
                                ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=has_guard, N_SHAPES=N_SHAPES,
                                SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
-                               MIN_SHARE=MODEL_MIN_SHARE)
+                               MIN_SHARE=MODEL_MIN_SHARE, num_warps=TABLE_WARPS)
         # 3. the lanes: words and escaped values into per-group buffers
         lay = Layout(T, K, S, G, 0, 0, 0)
         self.NL, self.NG, self.cap = lay.n_lanes, lay.n_groups, G * S
@@ -434,7 +448,7 @@ def _decode_same_shape(payloads, hdrs):
     kern["decode_meta"][(K + 1, N)](
         b8, b16, b32, segs, sums, mt["shapes"], mt["inv_sigma"], lo, W, A, rank, tab, lut, err, K, HCAP=HCAP,
         PROB_BITS=n, BLOCK_K=_pow2(K), PACKED=packed, N_SHAPES=N_SHAPES, SHAPE_STEPS=SHAPE_STEPS,
-        SEG_FIELDS=len(fields))
+        SEG_FIELDS=len(fields), num_warps=META_WARPS)
     col = {f: i for i, f in enumerate(fields)}
     ar = torch.arange(NG, device=dev)
     glen = b32[segs[:, col["gw_el"]:col["gw_el"] + 1] + ar]  # [N, NG]
