@@ -407,15 +407,27 @@ class CudaProjection:
         mx = torch.full((N, K), -2**31, dtype=torch.int32, device=dev)
         sm = torch.zeros((N, K), dtype=torch.int64, device=dev)
         amax = torch.zeros(N, dtype=torch.float32, device=dev)
-        inv = torch.tensor([1.0 / s for s in steps], dtype=torch.float32).pin_memory() \
-            if dev.type == "cuda" else torch.tensor([1.0 / s for s in steps], dtype=torch.float32)
-        args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv.to(dev, non_blocking=True))
+        inv = self._floats_on([1.0 / s for s in steps], dev)
+        args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv)
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
             kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]), N)](*args, UPCAST=True, **b)
         else:
             kt.project_quantize_tuned[lambda m: (-(-T // m["BM"]), -(-K // m["BN"]), N)](*args, UPCAST=False)
         return sym, (mn, mx, sm), amax
+
+    def _floats_on(self, values: list, dev):
+        """values as a float32 tensor on dev, kept: a codec's steps repeat call after call, so
+        they cross to the GPU once, not in every call."""
+        import torch
+
+        cache = self.__dict__.setdefault("_floats_cache", {})
+        key = (tuple(values), str(dev))
+        if key not in cache:
+            if len(cache) >= 64:
+                cache.pop(next(iter(cache)))
+            cache[key] = torch.tensor(values, dtype=torch.float32).to(dev)
+        return cache[key]
 
     def reconstruct(self, symbols, step: float):
         if symbols.dim() != 2 or symbols.shape[1] != self.K:
@@ -434,8 +446,7 @@ class CudaProjection:
             raise InvalidTensorError(f"symbols must be [N, T, {self.K}], got {tuple(symbols.shape)}")
         dev = symbols.device
         out = torch.empty((N, T, self.D), dtype=torch.bfloat16, device=dev)
-        st = torch.tensor(list(steps), dtype=torch.float32)
-        st = st.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else st
+        st = self._floats_on([float(v) for v in steps], dev)
         if bad is None:
             bad = torch.zeros(N, dtype=torch.int32, device=dev)
         args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st, bad)

@@ -280,10 +280,13 @@ class _EncodeBatch:
             patches.append(prefix + head)
             patch_rows.append((at, start, front + CHECKED_HEADER_BYTES))
             at += front + CHECKED_HEADER_BYTES
-        segs = _device_table(torch, table, dev)
-        # every container's front and its payload's first header bytes: one copy and one scatter
-        staged = pinned(b"".join(patches)).to(dev, non_blocking=True)
-        kern["scatter"][(N,)](staged, _device_table(torch, patch_rows, dev), out, BLOCK=1024)
+        # one host->device copy: the segment table, the scatter's rows, then every container's
+        # front and its payload's first header bytes (written by one scatter)
+        rows = np.asarray(patch_rows, np.int64)
+        up = pinned(table.tobytes() + rows.tobytes() + b"".join(patches)).to(dev, non_blocking=True)
+        segs = up[:table.nbytes].view(torch.int64).view(table.shape)
+        rows_dev = up[table.nbytes:table.nbytes + rows.nbytes].view(torch.int64).view(rows.shape)
+        kern["scatter"][(N,)](up[table.nbytes + rows.nbytes:], rows_dev, out, BLOCK=1024)
         b8, b16, b32 = out.view(torch.int8), out.view(torch.int16), out.view(torch.int32)
         kern["pack_meta"][(K, N)](self.lo, self.W, self.A, self.codes, self.states, self.model, self.scale, self.mu16,
                                   b8, b16, b32, segs, K, -(-T // S), HCAP=self.HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
