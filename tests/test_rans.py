@@ -104,6 +104,18 @@ def test_parametric_tables_shrink_small_payloads():
     assert hdr.layout.total < 1.05 * rans.entropy_bound_bytes(x)
 
 
+def test_wide_windows_keep_a_table_where_a_model_mean_would_not_fit(monkeypatch):
+    """At prob_bits 15 a window of up to 8191 symbols can have its mean past index 2047, where the
+    stored int16 mean (16 x index) would wrap: such a component keeps its explicit table, so the
+    payload decodes (a model there once made the reference coder write undecodable payloads)."""
+    monkeypatch.setattr(rans, "HIST_SAMPLE_ROWS", 64)
+    x = cases()["heavy_tails"][:300]
+    payload = rans.encode(x, lane_tokens=64, prob_bits=15)
+    np.testing.assert_array_equal(rans.decode(payload), x)
+    hdr = rans.parse(payload)
+    assert (hdr.model == 0).any()
+
+
 def test_other_integer_dtypes_accepted():
     x = pca_like(500, 4)
     for dtype in (np.int8, np.int16, np.int64, np.uint8):
@@ -237,7 +249,7 @@ def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
             y = rans_cuda.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             np.testing.assert_array_equal(y.numpy(), x, err_msg=name)
         x = all_cases["heavy_tails"][:300]
-        for prob_bits in (10, 12, 14):  # the kernels' int32 arithmetic is for n <= 11, int64 above
+        for prob_bits in (10, 12, 15):  # the kernels' int32 arithmetic is for n <= 11, int64 above
             payload = rans.encode(x, lane_tokens=64, prob_bits=prob_bits)
             assert bytes(rans_cuda.encode_cuda(torch.from_numpy(x), lane_tokens=64, prob_bits=prob_bits).numpy()) \
                 == payload, prob_bits

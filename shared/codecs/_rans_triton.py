@@ -228,7 +228,8 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     code0 = tl.sum((tl.load(sig2_ptr + c256) < var16).to(tl.int64), 0)
     model = best * 0
     best_code = best * 0
-    n_try = tl.where(MIN_SHARE * 8 * 65536 * A >= best, N_SHAPES * (2 * SEARCH + 1), 0)  # else it cannot pay
+    # searched only where a model can pay, and where its mean fits the stored int16 (as rans.fit_models)
+    n_try = tl.where((MIN_SHARE * 8 * 65536 * A >= best) & (mu16 <= 32767), N_SHAPES * (2 * SEARCH + 1), 0)
     for t in range(0, n_try):
         shape = t // (2 * SEARCH + 1)
         scode = tl.minimum(tl.maximum(code0 + (t % (2 * SEARCH + 1)) - SEARCH, 0), 255)

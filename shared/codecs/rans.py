@@ -213,6 +213,7 @@ def choose_tables(counts: np.ndarray, h0, lo0, mn, mx, n_sampled: int, stride: i
 N_SHAPES, SHAPE_STEPS = 4, 1024  # shapes; samples per shape, every 1/64 of sigma
 MODEL_SEARCH = 4  # scale codes tried on each side of the moment estimate
 PARAM_BYTES = 3  # mu16 (int16) + scale code (uint8)
+MU16_MAX = 2**15 - 1  # the largest stored mean (16 x the mean's index): n >= 14 windows can reach past it
 MODEL_MIN_SHARE = 64  # models are tried where the explicit table is at least 1/64 of a component's bytes
 _MODEL_TABLES = None
 
@@ -276,7 +277,8 @@ def fit_models(kept: np.ndarray, W, esc, A, codes, prob_bits: int, stride: int):
     f_exp = normalize_weights(minifloat_decode(codes[:, :H]), prob_bits)[0]
     best = (kept * nlog[f_exp]).sum(1) * stride + 8 * 65536 * A  # explicit: its stream and its table
     # a model saves at most the table; where that is under 1/64 of the cost, it is not searched for
-    eligible = MODEL_MIN_SHARE * 8 * 65536 * A >= best
+    # and a model's mean is stored as int16: a window whose mean lies past index 2047 keeps its table
+    eligible = (MODEL_MIN_SHARE * 8 * 65536 * A >= best) & (mu16 <= MU16_MAX)
     model = np.zeros(K, np.int64)
     best_code = np.zeros(K, np.int64)
     for shape in range(N_SHAPES):

@@ -292,7 +292,7 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
         for j in range(A):
             cost += kept[j] * nlog[f[j]]
         best = cost * stride + 8 * 65536 * A
-        if min_share * 8 * 65536 * A >= best:
+        if min_share * 8 * 65536 * A >= best and mu16 <= 32767:  # a model's mean is stored as int16
             for shape in range(n_shapes):
                 for d in range(-search, search + 1):
                     code = min(max(code0 + d, 0), 255)
