@@ -166,7 +166,8 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
                   scal_ptr, T, R, n_sampled, HCAP: tl.constexpr, PROB_BITS: tl.constexpr,
                   ESC_COST: tl.constexpr, ENTRY_COST: tl.constexpr, HAS_GUARD: tl.constexpr,
                   N_SHAPES: tl.constexpr, SEARCH: tl.constexpr, SHAPE_STEPS: tl.constexpr,
-                  PARAM_BYTES: tl.constexpr, MIN_SHARE: tl.constexpr):
+                  PARAM_BYTES: tl.constexpr, MIN_SHARE: tl.constexpr, TRY_BLOCK: tl.constexpr,
+                  CHUNK: tl.constexpr):
     """choose_tables() and fit_models() of rans.py for one component, then its rANS table; sums,
     counts and extremes of the results go to the scalar summary. guard (optional): a float the
     producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too)."""
@@ -230,20 +231,42 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     best_code = best * 0
     # searched only where a model can pay, and where its mean fits the stored int16 (as rans.fit_models)
     n_try = tl.where((MIN_SHARE * 8 * 65536 * A >= best) & (mu16 <= 32767), N_SHAPES * (2 * SEARCH + 1), 0)
-    for t in range(0, n_try):
-        shape = t // (2 * SEARCH + 1)
+    # The candidates (shape, scale code) in fit_models' order, TRY_BLOCK at a time, over the A
+    # symbols only (CHUNK at a time; weights past A are 0): the first of the cheapest below the
+    # running best wins, as in the reference's one-by-one search. kept is read back from this
+    # component's table row, used as scratch until the table is written.
+    if n_try > 0:
+        tl.store(tab_ptr + k * HCAP + j, kept.to(tl.int32))
+        tl.debug_barrier()
+    tb = tl.arange(0, TRY_BLOCK)
+    jc = tl.arange(0, CHUNK)
+    for t0 in range(0, n_try, TRY_BLOCK):
+        t = t0 + tb
+        shape = tl.minimum(t // (2 * SEARCH + 1), N_SHAPES - 1)[:, None]
         scode = tl.minimum(tl.maximum(code0 + (t % (2 * SEARCH + 1)) - SEARCH, 0), 255)
-        wp = model_row(shapes_ptr, inv_ptr, shape, scode, mu16, W, has_esc, j64, SHAPE_STEPS)
-        if PROB_BITS <= 11:  # model weights are < 2^16, so the proxy's products fit int32
-            wpn = wp.to(tl.int32)
-        else:
-            wpn = wp
-        fp = tl.where(wpn > 0, tl.maximum(wpn * (1 << PROB_BITS) // tl.sum(wpn, 0), 1), 0)  # cost proxy
-        cost = tl.sum(kept * tl.load(nlog_ptr + fp), 0) * R + 8 * 65536 * PARAM_BYTES
-        better = cost < best
-        best = tl.where(better, cost, best)
-        model = tl.where(better, 1 + shape, model)
-        best_code = tl.where(better, scode, best_code)
+        wsum = tl.zeros([TRY_BLOCK], tl.int64)
+        for j0 in range(0, A, CHUNK):
+            jj = (j0 + jc).to(tl.int64)[None, :]
+            wsum += tl.sum(model_row(shapes_ptr, inv_ptr, shape, scode[:, None], mu16, W, has_esc, jj, SHAPE_STEPS), 1)
+        cost = tl.zeros([TRY_BLOCK], tl.int64)
+        for j0 in range(0, A, CHUNK):
+            jj = (j0 + jc).to(tl.int64)[None, :]
+            wp = model_row(shapes_ptr, inv_ptr, shape, scode[:, None], mu16, W, has_esc, jj, SHAPE_STEPS)
+            if PROB_BITS <= 11:  # model weights are < 2^16, so the proxy's products fit int32
+                fp = tl.where(wp > 0, tl.maximum(wp.to(tl.int32) * (1 << PROB_BITS) // wsum.to(tl.int32)[:, None], 1), 0)
+            else:
+                fp = tl.where(wp > 0, tl.maximum(wp * (1 << PROB_BITS) // wsum[:, None], 1), 0)  # cost proxy
+            kc = tl.load(tab_ptr + k * HCAP + j0 + jc, mask=j0 + jc < A, other=0).to(tl.int64)
+            cost += tl.sum(kc[None, :] * tl.load(nlog_ptr + fp), 1)
+        cost = tl.where(t < n_try, cost * R + 8 * 65536 * PARAM_BYTES, 1 << 62)
+        c_min = tl.min(cost, 0)
+        i = tl.argmin(cost, 0, tie_break_left=True)
+        better = c_min < best
+        best = tl.where(better, c_min, best)
+        model = tl.where(better, 1 + tl.sum(tl.where(tb == i, t // (2 * SEARCH + 1), 0), 0), model)
+        best_code = tl.where(better, tl.sum(tl.where(tb == i, scode, 0), 0), best_code)
+    if n_try > 0:
+        tl.debug_barrier()  # every read of the scratch row is done before the table overwrites it
     if model > 0:  # the chosen model's exact table
         fm, cm, okm = normalize_row(model_row(shapes_ptr, inv_ptr, model - 1, best_code, mu16, W, has_esc, j64,
                                               SHAPE_STEPS), j, PROB_BITS)

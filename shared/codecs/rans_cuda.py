@@ -86,6 +86,7 @@ GROUPS_PER_PROGRAM = 4  # lane groups per Triton program: 4 x 32 lanes = 128 thr
 HIST_TOKENS, HIST_BLOCK = 32, 128  # histogram: sampled tokens per thread, threads per program
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 TABLE_WARPS, META_WARPS = 8, 8  # warps per component of the encoder's and the decoder's table kernels
+TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed at once, symbols per step
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
 
@@ -226,7 +227,8 @@ class _EncodeBatch:
                                T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
                                ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=has_guard, N_SHAPES=N_SHAPES,
                                SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
-                               MIN_SHARE=MODEL_MIN_SHARE, num_warps=TABLE_WARPS)
+                               MIN_SHARE=MODEL_MIN_SHARE, TRY_BLOCK=TABLE_TRY_BLOCK, CHUNK=TABLE_CHUNK,
+                               num_warps=TABLE_WARPS)
         # 3. the lanes: words and escaped values into per-group buffers
         lay = Layout(T, K, S, G, 0, 0, 0)
         self.NL, self.NG, self.cap = lay.n_lanes, lay.n_groups, G * S
