@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from ..errors import BackendUnavailable, BitstreamError
+from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
 from . import rans
 
 try:
@@ -340,11 +340,78 @@ def _lane_layout(g0, G, K, S):
     return row0, comp
 
 
+@njit(**_JIT)
+def _encode_group_fast(sym, r0, k0, lo, W, fc, rcp, S, G, prob_bits, x, words, base, escv):
+    """The coding pass of one group whose G lanes are consecutive components k0.. of one full token
+    chunk starting at row r0 (the common case); x: the lanes' states (uint32). Per step: one loop
+    gathers each lane's table entry, a branch-free one (vectorized) updates the states, with an
+    exact reciprocal-multiply division, and one appends the emitted words in lane order.
+    Returns (words written, escapes written)."""
+    A1 = fc.shape[1]
+    fcf = fc.ravel()
+    rcf = rcp.ravel()
+    symf = sym.ravel()
+    K = sym.shape[1]
+    sh = np.uint64(32 - prob_bits)
+    n = np.uint64(prob_bits)
+    fv = np.empty(G, np.uint32)
+    rv = np.empty(G, np.uint32)
+    emw = np.empty(G, np.uint16)
+    em = np.empty(G, np.uint8)
+    ptr = 0
+    ne = 0
+    for ii in range(S):
+        row = np.uint64((r0 + S - 1 - ii) * K + k0)  # tokens last to first
+        n_out = 0
+        for l in range(G):  # unsigned indices: no negative-index wraparound in the loops
+            k = k0 + l
+            j = np.uint64(np.int64(symf[row + np.uint64(l)]) - lo[k])
+            wk = np.uint64(W[k])
+            out = j >= wk  # below or above the window: the escape symbol
+            n_out += out
+            idx = np.uint64(k * A1) + (wk if out else j)
+            fv[l] = fcf[idx]
+            rv[l] = rcf[idx]
+        for l in range(G):
+            xl = np.uint64(x[l])
+            e = np.uint64(fv[l])
+            f = e & np.uint64(0xFFFF)
+            emit = (xl >> sh) >= f
+            emw[l] = np.uint16(xl & np.uint64(0xFFFF))
+            em[l] = np.uint8(emit)
+            xl = (xl >> np.uint64(16)) if emit else xl
+            q = (xl * np.uint64(rv[l])) >> np.uint64(32)  # floor(xl / f) or one less (_encode_table)
+            r = xl - q * f
+            up = r >= f
+            q = q + np.uint64(up)
+            r = r - (f if up else np.uint64(0))
+            x[l] = np.uint32((q << n) + r + (e >> np.uint64(16)))
+        for l in range(G):
+            words[base + ptr] = emw[l]  # kept only when emitted
+            ptr += em[l]
+        if n_out > 0:
+            for l in range(G):
+                v = symf[row + np.uint64(l)]
+                j = np.int64(v) - lo[k0 + l]
+                if j < 0 or j >= W[k0 + l]:
+                    escv[base + ne] = v
+                    ne += 1
+    return ptr, ne
+
+
+def _encode_table(freq, cum):
+    """Per (component, symbol): fc = freq | cum << 16 and rcp = floor((2^32 - 1) / freq), uint32.
+
+    After renormalization a state x is below freq * 2^(32 - prob_bits), so x * rcp < 2^54 and
+    (x * rcp) >> 32 is floor(x / freq) or one less: one correction step makes it exact."""
+    f = np.maximum(freq, 1)
+    return ((f & 0xFFFF) | ((cum & 0xFFFF) << 16)).astype(np.uint32), (((1 << 32) - 1) // f).astype(np.uint32)
+
+
 @njit(parallel=True, **_JIT)
-def _encode_lanes(sym, lo, W, fc, inv, S, G, NG, prob_bits):
+def _encode_lanes(sym, lo, W, fc, rcp, S, G, NG, prob_bits):
     """The coding pass. Per group: words [cap] and escapes [cap] in its slice of the buffers,
-    counts in group_words / group_escapes; final states per lane. fc: freq | cum << 16 per
-    (component, symbol), inv: 1 / freq."""
+    counts in group_words / group_escapes; final states per lane. fc, rcp: _encode_table."""
     T, K = sym.shape
     NL = ((T + S - 1) // S) * K
     cap = G * S
@@ -357,45 +424,14 @@ def _encode_lanes(sym, lo, W, fc, inv, S, G, NG, prob_bits):
     for gi in prange(NG):
         g0 = gi * G
         n_lane = min(G, NL - g0)
-        x = np.full(G, L, np.int64)
+        x = np.full(G, L, np.uint32)
         row0, comp = _lane_layout(g0, G, K, S)
         ptr = 0
         ne = 0
         base = gi * cap
-        k0 = comp[0]
-        if n_lane == G and k0 + G <= K and row0[0] + S <= T:
-            # the common case: the group's lanes are consecutive components of one full token chunk.
-            # Pass 1 (no branches, vectorizable) codes every lane; pass 2 writes the emitted words.
-            jj = np.empty(G, np.int64)
-            em = np.empty(G, np.int64)
-            old = np.empty(G, np.int64)
-            r0 = row0[0]
-            for i in range(S - 1, -1, -1):
-                row = sym[r0 + i]
-                n_out = 0
-                for l in range(G):
-                    j = np.int64(row[k0 + l]) - lo[k0 + l]
-                    out = (j < 0) | (j >= W[k0 + l])
-                    n_out += out
-                    j = W[k0 + l] if out else j
-                    jj[l] = j
-                    e = np.int64(fc[k0 + l, j])
-                    f = e & 0xFFFF
-                    xl = x[l]
-                    emit = np.int64((xl >> sh) >= f)
-                    old[l] = xl
-                    em[l] = emit
-                    xl >>= 16 * emit
-                    q = _floordiv(xl, f, inv[k0 + l, j])
-                    x[l] = (q << prob_bits) + (xl - q * f) + (e >> 16)
-                for l in range(G):
-                    words[base + ptr] = np.uint16(old[l] & 0xFFFF)  # kept only when emitted
-                    ptr += em[l]
-                if n_out > 0:
-                    for l in range(G):
-                        if jj[l] == W[k0 + l] and (row[k0 + l] < lo[k0 + l] or row[k0 + l] >= lo[k0 + l] + W[k0 + l]):
-                            escv[base + ne] = row[k0 + l]
-                            ne += 1
+        if n_lane == G and comp[0] + G <= K and row0[0] + S <= T:
+            ptr, ne = _encode_group_fast(sym, row0[0], comp[0], lo, W, fc, rcp, S, G, prob_bits, x, words, base,
+                                         escv)
             n_lane = 0  # done
         for i in range(S - 1, -1, -1):
             for l in range(n_lane):
@@ -411,17 +447,21 @@ def _encode_lanes(sym, lo, W, fc, inv, S, G, NG, prob_bits):
                     ne += 1
                 e = np.int64(fc[k, j])
                 f = e & 0xFFFF  # prob_bits <= 15: frequencies and cumulatives fit 16 bits
-                xl = x[l]
+                xl = np.int64(x[l])
                 emit = np.int64((xl >> sh) >= f)
                 words[base + ptr] = np.uint16(xl & 0xFFFF)  # kept only when emitted (ptr advances)
                 ptr += emit
                 xl >>= 16 * emit
-                q = _floordiv(xl, f, inv[k, j])
-                x[l] = (q << prob_bits) + (xl - q * f) + (e >> 16)
+                q = (xl * np.int64(rcp[k, j])) >> 32
+                r = xl - q * f
+                if r >= f:
+                    q += 1
+                    r -= f
+                x[l] = np.uint32((q << prob_bits) + r + (e >> 16))
         group_words[gi] = ptr
         group_escapes[gi] = ne
         for l in range(G):
-            states[g0 + l] = np.uint32(x[l])
+            states[g0 + l] = x[l]
     return words, escv, group_words, group_escapes, states
 
 
@@ -486,14 +526,21 @@ def checksum(*parts) -> tuple[int, int]:
 
 
 def encode(symbols: np.ndarray, prob_bits: int = rans.DEFAULT_PROB_BITS, group_lanes: int = rans.DEFAULT_GROUP_LANES,
-           lane_tokens: int | None = None) -> bytes:
-    """rans.encode, compiled: the identical payload."""
+           lane_tokens: int | None = None, stats=None) -> bytes:
+    """rans.encode, compiled: the identical payload. stats: each column's (min, max, sum) of the
+    symbols, when the caller has them (RDQuantizer.quantize_with_stats makes them in its pass)."""
     _require()
     sym = rans._validate_symbols(symbols)
     T, K = sym.shape
     S = rans._check_settings(prob_bits, group_lanes, lane_tokens or rans.default_lane_tokens(T, K), T)
     G = group_lanes
-    mn, mx, sm = _column_stats(sym)
+    if stats is None:
+        mn, mx, sm = _column_stats(sym)
+    else:
+        mn, mx, sm = (np.asarray(v, np.int64).reshape(-1) for v in stats)
+        if not mn.shape == mx.shape == sm.shape == (K,):
+            raise InvalidTensorError(f"stats must be three arrays of {K} column statistics (min, max, sum), got "
+                                     f"shapes {mn.shape}, {mx.shape}, {sm.shape}")
     lo0, h0 = rans.initial_windows(mn, mx, sm, T, prob_bits)
     stride = rans.hist_row_stride(T)
     H = int(h0.max())
@@ -506,10 +553,8 @@ def encode(symbols: np.ndarray, prob_bits: int = rans.DEFAULT_PROB_BITS, group_l
     if not ok.all():
         raise BitstreamError("a component's frequency table cannot be normalized")
     lay = rans.Layout(T, K, S, G, 0, 0, 0)
-    fc = ((freq & 0xFFFF) | (cum << 16)).astype(np.uint32)
-    inv = 1.0 / np.maximum(freq, 1)
-    words, escv, group_words, group_escapes, states = _encode_lanes(sym, lo, W, fc, inv, S, G, lay.n_groups,
-                                                                    prob_bits)
+    words, escv, group_words, group_escapes, states = _encode_lanes(sym, lo, W, *_encode_table(freq, cum), S, G,
+                                                                    lay.n_groups, prob_bits)
     cap = G * S
     streams = np.empty(int(group_words.sum()), np.uint16)
     _gather(words, group_words, cap, streams)
@@ -559,6 +604,74 @@ def _decode_tables(codes_flat, model, scale, mu16, W, esc, prob_bits, shapes, in
     return fc, lut, ok
 
 
+@njit(**_JIT)
+def _decode_group_fast(words, wb, ptr, states, g0, escapes, eb, eptr, fc, lut, lo, esc_sym, r0, k0, S, G, prob_bits,
+                       out):
+    """The decoding pass of one group whose G lanes are consecutive components k0.. of one full
+    token chunk starting at row r0 (the common case). Per step: one loop looks up each lane's
+    symbol and table entry, a branch-free one (vectorized) updates the states and writes the
+    values, one reads the words of the lanes that renormalize, in lane order. Returns (words
+    left, escapes left, error: 0 ok, 1 streams, 2 escapes)."""
+    K = out.shape[1]
+    A1 = fc.shape[1]
+    M = lut.shape[1]
+    fcf = fc.ravel()
+    lutf = lut.ravel()
+    outf = out.ravel()
+    n = np.uint64(prob_bits)
+    mask = np.uint64((1 << prob_bits) - 1)
+    n_words = words.shape[0]
+    x = np.empty(G, np.uint32)
+    sv = np.empty(G, np.uint32)
+    fv = np.empty(G, np.uint32)
+    nd = np.empty(G, np.uint8)
+    for l in range(G):
+        x[l] = states[g0 + l]
+    esc_bad = False
+    for i in range(S):
+        row = np.uint64((r0 + i) * K + k0)
+        for l in range(G):
+            s = lutf[np.uint64((k0 + l) * M) + (np.uint64(x[l]) & mask)]
+            sv[l] = s
+            fv[l] = fcf[np.uint64((k0 + l) * A1) + np.uint64(s)]
+        n_need = 0
+        n_esc = 0
+        for l in range(G):
+            xl = np.uint64(x[l])
+            e = np.uint64(fv[l])
+            xn = (e & np.uint64(0xFFFF)) * (xl >> n) + (xl & mask) - (e >> np.uint64(16))
+            x[l] = np.uint32(xn)
+            need = xn < np.uint64(L)
+            nd[l] = np.uint8(need)
+            n_need += need
+            n_esc += np.int64(sv[l]) == esc_sym[k0 + l]
+            outf[row + np.uint64(l)] = np.int32(np.int64(sv[l]) + lo[k0 + l])
+        if n_need > 0:
+            ptr -= n_need
+            if ptr < 0:
+                return 0, eptr, 1
+            r = wb + ptr
+            for l in range(G):
+                w = np.uint32(words[min(r, n_words - 1)])
+                x[l] = ((x[l] << np.uint32(16)) | w) if nd[l] else x[l]
+                r += nd[l]
+        if n_esc > 0:
+            eptr -= n_esc
+            if eptr < 0:  # as the general pass: flagged, the values stay, a stream error wins
+                esc_bad = True
+                eptr = 0
+                continue
+            r = eb + eptr
+            for l in range(G):
+                if np.int64(sv[l]) == esc_sym[k0 + l]:
+                    outf[row + np.uint64(l)] = escapes[r]
+                    r += 1
+    for l in range(G):
+        if x[l] != L:
+            return ptr, eptr, 1
+    return ptr, eptr, 2 if esc_bad else 0
+
+
 @njit(parallel=True, **_JIT)
 def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, lo, W, esc, T, K, S, G, prob_bits):
     """The decoding pass; out int32 [T, K] and an error code per group (0 ok, 1 streams, 2 escapes)."""
@@ -587,6 +700,14 @@ def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, l
         wb = wstart[gi]
         eb = estart[gi]
         bad = False
+        if n_lane == G and comp[0] + G <= K and row0[0] + S <= T:
+            ptr, eptr, err[gi] = _decode_group_fast(words, wb, ptr, states, g0, escapes, eb, eptr, fc, lut, lo,
+                                                    esc_sym, row0[0], comp[0], S, G, prob_bits, out)
+            if ptr != 0:
+                err[gi] = 1
+            elif eptr != 0:
+                err[gi] = max(err[gi], 2)
+            continue
         for i in range(S):
             # pass 1: every lane's symbol and state before renormalization
             n_need = 0
