@@ -47,53 +47,51 @@ if numba is not None:
     @njit(**jit)
     def _quantize_row(v, bias, step, keep, out, mn, mx, sm):
         """One row: out = round((v - bias) / step) in float64, half to even (np.rint), as int32
-        (0 outside keep), folded into the column min / max / sum; returns (max |round|, NaN seen)."""
-        m = 0.0
-        nan = False
+        (0 outside keep), folded into the column min / max / sum; returns whether a value was
+        NaN, infinite or beyond int32 (branch-free, so the loop vectorizes)."""
+        bad = False
         for k in range(v.shape[0]):
             r = np.rint(np.float64(v[k] - bias[k]) / step)
-            a = abs(r)
-            nan |= a != a
-            m = max(m, a)
-            s = np.int32(r) if (a <= 2147483647.0 and keep[k]) else np.int32(0)
+            ok = np.abs(r) <= 2147483647.0  # False for NaN too
+            bad |= not ok
+            s = np.int32(r) if ok and keep[k] else np.int32(0)
             out[k] = s
             mn[k] = min(mn[k], s)
             mx[k] = max(mx[k], s)
             sm[k] += s
-        return m, nan
+        return bad
 
     @njit(parallel=True, **jit)
     def _quantize_stats(c, bias, step, keep, bf16, nchunk):
         """Symbols int32 [T, K] of c [T, K] (float32 / float64, or with bf16=True uint16 bfloat16
-        bits), each column's (min, max, sum) as int64, and max |round((c - bias) / step)| (NaN or
-        inf where c holds them: the caller raises before using the symbols). The subtraction is in
-        c's precision (float32 for bf16 bits)."""
+        bits), each column's (min, max, sum), and whether any round((c - bias) / step) was NaN,
+        infinite or beyond int32 (the caller raises before using the symbols). The subtraction is
+        in c's precision (float32 for bf16 bits)."""
         T, K = c.shape
         out = np.empty((T, K), np.int32)
         nchunk = max(1, min(T, nchunk))  # one per thread
-        mn = np.full((nchunk, K), 2147483647, np.int64)
-        mx = np.full((nchunk, K), -2147483648, np.int64)
+        mn = np.full((nchunk, K), 2147483647, np.int32)
+        mx = np.full((nchunk, K), -2147483648, np.int32)
         sm = np.zeros((nchunk, K), np.int64)
-        amax = np.zeros(nchunk, np.float64)
-        nan = np.zeros(nchunk, np.bool_)
+        bad = np.zeros(nchunk, np.bool_)
         for ch in prange(nchunk):
             row = np.empty(K, np.uint32)
             vals = row.view(np.float32)
+            b = False
             for t in range(ch * T // nchunk, (ch + 1) * T // nchunk):
                 if bf16:
                     for k in range(K):
                         row[k] = np.uint32(c[t, k]) << np.uint32(16)
-                    m, bad = _quantize_row(vals, bias, step, keep, out[t], mn[ch], mx[ch], sm[ch])
+                    b |= _quantize_row(vals, bias, step, keep, out[t], mn[ch], mx[ch], sm[ch])
                 else:
-                    m, bad = _quantize_row(c[t], bias, step, keep, out[t], mn[ch], mx[ch], sm[ch])
-                amax[ch] = max(amax[ch], m)
-                nan[ch] |= bad
+                    b |= _quantize_row(c[t], bias, step, keep, out[t], mn[ch], mx[ch], sm[ch])
+            bad[ch] = b
         for ch in range(1, nchunk):
             for k in range(K):
                 mn[0, k] = min(mn[0, k], mn[ch, k])
                 mx[0, k] = max(mx[0, k], mx[ch, k])
                 sm[0, k] += sm[ch, k]
-        return out, mn[0], mx[0], sm[0], np.nan if nan.any() else amax.max()
+        return out, mn[0].astype(np.int64), mx[0].astype(np.int64), sm[0], bad.any()
 
     @njit(parallel=True, **jit)
     def _dequantize(sym, step):
@@ -221,11 +219,13 @@ class RDQuantizer:
         bias = np.zeros(K, np.float32 if bf16 or c.dtype == np.float32 else np.float64) if bias is None else \
             np.ascontiguousarray(bias, np.float32)
         keep = self.keep if self.keep is not None else np.ones(K, bool)
-        sym, mn, mx, sm, amax = _KERNELS["quantize_stats"](c, bias, float(self.step), keep, bf16,
-                                                              numba.get_num_threads())
-        if not math.isfinite(amax):
-            raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
-        if amax > INT32_MAX:
+        sym, mn, mx, sm, bad = _KERNELS["quantize_stats"](c, bias, float(self.step), keep, bf16,
+                                                             numba.get_num_threads())
+        if bad:  # name the cause (numpy, on this path only)
+            v = (c.astype(np.uint32) << 16).view(np.float32) if bf16 else c
+            amax = np.abs(np.rint((v - bias).astype(np.float64) / self.step)).max()
+            if not math.isfinite(amax):
+                raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
             raise InvalidTensorError(f"quantized coefficients reach {amax:.3g}, beyond int32; use a larger step")
         return sym, (mn, mx, sm)
 

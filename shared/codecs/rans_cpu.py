@@ -182,20 +182,26 @@ def _column_stats(sym):
 
 
 @njit(parallel=True, **_JIT)
-def _histogram(sym, stride, lo0, h0, H):
-    """counts [K, H] of the values of every stride-th token inside the first window."""
+def _histogram(sym, stride, lo0, h0, H, nchunk):
+    """counts [K, H] of the values of every stride-th token inside the first window: row after
+    row (the symbols are read once, in memory order), one count table per chunk of rows."""
     T, K = sym.shape
     n_rows = (T + stride - 1) // stride
-    B = 16  # components per block: their counts stay in L1
+    nchunk = max(1, min(nchunk, n_rows // 256))
+    part = np.zeros((nchunk, K * H), np.int32)  # n_rows < 2^31
+    for c in prange(nchunk):
+        cf = part[c]
+        for r in range(c * n_rows // nchunk, (c + 1) * n_rows // nchunk):
+            row = sym[r * stride]
+            for k in range(K):
+                j = np.uint64(np.int64(row[k]) - lo0[k])  # unsigned: below the window is out of range too
+                if j < np.uint64(h0[k]):
+                    cf[np.uint64(k * H) + j] += 1
     counts = np.zeros((K, H), np.int64)
-    for kb in prange((K + B - 1) // B):
-        k0, k1 = kb * B, min(K, kb * B + B)
-        for r in range(n_rows):
-            t = r * stride
-            for k in range(k0, k1):
-                j = np.int64(sym[t, k]) - lo0[k]
-                if j >= 0 and j < h0[k]:
-                    counts[k, j] += 1
+    cflat = counts.ravel()
+    for c in range(nchunk):
+        for i in range(K * H):
+            cflat[i] += part[c, i]
     return counts, n_rows
 
 
@@ -293,23 +299,40 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
             cost += kept[j] * nlog[f[j]]
         best = cost * stride + 8 * 65536 * A
         if min_share * 8 * 65536 * A >= best:
+            # the shape's sample index of each window symbol, per scale code tried (shape-independent)
+            n_d = 2 * search + 1
+            idx = np.empty((n_d, Wk), np.int64)
+            for d in range(n_d):
+                code = min(max(code0 + d - search, 0), 255)
+                for j in range(Wk):
+                    idx[d, j] = min((abs(16 * j - mu16) * inv_sigma[code]) >> 24, shapes.shape[1] - 1)
+            nz = np.empty(A, np.int64)  # the symbols that occur (kept > 0 implies w > 0)
+            n_nz = 0
+            for j in range(A):
+                if kept[j] > 0:
+                    nz[n_nz] = j
+                    n_nz += 1
             for shape in range(n_shapes):
-                for d in range(-search, search + 1):
-                    code = min(max(code0 + d, 0), 255)
-                    tot = 0
-                    for j in range(A):
-                        w[j] = _model_weight(j, Wk, ek, shape, code, mu16, shapes, inv_sigma)
+                for d in range(n_d):  # the order of rans.fit_models: ties keep the first
+                    tot = ek
+                    for j in range(Wk):
+                        w[j] = max(shapes[shape, idx[d, j]], 1)
                         tot += w[j]
+                    if ek > 0:
+                        w[Wk] = 1
                     inv = 1.0 / tot
                     cost = 0
-                    for j in range(A):
-                        if kept[j] > 0:  # kept > 0 implies w > 0
-                            cost += kept[j] * nlog[max(1, _floordiv(w[j] * M, tot, inv))]
+                    limit = (best - 8 * 65536 * param_bytes) // stride + 1  # terms are >= 0: stop once it cannot win
+                    for i in range(n_nz):
+                        j = nz[i]
+                        cost += kept[j] * nlog[max(1, _floordiv(w[j] * M, tot, inv))]
+                        if cost >= limit:
+                            break
                     cost = cost * stride + 8 * 65536 * param_bytes
                     if cost < best:
                         best = cost
                         model[k] = 1 + shape
-                        scale[k] = code
+                        scale[k] = min(max(code0 + d - search, 0), 255)
         if model[k] > 0:
             mu16_out[k] = mu16
             for j in range(H + 1):
@@ -344,48 +367,54 @@ def _lane_layout(g0, G, K, S):
 def _encode_group_fast(sym, r0, k0, lo, W, fc, rcp, S, G, prob_bits, x, words, base, escv):
     """The coding pass of one group whose G lanes are consecutive components k0.. of one full token
     chunk starting at row r0 (the common case); x: the lanes' states (uint32). Per step: one loop
-    gathers each lane's table entry, a branch-free one (vectorized) updates the states, with an
-    exact reciprocal-multiply division, and one appends the emitted words in lane order.
-    Returns (words written, escapes written)."""
+    gathers each lane's table entry, a branch-free one (vectorized, 32-bit but for the product
+    of the division) updates the states, with an exact reciprocal-multiply division, and one
+    appends the emitted words in lane order. Returns (words written, escapes written)."""
     A1 = fc.shape[1]
     fcf = fc.ravel()
     rcf = rcp.ravel()
     symf = sym.ravel()
     K = sym.shape[1]
-    sh = np.uint64(32 - prob_bits)
-    n = np.uint64(prob_bits)
+    sh = np.uint32(32 - prob_bits)
+    n = np.uint32(prob_bits)
     fv = np.empty(G, np.uint32)
     rv = np.empty(G, np.uint32)
     emw = np.empty(G, np.uint16)
     em = np.empty(G, np.uint8)
+    lo32 = np.empty(G, np.int32)
+    w32 = np.empty(G, np.uint32)
+    tbase = np.empty(G, np.uint64)
+    for l in range(G):
+        lo32[l] = lo[k0 + l]
+        w32[l] = W[k0 + l]
+        tbase[l] = (k0 + l) * A1
     ptr = 0
     ne = 0
     for ii in range(S):
         row = np.uint64((r0 + S - 1 - ii) * K + k0)  # tokens last to first
         n_out = 0
         for l in range(G):  # unsigned indices: no negative-index wraparound in the loops
-            k = k0 + l
-            j = np.uint64(np.int64(symf[row + np.uint64(l)]) - lo[k])
-            wk = np.uint64(W[k])
-            out = j >= wk  # below or above the window: the escape symbol
+            # v - lo taken mod 2^32: below the window wraps past every window (lo + W - 1 < 2^31)
+            j = np.uint32(symf[row + np.uint64(l)] - lo32[l])
+            out = j >= w32[l]  # below or above the window: the escape symbol
             n_out += out
-            idx = np.uint64(k * A1) + (wk if out else j)
+            idx = tbase[l] + np.uint64(w32[l] if out else j)
             fv[l] = fcf[idx]
             rv[l] = rcf[idx]
         for l in range(G):
-            xl = np.uint64(x[l])
-            e = np.uint64(fv[l])
-            f = e & np.uint64(0xFFFF)
+            xl = x[l]
+            e = fv[l]
+            f = e & np.uint32(0xFFFF)
             emit = (xl >> sh) >= f
-            emw[l] = np.uint16(xl & np.uint64(0xFFFF))
+            emw[l] = np.uint16(xl & np.uint32(0xFFFF))
             em[l] = np.uint8(emit)
-            xl = (xl >> np.uint64(16)) if emit else xl
-            q = (xl * np.uint64(rv[l])) >> np.uint64(32)  # floor(xl / f) or one less (_encode_table)
+            xl = (xl >> np.uint32(16)) if emit else xl
+            q = np.uint32((np.uint64(xl) * np.uint64(rv[l])) >> np.uint64(32))  # floor(xl / f) or one less
             r = xl - q * f
             up = r >= f
-            q = q + np.uint64(up)
-            r = r - (f if up else np.uint64(0))
-            x[l] = np.uint32((q << n) + r + (e >> np.uint64(16)))
+            q = q + np.uint32(up)
+            r = r - (f if up else np.uint32(0))
+            x[l] = (q << n) + r + (e >> np.uint32(16))
         for l in range(G):
             words[base + ptr] = emw[l]  # kept only when emitted
             ptr += em[l]
@@ -544,7 +573,7 @@ def encode(symbols: np.ndarray, prob_bits: int = rans.DEFAULT_PROB_BITS, group_l
     lo0, h0 = rans.initial_windows(mn, mx, sm, T, prob_bits)
     stride = rans.hist_row_stride(T)
     H = int(h0.max())
-    counts, n_sampled = _histogram(sym, stride, lo0, h0, H)
+    counts, n_sampled = _histogram(sym, stride, lo0, h0, H, numba.get_num_threads())
     tab = rans.model_tables()
     lo, W, esc, codes, model, scale, mu16, freq, cum, ok = _tables(
         counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, tab["shapes"], tab["inv_sigma"], tab["sigma16_sq"],
@@ -609,52 +638,54 @@ def _decode_group_fast(words, wb, ptr, states, g0, escapes, eb, eptr, fc, lut, l
                        out):
     """The decoding pass of one group whose G lanes are consecutive components k0.. of one full
     token chunk starting at row r0 (the common case). Per step: one loop looks up each lane's
-    symbol and table entry, a branch-free one (vectorized) updates the states and writes the
-    values, one reads the words of the lanes that renormalize, in lane order. Returns (words
-    left, escapes left, error: 0 ok, 1 streams, 2 escapes)."""
+    symbol and table entry, a branch-free one (vectorized, 32-bit: a state stays below 2^32)
+    updates the states and writes the values, one lists the lanes that renormalize and one
+    reads their words, in lane order. Returns (words left, escapes left, error: 0 ok, 1 streams,
+    2 escapes)."""
     K = out.shape[1]
     A1 = fc.shape[1]
     M = lut.shape[1]
     fcf = fc.ravel()
     lutf = lut.ravel()
     outf = out.ravel()
-    n = np.uint64(prob_bits)
-    mask = np.uint64((1 << prob_bits) - 1)
-    n_words = words.shape[0]
+    n = np.uint32(prob_bits)
+    mask = np.uint32((1 << prob_bits) - 1)
     x = np.empty(G, np.uint32)
     sv = np.empty(G, np.uint32)
     fv = np.empty(G, np.uint32)
-    nd = np.empty(G, np.uint8)
+    need = np.empty(G, np.int64)
+    lo32 = np.empty(G, np.int32)
+    es32 = np.empty(G, np.int32)
     for l in range(G):
         x[l] = states[g0 + l]
+        lo32[l] = lo[k0 + l]
+        es32[l] = esc_sym[k0 + l]
     esc_bad = False
     for i in range(S):
         row = np.uint64((r0 + i) * K + k0)
         for l in range(G):
-            s = lutf[np.uint64((k0 + l) * M) + (np.uint64(x[l]) & mask)]
+            s = lutf[np.uint64((k0 + l) * M) + np.uint64(x[l] & mask)]
             sv[l] = s
             fv[l] = fcf[np.uint64((k0 + l) * A1) + np.uint64(s)]
-        n_need = 0
         n_esc = 0
         for l in range(G):
-            xl = np.uint64(x[l])
-            e = np.uint64(fv[l])
-            xn = (e & np.uint64(0xFFFF)) * (xl >> n) + (xl & mask) - (e >> np.uint64(16))
-            x[l] = np.uint32(xn)
-            need = xn < np.uint64(L)
-            nd[l] = np.uint8(need)
-            n_need += need
-            n_esc += np.int64(sv[l]) == esc_sym[k0 + l]
-            outf[row + np.uint64(l)] = np.int32(np.int64(sv[l]) + lo[k0 + l])
-        if n_need > 0:
-            ptr -= n_need
+            xl = x[l]
+            e = fv[l]
+            x[l] = (e & np.uint32(0xFFFF)) * (xl >> n) + (xl & mask) - (e >> np.uint32(16))
+            n_esc += np.int32(sv[l]) == es32[l]
+            outf[row + np.uint64(l)] = np.int32(sv[l]) + lo32[l]
+        m = 0
+        for l in range(G):
+            need[m] = l
+            m += x[l] < np.uint32(L)
+        if m > 0:
+            ptr -= m
             if ptr < 0:
                 return 0, eptr, 1
-            r = wb + ptr
-            for l in range(G):
-                w = np.uint32(words[min(r, n_words - 1)])
-                x[l] = ((x[l] << np.uint32(16)) | w) if nd[l] else x[l]
-                r += nd[l]
+            r = wb + ptr  # the words of this step, lanes in order (r + m <= the group's end)
+            for q in range(m):
+                l = need[q]
+                x[l] = (x[l] << np.uint32(16)) | np.uint32(words[r + q])
         if n_esc > 0:
             eptr -= n_esc
             if eptr < 0:  # as the general pass: flagged, the values stay, a stream error wins
@@ -663,7 +694,7 @@ def _decode_group_fast(words, wb, ptr, states, g0, escapes, eb, eptr, fc, lut, l
                 continue
             r = eb + eptr
             for l in range(G):
-                if np.int64(sv[l]) == esc_sym[k0 + l]:
+                if np.int32(sv[l]) == es32[l]:
                     outf[row + np.uint64(l)] = escapes[r]
                     r += 1
     for l in range(G):
