@@ -306,11 +306,13 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
                 code = min(max(code0 + d - search, 0), 255)
                 for j in range(Wk):
                     idx[d, j] = min((abs(16 * j - mu16) * inv_sigma[code]) >> 24, shapes.shape[1] - 1)
-            nz = np.empty(A, np.int64)  # the symbols that occur (kept > 0 implies w > 0)
+            nz = np.empty(A, np.int64)  # the symbols that occur (kept > 0 implies w > 0), and their counts
+            kz = np.empty(A, np.int64)
             n_nz = 0
             for j in range(A):
                 if kept[j] > 0:
                     nz[n_nz] = j
+                    kz[n_nz] = kept[j]
                     n_nz += 1
             for shape in range(n_shapes):
                 for d in range(n_d):  # the order of rans.fit_models: ties keep the first
@@ -320,12 +322,14 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
                         tot += w[j]
                     if ek > 0:
                         w[Wk] = 1
-                    inv = 1.0 / tot
-                    cost = 0
+                    # floor(w * M / tot) as a float product: w * M < 2^31 and tot < 2^29, so a
+                    # fraction is 0 or >= 2^-29 while the product errs by < 2^-36: +2^-33 makes it exact
+                    inv = M / tot
                     limit = (best - 8 * 65536 * param_bytes) // stride + 1  # terms are >= 0: stop once it cannot win
-                    for i in range(n_nz):
-                        j = nz[i]
-                        cost += kept[j] * nlog[max(1, _floordiv(w[j] * M, tot, inv))]
+                    cost = 0
+                    for i0 in range(0, n_nz, 16):
+                        for i in range(i0, min(n_nz, i0 + 16)):
+                            cost += kz[i] * nlog[max(1, np.int64(w[nz[i]] * inv + 1.1641532182693481e-10))]
                         if cost >= limit:
                             break
                     cost = cost * stride + 8 * 65536 * param_bytes
@@ -428,13 +432,21 @@ def _encode_group_fast(sym, r0, k0, lo, W, fc, rcp, S, G, prob_bits, x, words, b
     return ptr, ne
 
 
+@njit(**_JIT)
 def _encode_table(freq, cum):
     """Per (component, symbol): fc = freq | cum << 16 and rcp = floor((2^32 - 1) / freq), uint32.
 
     After renormalization a state x is below freq * 2^(32 - prob_bits), so x * rcp < 2^54 and
     (x * rcp) >> 32 is floor(x / freq) or one less: one correction step makes it exact."""
-    f = np.maximum(freq, 1)
-    return ((f & 0xFFFF) | ((cum & 0xFFFF) << 16)).astype(np.uint32), (((1 << 32) - 1) // f).astype(np.uint32)
+    K, A1 = freq.shape
+    fc = np.empty((K, A1), np.uint32)
+    rcp = np.empty((K, A1), np.uint32)
+    for k in range(K):
+        for j in range(A1):
+            f = max(freq[k, j], 1)
+            fc[k, j] = np.uint32((f & 0xFFFF) | ((cum[k, j] & 0xFFFF) << 16))
+            rcp[k, j] = np.uint32(4294967295 // f)
+    return fc, rcp
 
 
 @njit(parallel=True, **_JIT)
@@ -548,10 +560,13 @@ def checksum(*parts) -> tuple[int, int]:
     """rans.checksum (same values), compiled: the parts are the checked header bytes and the rest."""
     _require()
     head = np.frombuffer(parts[0], np.uint8)
-    rest = parts[1:]
-    tail = np.frombuffer(rest[0], np.uint8) if len(rest) == 1 else np.frombuffer(b"".join(rest), np.uint8)
-    c0, c1 = _checksum_parts(head, tail, len(head))
-    return int(c0), int(c1)
+    c0, c1 = _checksum_parts(head, np.zeros(0, np.uint8), len(head))
+    pos = len(head)
+    for part in parts[1:]:  # the sums are additive: each part alone at its position, no join
+        b = np.frombuffer(part, np.uint8)
+        p0, p1 = _checksum_parts(np.zeros(0, np.uint8), b, pos)
+        c0, c1, pos = c0 + p0, c1 + p1, pos + len(b)
+    return int(c0) & 0xFFFFFFFF, int(c1) & 0xFFFFFFFF
 
 
 def encode(symbols: np.ndarray, prob_bits: int = rans.DEFAULT_PROB_BITS, group_lanes: int = rans.DEFAULT_GROUP_LANES,
