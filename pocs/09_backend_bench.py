@@ -464,7 +464,7 @@ def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
 
 CPU_API_TOKENS = [2048, 16384]  # tokens of the real-K tensors ([T, 192]; 16384 cycles the held-out rows)
 CPU_API_SYNTHETIC_K = (None, 256, 1024)  # synthetic [4096, 1024] bf16: raw channels, PCA K=256 and K=1024
-CPU_API_REPEATS = 9           # timed calls per stage (median of CPU time), after one untimed call
+CPU_API_REPEATS = 15          # timed calls per stage (median of CPU time), after one untimed call
 CPU_API_TARGET_GBPS = 0.3     # the speed each direction is meant to reach on one core (GB/s of bf16)
 
 

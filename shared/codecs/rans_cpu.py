@@ -7,14 +7,21 @@
 
 The format, the table rules and every integer formula are those of rans.py (its docstring is the
 specification; the numpy coder there stays the readable reference, the tests compare the two byte
-for byte). Here they run as loops compiled by numba: one pass for each column's min, max and sum,
-one for the histogram, one over components for windows, parametric models and frequency tables,
-and one coding pass over lane groups (parallel over groups with numba's prange when
-NUMBA_NUM_THREADS > 1). Compiled functions are cached on disk (cache=True), so only the first
-import on a machine pays the compile time.
+for byte). Here they run as loops compiled by numba: one pass for each column's min, max and sum
+(skipped when the caller passes `stats=`, as TensorCodec does from its quantizer's pass), one for
+the histogram (row after row), one over components for windows, parametric models and frequency
+tables, and one coding pass over lane groups (parallel over groups with numba's prange when
+NUMBA_NUM_THREADS > 1). In the common group (32 consecutive components of one token chunk) each
+coding step is a loop of table lookups, a branch-free loop that LLVM vectorizes (32-bit states;
+the encoder divides by an exact reciprocal multiply, floor((2^32 - 1) / f) and one correction)
+and a loop that appends (encoder) or reads (decoder) the renormalization words in lane order.
+Compiled functions are cached on disk (cache=True), so only the first import on a machine pays the
+compile time.
 
-`benchmark_cpu_pipeline()` times TensorCodec's CPU path (bf16 tensor -> bytes -> bf16 tensor) and
-prints where the time goes, stage by stage.
+`benchmark_cpu_pipeline()` times TensorCodec's CPU path (bf16 tensor -> bytes -> bf16 tensor) on
+one core and prints where the time goes, stage by stage (PoC 09 --api-cpu writes its rows):
+
+    python -m shared.codecs.rans_cpu [--threads 1] [--reps 9]
 """
 from __future__ import annotations
 
@@ -224,6 +231,7 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
     cum = np.zeros((K, H + 1), np.int64)
     ok = np.ones(K, np.bool_)
     n_shapes = shapes.shape[0]
+    shapes32 = shapes.astype(np.int32)  # values < 2^16
     for k in prange(K):
         cnt = counts[k].copy()
         outside0 = n_sampled
@@ -301,11 +309,12 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
         if min_share * 8 * 65536 * A >= best:
             # the shape's sample index of each window symbol, per scale code tried (shape-independent)
             n_d = 2 * search + 1
-            idx = np.empty((n_d, Wk), np.int64)
+            idx = np.empty((n_d, Wk), np.int32)  # 32-bit indices and weights: 16-wide gathers
             for d in range(n_d):
                 code = min(max(code0 + d - search, 0), 255)
                 for j in range(Wk):
                     idx[d, j] = min((abs(16 * j - mu16) * inv_sigma[code]) >> 24, shapes.shape[1] - 1)
+            w32 = np.empty(Wk + 1, np.int32)
             nz = np.empty(A, np.int64)  # the symbols that occur (kept > 0 implies w > 0), and their counts
             kz = np.empty(A, np.int64)
             n_nz = 0
@@ -315,13 +324,14 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
                     kz[n_nz] = kept[j]
                     n_nz += 1
             for shape in range(n_shapes):
+                srow = shapes32[shape]
                 for d in range(n_d):  # the order of rans.fit_models: ties keep the first
                     tot = ek
                     for j in range(Wk):
-                        w[j] = max(shapes[shape, idx[d, j]], 1)
-                        tot += w[j]
+                        w32[j] = max(srow[idx[d, j]], 1)
+                        tot += w32[j]
                     if ek > 0:
-                        w[Wk] = 1
+                        w32[Wk] = 1
                     # floor(w * M / tot) as a float product: w * M < 2^31 and tot < 2^29, so a
                     # fraction is 0 or >= 2^-29 while the product errs by < 2^-36: +2^-33 makes it exact
                     inv = M / tot
@@ -329,7 +339,7 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
                     cost = 0
                     for i0 in range(0, n_nz, 16):
                         for i in range(i0, min(n_nz, i0 + 16)):
-                            cost += kz[i] * nlog[max(1, np.int64(w[nz[i]] * inv + 1.1641532182693481e-10))]
+                            cost += kz[i] * nlog[max(1, np.int64(w32[nz[i]] * inv + 1.1641532182693481e-10))]
                         if cost >= limit:
                             break
                     cost = cost * stride + 8 * 65536 * param_bytes
@@ -1004,7 +1014,7 @@ def benchmark_cpu_pipeline(cases=None, threads: int = 1, reps: int = 9, check_re
                 ("reference", "memcpy of the bf16 bytes", lambda: np.copyto(dst, src)),
             ]
             common = dict(case=name, tokens=T, channels=D, k=D if basis is None else basis.k, threads=threads,
-                          tensor_mb=nbytes / 1e6, step=step)
+                          repeats=reps, tensor_mb=nbytes / 1e6, step=step)
             print(f"  {'':44s} {'CPU ms':>8s} {'wall ms':>8s} {'GB/s (CPU time)':>16s}")
             times = {}
             for direction, stage, fn in stages:
