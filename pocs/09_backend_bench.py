@@ -25,7 +25,7 @@ the export of `python -m shared.sources export` (cycled to fill the run; every x
 intra-only, so no frame is predicted from a repeated one), else synthetic planes, labelled.
 
 Command:   make poc-09            (or: python pocs/09_backend_bench.py [--quick] [--sizes 256,2048]
-                                   [--backends nvcomp,x265] [--tokens 32768])
+                                   [--backends nvcomp,x265] [--tokens 32768] [--api] [--api-cpu])
 Writes:    results/09_backend_bench.csv, figures/09_backend_bench.png
 Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of planes):
     backend          setting    size path           enc ms/f  dec ms/f  enc GB/s  dec GB/s  ratio  exact
@@ -34,6 +34,22 @@ Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of 
     nvcomp-ans       default    2048 gpu_session       7.947     7.037      1.58      1.79   1.07  matches
     nvcomp-zstd      default    2048 gpu_batch         1.444     0.897      8.71     14.03   1.10  matches
     nvcomp-ans       default       - gpu_planes        0.403     0.255    166.51    262.88   1.41  matches
+
+The compute codec's CPU path (`--api-cpu`, any machine; about 1 min on a 2-core CPU machine): a
+bf16 CPU tensor through TensorCodec on one core (torch, numba and BLAS one thread each), each way
+and stage by stage, in CPU time of the process (median of 15 calls), beside a memcpy of the same
+bytes; real SmolLM2 K ([2048, 192] and [16384, 192], K = 192 of 192) and synthetic [4096, 1024]
+tensors (no PCA, K = 256, K = 1024), step for cos 0.999. Every payload is first checked equal to
+the numpy reference coder's, the round trip's cosine measured, and with a basis the symbols and
+the decoded values compared with the GPU kernels' formulas (evaluated in float64). Its rows
+(path=api_cpu, device cpu) are merged into results/09_backend_bench.csv; figures/09_backend_bench_cpu.png.
+Sample output (a 2-core CPU machine, load average 6.6 from other jobs; CPU ms, wall ms, GB/s):
+    synthetic [4096, 1024], no PCA: 8.4 MB bf16 -> 2651892 bytes, cos 0.999, ratio 3.1633, ...
+      encode: api                                     27.84    55.93            0.301
+      encode: rANS: tables                             8.04    16.03            1.043
+      encode: rANS: coding pass                       11.15    23.62            0.752
+      decode: api                                     12.39    24.88            0.677
+      reference: memcpy of the bf16 bytes              0.14     0.14           57.986
 """
 from __future__ import annotations
 

@@ -339,7 +339,8 @@ def api_cpu_speed() -> str | None:
     for c in cases:
         enc, dec = val(c, "api", "gbps", "encode"), val(c, "api", "gbps", "decode")
         agree = val(c, "check", "symbols_equal_gpu_formula"), val(c, "check", "decode_equals_gpu_formula")
-        rows.append([c, f"{val(c, 'check', 'ratio'):.2f}x", f"{val(c, 'check', 'cos'):.4f}", f"{enc:.3f}", f"{dec:.3f}",
+        rows.append([c, f"{val(c, 'check', 'ratio'):.2f}x ({val(c, 'check', 'ratio_float32_path'):.2f}x)",
+                     f"{val(c, 'check', 'cos'):.5f} ({val(c, 'check', 'cos_float32_path'):.5f})", f"{enc:.3f}", f"{dec:.3f}",
                      "yes" if min(enc, dec) >= target else f"no ({'encode' if enc < target else 'decode'})",
                      f"{val(c, 'memcpy of the bf16 bytes', 'gbps', 'reference'):.0f}",
                      f"{8 * val(c, 'api', 'crossover_link_gbps'):.2f}",
@@ -355,7 +356,7 @@ def api_cpu_speed() -> str | None:
         fmt = [("-" if v != v else f"{v:.1f}") for v in enc_parts + [ms[("encode", "api")]] + dec_parts
                + [ms[("decode", "api")]]]
         stages.append([c] + fmt)
-    return (_table(rows, ["tensor (bf16, CPU)", "ratio", "cos", "encode GB/s", "decode GB/s",
+    return (_table(rows, ["tensor (bf16, CPU)", "ratio (float32 path)", "cos (float32 path)", "encode GB/s", "decode GB/s",
                           f">= {target:g} GB/s both ways", "memcpy GB/s", "codec wins below (Gbit/s)",
                           "symbols / decode equal to the GPU formulas", "load average"])
             + "\n\nWhere the time goes (CPU ms of one call, median):\n\n"
@@ -368,7 +369,9 @@ def api_cpu_speed() -> str | None:
             + f"{int(df.repeats.iloc[0])} calls after one untimed call, beside a memcpy of the same bytes in the "
             + "same run. Every payload equals the numpy reference coder's and decodes to the same symbols "
             + "(checked before timing). 'codec wins below': the link rate under which encode + sending the "
-            + "payload + decode, one after the other, beats sending the raw bf16. The GPU formulas are the "
+            + "payload + decode, one after the other, beats sending the raw bf16. In brackets: the same "
+            + "values coded as a float32 tensor (float32 basis and GEMMs, the CPU path's numerics for other "
+            + "dtypes). The GPU formulas are the "
             + "GPU kernels' arithmetic evaluated in float64 on the CPU (bf16 basis, float32 accumulation), "
             + "not a GPU run. " + _source(df, "09_backend_bench"))
 

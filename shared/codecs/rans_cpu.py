@@ -950,6 +950,9 @@ def benchmark_cpu_pipeline(cases=None, threads: int = 1, reps: int = 9, check_re
             sym, stats = proj.quantize(x, q)
             payload = chunks["DATA"]
             checks = {"cos": cos, "ratio": nbytes / len(blob)}
+            blob32 = codec.encode(x.float())  # the float32 path of the same values: float32 basis and GEMMs
+            checks["cos_float32_path"] = quality(x.float().numpy(), codec.decode(blob32).numpy(), "cos")
+            checks["ratio_float32_path"] = nbytes / len(blob32)
             if check_reference:
                 checks["payload_equals_numpy_reference"] = float(rans.encode(sym) == payload)
                 checks["decode_equals_numpy_reference"] = float(np.array_equal(rans.decode(payload), decode(payload)))
@@ -1035,7 +1038,8 @@ def benchmark_cpu_pipeline(cases=None, threads: int = 1, reps: int = 9, check_re
                   f"GB/s ({8 * crossover:.2f} Gbit/s); load average at the end {os.getloadavg()[0]:.2f}")
             for metric, value in checks.items():
                 rows.append(dict(common, direction="both", stage="check", metric=metric, value=value,
-                                 unit="x vs bf16" if metric == "ratio" else ("cos" if metric == "cos" else "fraction")))
+                                 unit="x vs bf16" if metric.startswith("ratio") else
+                                 ("cos" if metric.startswith("cos") else "fraction")))
             rows.append(dict(common, direction="both", stage="api", metric="crossover_link_gbps", value=crossover,
                              unit="GB/s"))
             rows.append(dict(common, direction="both", stage="machine", metric="load_average", value=load0,
