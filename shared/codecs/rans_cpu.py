@@ -232,136 +232,143 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
     ok = np.ones(K, np.bool_)
     n_shapes = shapes.shape[0]
     shapes32 = shapes.astype(np.int32)  # values < 2^16
-    for k in prange(K):
-        cnt = counts[k].copy()
-        outside0 = n_sampled
-        for j in range(H):
-            outside0 -= cnt[j]
-        if stride > 1:
-            for j in range(min(H, h0[k])):
-                cnt[j] += 1
-        n_in = 0
-        mode = 0
-        for j in range(H):
-            n_in += cnt[j]
-            if cnt[j] > cnt[mode]:
-                mode = j
-        # trimming: a = first argmin of cost_l, b = first argmin of cost_r
-        incl = 0
-        best_l, a, left_a = _BIG, 0, 0
-        best_r, b, right_b = _BIG, 0, 0
-        for j in range(H):
-            left = incl
-            incl += cnt[j]
-            right = n_in - incl
-            cl = escape_cost * stride * left - entry_cost * j if j <= mode else _BIG
-            cr = entry_cost * j + escape_cost * stride * right if (j >= mode and j < h0[k]) else _BIG
-            if j == 0 or cl < best_l:
-                best_l, a, left_a = cl, j, left
-            if j == 0 or cr < best_r:
-                best_r, b, right_b = cr, j, right
-        n_esc = outside0 + left_a + right_b
-        Wk = b - a + 1
-        lok = lo0[k] + a
-        ek = 1 if (lok > mn[k] or lok + Wk - 1 < mx[k]) else 0
-        kept = np.zeros(H + 1, np.int64)
-        for j in range(H):
-            if j < Wk:
-                kept[j] = cnt[min(a + j, H - 1)]
-        if Wk >= 0:
-            kept[Wk] = max(n_esc, 1) if ek > 0 else 0
-        kmax = 0
-        for j in range(H + 1):
-            kmax = max(kmax, kept[j])
-        shift = max(_bitlen(kmax) - 18, 0)
-        A = Wk + ek
-        w = np.zeros(H + 1, np.int64)
-        for j in range(H + 1):
-            if kept[j] > 0:
-                codes[k, j] = _minifloat_encode(max(kept[j] >> shift, 1))
-                w[j] = _minifloat_decode(np.int64(codes[k, j]))
-        lo[k], W[k], esc[k] = lok, Wk, ek
-        # parametric models (rans.fit_models): moments of the in-window counts
-        n = 0
-        s1 = 0
-        for j in range(min(Wk, H + 1)):
-            n += kept[j]
-            s1 += kept[j] * 16 * j
-        n = max(n, 1)
-        mu16 = s1 // n
-        s2 = 0
-        for j in range(min(Wk, H + 1)):
-            d = 16 * j - mu16
-            s2 += kept[j] * d * d
-        var16 = s2 // n
-        code0 = 0
-        for c in range(sigma16_sq.shape[0]):
-            if sigma16_sq[c] < var16:
-                code0 += 1
-        f = np.zeros(H + 1, np.int64)
-        if not _normalize(w, H + 1, M, prob_bits, f):
-            ok[k] = False
-            continue
-        cost = 0
-        for j in range(A):
-            cost += kept[j] * nlog[f[j]]
-        best = cost * stride + 8 * 65536 * A
-        if min_share * 8 * 65536 * A >= best:
-            # the shape's sample index of each window symbol, per scale code tried (shape-independent)
-            n_d = 2 * search + 1
-            idx = np.empty((n_d, Wk), np.int32)  # 32-bit indices and weights: 16-wide gathers
-            for d in range(n_d):
-                code = min(max(code0 + d - search, 0), 255)
-                for j in range(Wk):
-                    idx[d, j] = min((abs(16 * j - mu16) * inv_sigma[code]) >> 24, shapes.shape[1] - 1)
-            w32 = np.empty(Wk + 1, np.int32)
-            nz = np.empty(A, np.int64)  # the symbols that occur (kept > 0 implies w > 0), and their counts
-            kz = np.empty(A, np.int64)
-            n_nz = 0
-            for j in range(A):
+    nchunk = min(K, 64)  # scratch arrays per chunk of components, not per component
+    n_d = 2 * search + 1
+    for ch in prange(nchunk):
+        cnt = np.empty(H, np.int64)
+        kept = np.empty(H + 1, np.int64)
+        w = np.empty(H + 1, np.int64)
+        f = np.empty(H + 1, np.int64)
+        idx = np.empty((n_d, H + 1), np.int32)  # 32-bit sample indices and weights: 16-wide gathers
+        w32 = np.empty(H + 2, np.int32)
+        nz = np.empty(H + 1, np.int64)
+        kz = np.empty(H + 1, np.int64)
+        for k in range(ch * K // nchunk, (ch + 1) * K // nchunk):
+            cnt[:] = counts[k]
+            outside0 = n_sampled
+            for j in range(H):
+                outside0 -= cnt[j]
+            if stride > 1:
+                for j in range(min(H, h0[k])):
+                    cnt[j] += 1
+            n_in = 0
+            mode = 0
+            for j in range(H):
+                n_in += cnt[j]
+                if cnt[j] > cnt[mode]:
+                    mode = j
+            # trimming: a = first argmin of cost_l, b = first argmin of cost_r
+            incl = 0
+            best_l, a, left_a = _BIG, 0, 0
+            best_r, b, right_b = _BIG, 0, 0
+            for j in range(H):
+                left = incl
+                incl += cnt[j]
+                right = n_in - incl
+                cl = escape_cost * stride * left - entry_cost * j if j <= mode else _BIG
+                cr = entry_cost * j + escape_cost * stride * right if (j >= mode and j < h0[k]) else _BIG
+                if j == 0 or cl < best_l:
+                    best_l, a, left_a = cl, j, left
+                if j == 0 or cr < best_r:
+                    best_r, b, right_b = cr, j, right
+            n_esc = outside0 + left_a + right_b
+            Wk = b - a + 1
+            lok = lo0[k] + a
+            ek = 1 if (lok > mn[k] or lok + Wk - 1 < mx[k]) else 0
+            kept[:] = 0
+            for j in range(H):
+                if j < Wk:
+                    kept[j] = cnt[min(a + j, H - 1)]
+            if Wk >= 0:
+                kept[Wk] = max(n_esc, 1) if ek > 0 else 0
+            kmax = 0
+            for j in range(H + 1):
+                kmax = max(kmax, kept[j])
+            shift = max(_bitlen(kmax) - 18, 0)
+            A = Wk + ek
+            w[:] = 0
+            for j in range(H + 1):
                 if kept[j] > 0:
-                    nz[n_nz] = j
-                    kz[n_nz] = kept[j]
-                    n_nz += 1
-            for shape in range(n_shapes):
-                srow = shapes32[shape]
-                for d in range(n_d):  # the order of rans.fit_models: ties keep the first
-                    tot = ek
+                    codes[k, j] = _minifloat_encode(max(kept[j] >> shift, 1))
+                    w[j] = _minifloat_decode(np.int64(codes[k, j]))
+            lo[k], W[k], esc[k] = lok, Wk, ek
+            # parametric models (rans.fit_models): moments of the in-window counts
+            n = 0
+            s1 = 0
+            for j in range(min(Wk, H + 1)):
+                n += kept[j]
+                s1 += kept[j] * 16 * j
+            n = max(n, 1)
+            mu16 = s1 // n
+            s2 = 0
+            for j in range(min(Wk, H + 1)):
+                d = 16 * j - mu16
+                s2 += kept[j] * d * d
+            var16 = s2 // n
+            code0 = 0
+            for c in range(sigma16_sq.shape[0]):
+                if sigma16_sq[c] < var16:
+                    code0 += 1
+            f[:] = 0
+            if not _normalize(w, A, M, prob_bits, f):  # w is 0 from A on
+                ok[k] = False
+                continue
+            cost = 0
+            for j in range(A):
+                cost += kept[j] * nlog[f[j]]
+            best = cost * stride + 8 * 65536 * A
+            if min_share * 8 * 65536 * A >= best:
+                # the shape's sample index of each window symbol, per scale code tried (shape-independent)
+                for d in range(n_d):
+                    code = min(max(code0 + d - search, 0), 255)
                     for j in range(Wk):
-                        w32[j] = max(srow[idx[d, j]], 1)
-                        tot += w32[j]
-                    if ek > 0:
-                        w32[Wk] = 1
-                    # floor(w * M / tot) as a float product: w * M < 2^31 and tot < 2^29, so a
-                    # fraction is 0 or >= 2^-29 while the product errs by < 2^-36: +2^-33 makes it exact
-                    inv = M / tot
-                    limit = (best - 8 * 65536 * param_bytes) // stride + 1  # terms are >= 0: stop once it cannot win
-                    cost = 0
-                    for i0 in range(0, n_nz, 16):
-                        for i in range(i0, min(n_nz, i0 + 16)):
-                            cost += kz[i] * nlog[max(1, np.int64(w32[nz[i]] * inv + 1.1641532182693481e-10))]
-                        if cost >= limit:
-                            break
-                    cost = cost * stride + 8 * 65536 * param_bytes
-                    if cost < best:
-                        best = cost
-                        model[k] = 1 + shape
-                        scale[k] = min(max(code0 + d - search, 0), 255)
-        if model[k] > 0:
-            mu16_out[k] = mu16
+                        idx[d, j] = min((abs(16 * j - mu16) * inv_sigma[code]) >> 24, shapes.shape[1] - 1)
+                # nz, kz: the symbols that occur (kept > 0 implies w > 0), and their counts
+                n_nz = 0
+                for j in range(A):
+                    if kept[j] > 0:
+                        nz[n_nz] = j
+                        kz[n_nz] = kept[j]
+                        n_nz += 1
+                for shape in range(n_shapes):
+                    srow = shapes32[shape]
+                    for d in range(n_d):  # the order of rans.fit_models: ties keep the first
+                        tot = ek
+                        for j in range(Wk):
+                            w32[j] = max(srow[idx[d, j]], 1)
+                            tot += w32[j]
+                        if ek > 0:
+                            w32[Wk] = 1
+                        # floor(w * M / tot) as a float product: w * M < 2^31 and tot < 2^29, so a
+                        # fraction is 0 or >= 2^-29 while the product errs by < 2^-36: +2^-33 makes it exact
+                        inv = M / tot
+                        limit = (best - 8 * 65536 * param_bytes) // stride + 1  # terms are >= 0: stop once it cannot win
+                        cost = 0
+                        for i0 in range(0, n_nz, 16):
+                            for i in range(i0, min(n_nz, i0 + 16)):
+                                cost += kz[i] * nlog[max(1, np.int64(w32[nz[i]] * inv + 1.1641532182693481e-10))]
+                            if cost >= limit:
+                                break
+                        cost = cost * stride + 8 * 65536 * param_bytes
+                        if cost < best:
+                            best = cost
+                            model[k] = 1 + shape
+                            scale[k] = min(max(code0 + d - search, 0), 255)
+            if model[k] > 0:
+                mu16_out[k] = mu16
+                for j in range(H + 1):
+                    w[j] = _model_weight(j, Wk, ek, model[k] - 1, scale[k], mu16, shapes, inv_sigma)
+            else:
+                for j in range(H + 1):
+                    w[j] = _minifloat_decode(np.int64(codes[k, j]))
+            if not _normalize(w, A, M, prob_bits, f):  # w is 0 from A on
+                ok[k] = False
+                continue
+            c = 0
             for j in range(H + 1):
-                w[j] = _model_weight(j, Wk, ek, model[k] - 1, scale[k], mu16, shapes, inv_sigma)
-        else:
-            for j in range(H + 1):
-                w[j] = _minifloat_decode(np.int64(codes[k, j]))
-        if not _normalize(w, H + 1, M, prob_bits, f):
-            ok[k] = False
-            continue
-        c = 0
-        for j in range(H + 1):
-            freq[k, j] = f[j]
-            cum[k, j] = c
-            c += f[j]
+                freq[k, j] = f[j]
+                cum[k, j] = c
+                c += f[j]
     return lo, W, esc, codes, model, scale, mu16_out, freq, cum, ok
 
 
@@ -646,7 +653,7 @@ def _decode_tables(codes_flat, model, scale, mu16, W, esc, prob_bits, shapes, in
             else:
                 w[j] = _model_weight(j, W[k], esc[k], model[k] - 1, scale[k], mu16[k], shapes, inv_sigma)
         f = np.zeros(A1, np.int64)
-        if not _normalize(w, A1, M, prob_bits, f):
+        if not _normalize(w, A[k], M, prob_bits, f):  # w is 0 from A[k] on
             ok[k] = False
             continue
         c = 0
