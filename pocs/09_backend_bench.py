@@ -43,13 +43,14 @@ tensors (no PCA, K = 256, K = 1024), step for cos 0.999. Every payload is first 
 the numpy reference coder's, the round trip's cosine measured, and with a basis the symbols and
 the decoded values compared with the GPU kernels' formulas (evaluated in float64). Its rows
 (path=api_cpu, device cpu) are merged into results/09_backend_bench.csv; figures/09_backend_bench_cpu.png.
-Sample output (a 2-core CPU machine, load average 6.6 from other jobs; CPU ms, wall ms, GB/s):
+Sample output (a 2-core CPU machine, load average 6.0 from other jobs; CPU ms, wall ms, GB/s):
     synthetic [4096, 1024], no PCA: 8.4 MB bf16 -> 2651892 bytes, cos 0.999, ratio 3.1633, ...
-      encode: api                                     27.84    55.93            0.301
-      encode: rANS: tables                             8.04    16.03            1.043
-      encode: rANS: coding pass                       11.15    23.62            0.752
-      decode: api                                     12.39    24.88            0.677
-      reference: memcpy of the bf16 bytes              0.14     0.14           57.986
+      encode: api                                     26.85    54.92            0.312
+      encode: rANS: tables                             7.61    15.75            1.102
+      encode: rANS: coding pass                       10.37    22.24            0.809
+      decode: api                                     12.36    24.37            0.679
+      decode: rANS: decoding pass                      7.71    15.97            1.088
+      reference: memcpy of the bf16 bytes              0.20     0.20           42.644
 """
 from __future__ import annotations
 
