@@ -410,7 +410,9 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         blob = codec.encode(x)
         y = codec.decode(blob, device="cuda")
         q = quality(x.float().cpu().numpy(), y.float().cpu().numpy())
-        same = torch.equal(y.cpu(), codec.decode(bytes(blob.cpu().numpy())).to(torch.bfloat16)) if mb <= 16 else None
+        on_cpu = codec.decode(bytes(blob.cpu().numpy())).to(torch.bfloat16) if mb <= 16 else None
+        same = None if on_cpu is None else torch.equal(y.cpu(), on_cpu)
+        same_share = None if on_cpu is None else float((y.cpu() == on_cpu).float().mean())
         if q["cos_mean"] < API_TARGET_COS - 5e-4:
             raise SystemExit(f"round trip at {mb} MB gives cos {q['cos_mean']:.5f} < {API_TARGET_COS}")
         nbytes = x.numel() * 2
@@ -430,6 +432,8 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         add("api", "cos_mean", q["cos_mean"], "cos", mb, tokens=T, channels=D, **lanes)
         if same is not None:
             add("api", "gpu_decode_equals_cpu_decode", float(same), "bool", mb, tokens=T, channels=D, **lanes)
+            add("api", "gpu_cpu_decode_equal_fraction", same_share, "fraction of values", mb, tokens=T, channels=D,
+                **lanes)
         if lane_tokens is None:
             add("pcie_copy", "d2h_gbps", nbytes / t_d2h / 1e9, "GB/s", mb, tokens=T, channels=D)
             add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, tokens=T, channels=D)
