@@ -346,7 +346,8 @@ def api_cpu_speed() -> str | None:
                      f"{8 * val(c, 'api', 'crossover_link_gbps'):.2f}",
                      "-" if agree[0] != agree[0] else f"{100 * agree[0]:.2f}% / {100 * agree[1]:.2f}%",
                      f"{val(c, 'machine', 'load_average'):.1f}"])
-        ms = {(d, st): val(c, st, "cpu_ms", d) for d, st in zip(df.direction, df.stage)}
+        mine = df[df.case == c]
+        ms = {(d, st): val(c, st, "cpu_ms", d) for d, st in zip(mine.direction, mine.stage)}
         enc_parts = [ms.get(("encode", k), float("nan")) for k in (
             "projection: bf16 GEMM x @ C", "quantize + column statistics", "rANS: histogram", "rANS: tables",
             "rANS: coding pass")]
