@@ -25,7 +25,7 @@ the export of `python -m shared.sources export` (cycled to fill the run; every x
 intra-only, so no frame is predicted from a repeated one), else synthetic planes, labelled.
 
 Command:   make poc-09            (or: python pocs/09_backend_bench.py [--quick] [--sizes 256,2048]
-                                   [--backends nvcomp,x265] [--tokens 32768])
+                                   [--backends nvcomp,x265] [--tokens 32768] [--api] [--api-cpu])
 Writes:    results/09_backend_bench.csv, figures/09_backend_bench.png
 Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of planes):
     backend          setting    size path           enc ms/f  dec ms/f  enc GB/s  dec GB/s  ratio  exact
@@ -34,6 +34,23 @@ Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of 
     nvcomp-ans       default    2048 gpu_session       7.947     7.037      1.58      1.79   1.07  matches
     nvcomp-zstd      default    2048 gpu_batch         1.444     0.897      8.71     14.03   1.10  matches
     nvcomp-ans       default       - gpu_planes        0.403     0.255    166.51    262.88   1.41  matches
+
+The compute codec's CPU path (`--api-cpu`, any machine; about 1 min on a 2-core CPU machine): a
+bf16 CPU tensor through TensorCodec on one core (torch, numba and BLAS one thread each), each way
+and stage by stage, in CPU time of the process (median of 15 calls), beside a memcpy of the same
+bytes; real SmolLM2 K ([2048, 192] and [16384, 192], K = 192 of 192) and synthetic [4096, 1024]
+tensors (no PCA, K = 256, K = 1024), step for cos 0.999. Every payload is first checked equal to
+the numpy reference coder's, the round trip's cosine measured, and with a basis the symbols and
+the decoded values compared with the GPU kernels' formulas (evaluated in float64). Its rows
+(path=api_cpu, device cpu) are merged into results/09_backend_bench.csv; figures/09_backend_bench_cpu.png.
+Sample output (a 2-core CPU machine, load average 6.0 from other jobs; CPU ms, wall ms, GB/s):
+    synthetic [4096, 1024], no PCA: 8.4 MB bf16 -> 2651892 bytes, cos 0.999, ratio 3.1633, ...
+      encode: api                                     26.85    54.92            0.312
+      encode: rANS: tables                             7.61    15.75            1.102
+      encode: rANS: coding pass                       10.37    22.24            0.809
+      decode: api                                     12.36    24.37            0.679
+      decode: rANS: decoding pass                      7.71    15.97            1.088
+      reference: memcpy of the bf16 bytes              0.20     0.20           42.644
 """
 from __future__ import annotations
 
@@ -393,7 +410,9 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         blob = codec.encode(x)
         y = codec.decode(blob, device="cuda")
         q = quality(x.float().cpu().numpy(), y.float().cpu().numpy())
-        same = torch.equal(y.cpu(), codec.decode(bytes(blob.cpu().numpy())).to(torch.bfloat16)) if mb <= 16 else None
+        on_cpu = codec.decode(bytes(blob.cpu().numpy())).to(torch.bfloat16) if mb <= 16 else None
+        same = None if on_cpu is None else torch.equal(y.cpu(), on_cpu)
+        same_share = None if on_cpu is None else float((y.cpu() == on_cpu).float().mean())
         if q["cos_mean"] < API_TARGET_COS - 5e-4:
             raise SystemExit(f"round trip at {mb} MB gives cos {q['cos_mean']:.5f} < {API_TARGET_COS}")
         nbytes = x.numel() * 2
@@ -413,6 +432,8 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         add("api", "cos_mean", q["cos_mean"], "cos", mb, tokens=T, channels=D, **lanes)
         if same is not None:
             add("api", "gpu_decode_equals_cpu_decode", float(same), "bool", mb, tokens=T, channels=D, **lanes)
+            add("api", "gpu_cpu_decode_equal_fraction", same_share, "fraction of values", mb, tokens=T, channels=D,
+                **lanes)
         if lane_tokens is None:
             add("pcie_copy", "d2h_gbps", nbytes / t_d2h / 1e9, "GB/s", mb, tokens=T, channels=D)
             add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, tokens=T, channels=D)
@@ -456,6 +477,76 @@ def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
     print(f"{'api_batched':12s} {mb:7.2f} {API_BATCH}x{API_BATCH_TOKENS} S={lane_tokens or 'def':<4} {ratio:6.2f} {cos:7.4f} "
           f"{nbytes / t_enc / 1e9:9.2f} {nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} "
           f"{nbytes / t_h2d / 1e9:9.2f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The compute codec's CPU path through the API (TensorCodec on a bf16 CPU tensor), on one core,
+# stage by stage, beside a memcpy of the same bytes in the same run (rans_cpu.benchmark_cpu_pipeline).
+
+CPU_API_TOKENS = [2048, 16384]  # tokens of the real-K tensors ([T, 192]; 16384 cycles the held-out rows)
+CPU_API_SYNTHETIC_K = (None, 256, 1024)  # synthetic [4096, 1024] bf16: raw channels, PCA K=256 and K=1024
+CPU_API_REPEATS = 15          # timed calls per stage (median of CPU time), after one untimed call
+CPU_API_TARGET_GBPS = 0.3     # the speed each direction is meant to reach on one core (GB/s of bf16)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "unknown CPU"
+    return f"{name}, {__import__('os').cpu_count()} cores"
+
+
+def bench_api_cpu(res: ResultsWriter, repeats: int, quick: bool = False):
+    """Real SmolLM2 K (K = 192 of 192, step calibrated for cos 0.999 on other rows) and synthetic
+    [4096, 1024] tensors through the CPU path, on one core: rows with device 'cpu', path 'api_cpu'."""
+    import torch
+
+    from shared.basis import fit_basis
+    from shared.codecs import rans_cpu
+    from shared.rdquant import calibrate_step
+
+    calib, test, desc = api_source()
+    D = calib.shape[1]
+    basis = calibrate_step(fit_basis([calib], k=D), [calib], API_TARGET_COS)
+    test_t = torch.from_numpy(test).to(torch.bfloat16)
+    cases = [(f"{desc.split(' (')[0]} [{T}, {D}], PCA K={D}", test_t[torch.arange(T) % len(test_t)].contiguous(),
+              basis, float(basis.meta["rans_step"])) for T in (CPU_API_TOKENS[:1] if quick else CPU_API_TOKENS)]
+    cases += rans_cpu.synthetic_cases(T=1024 if quick else 4096, ks=CPU_API_SYNTHETIC_K[:2] if quick
+                                      else CPU_API_SYNTHETIC_K, target_cos=API_TARGET_COS)
+    machine = _cpu_model()
+    for row in rans_cpu.benchmark_cpu_pipeline(cases, threads=1, reps=repeats, check_reference=not quick):
+        res.add(backend="rans", device="cpu", path="api_cpu", cpu_model=machine, source=desc,
+                target_gbps=CPU_API_TARGET_GBPS, **row)
+
+
+def plot_api_cpu(df, name: str = "09_backend_bench_cpu"):
+    """GB/s of bf16 per CPU second through the CPU path, each way, per case, beside the target."""
+    plt = apply_style()
+    rows = df[df.path == "api_cpu"] if "path" in df else df.iloc[:0]
+    if rows.empty:
+        return
+    api = rows[(rows.stage == "api") & (rows.metric == "gbps")]
+    cases = list(dict.fromkeys(api.case))
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.75 * len(cases)))
+    y = np.arange(len(cases))
+    for off, direction, color in ((-0.2, "encode", "#0072B2"), (0.2, "decode", "#E69F00")):
+        v = [float(api[(api.case == c) & (api.direction == direction)].value.iloc[0]) for c in cases]
+        ax.barh(y + off, v, height=0.38, color=color, label=f"TensorCodec.{direction} (bf16 CPU tensor)")
+        for yi, vi in zip(y + off, v):
+            ax.annotate(f"{vi:.2f}", (vi, yi), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    target = float(rows.target_gbps.dropna().iloc[0])
+    ax.axvline(target, color="#D55E00", ls="--", label=f"target {target:g} GB/s each way")
+    ax.set_yticks(y, cases)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s of bf16 per CPU second (one core, median)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(cases) > 3 else -0.4), ncol=3, fontsize=9)
+    met = sum(min(float(api[(api.case == c) & (api.direction == d)].value.iloc[0]) for d in ("encode", "decode"))
+              >= target for c in cases)
+    fig.suptitle(f"PoC 09: the compute codec on one CPU core ({rows.cpu_model.iloc[0]}): {met} of {len(cases)} "
+                 f"cases reach {target:g} GB/s both ways", fontsize=11)
+    save_figure(fig, name, "09_backend_bench.csv")
 
 
 def plot_api(df, name: str = "09_backend_bench_api"):
@@ -556,6 +647,8 @@ if __name__ == "__main__":
     ap.add_argument("--api", action="store_true",
                     help="only the compute codec through its API by tensor size (GPU), merged into the CSV by path")
     ap.add_argument("--api-sizes", default=",".join(map(str, API_MB)), help="tensor sizes for --api, MB")
+    ap.add_argument("--api-cpu", action="store_true",
+                    help="only the compute codec's CPU path on one core, stage by stage (rows path=api_cpu, merged)")
     ap.add_argument("--out", default=None, help="CSV path (default results/09_backend_bench.csv)")
     ap.add_argument("--merge", action="store_true",
                     help="replace only this run's backends in an existing CSV (runs split by the wheels they need)")
@@ -578,17 +671,33 @@ if __name__ == "__main__":
         new.to_csv(path, index=False)
         print(f"merged {len(res.rows)} API rows into {path}")
         args.plot_only = True
+    if args.api_cpu and not args.plot_only:
+        import pandas as pd
+
+        res = ResultsWriter("09", "backend_bench")
+        bench_api_cpu(res, args.cpu_repeats if args.quick else CPU_API_REPEATS, quick=args.quick)
+        new, path = res.frame(), res.path
+        if path.exists():
+            old = pd.read_csv(path, dtype={"poc": str})
+            new = pd.concat([old[old.get("path", pd.Series(index=old.index)) != "api_cpu"], new])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new.to_csv(path, index=False)
+        print(f"merged {len(res.rows)} CPU API rows into {path}")
+        plot_api_cpu(load("09_backend_bench"))
+        raise SystemExit(0)
     if not args.plot_only:
         res = run(args)
         path = Path(args.out) if args.out else res.path
-        if args.merge and path.exists():  # keep the other backends' rows from an earlier run
-            import pandas as pd
+        import pandas as pd
 
-            new = res.frame()
-            old = pd.read_csv(path, dtype={"poc": str})
-            res.save(path, frame=pd.concat([old[~old.backend.isin(set(new.backend))], new]))
-        else:
-            res.save(path)
+        old = pd.read_csv(path, dtype={"poc": str}) if path.exists() else None
+        frame = res.frame()
+        if old is not None and args.merge:  # keep the other backends' rows from an earlier run
+            frame = pd.concat([old[~old.backend.isin(set(frame.backend))], frame])
+        elif old is not None and "path" in old:  # the CPU API rows (--api-cpu, another machine) are kept
+            frame = pd.concat([frame, old[old.path == "api_cpu"]])
+        res.save(path, frame=frame)
     if args.out is None:
         plot()
         plot_api(load("09_backend_bench"))
+        plot_api_cpu(load("09_backend_bench"))

@@ -309,12 +309,58 @@ class TensorCodec:
     def _encode_symbols(self, x, dtype: str) -> bytes:
         from .codecs import rans_cpu
 
+        proj = self._cpu_projection(x, dtype)
+        if proj is not None:
+            return self._encode_symbols_bf16(x, proj)
         values = as_float_matrix(x)
         coeffs = self._project(values)
         quantizer = self._step_quantizer(values, coeffs, self._reconstruct)
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
         header, qpar = self._symbols_header(values.shape, dtype, quantizer)
         return pack(header, {"QPAR": qpar, "DATA": rans_cpu.coder().encode(symbols, lane_tokens=self.lane_tokens)})
+
+    def _cpu_projection(self, x, dtype: str, dim: int | None = None):
+        """The bf16 CPU path's projection (shared.rdquant.CpuProjection), made once; None where it
+        does not apply (another dtype, not a 2-D torch tensor, no compiled coder)."""
+        from .codecs import rans_cpu
+
+        if dtype != "bfloat16" or not rans_cpu.AVAILABLE:
+            return None
+        if dim is None:
+            if not (_is_tensor(x) and x.dim() == 2 and x.numel() > 0 and x.device.type == "cpu"):
+                return None
+            dim = x.shape[1]
+        if self.basis is not None and self.basis.dim != dim:
+            return None  # the general path raises the mismatch
+        if getattr(self, "_cpu_proj", None) is None or self._cpu_proj.D != dim:
+            from .rdquant import CpuProjection
+
+            self._cpu_proj = (CpuProjection(None, None, dim) if self.basis is None
+                              else CpuProjection(self.basis.mean, self.basis.components))
+        return self._cpu_proj
+
+    def _encode_symbols_bf16(self, x, proj) -> bytes:
+        """The compute codec's CPU path for a bf16 tensor: bf16 GEMM, then one compiled pass that
+        quantizes and gathers the coder's column statistics (CpuProjection); the general path's
+        checks (finite values, float32 headroom) are read off the symbols, and where one fails
+        the general path runs to name the cause."""
+        from .codecs import rans_cpu
+
+        if self.quantizer is None:  # target_cos: the step from a row sample, once
+            values = as_float_matrix(x)
+            rows = slice(None, None, max(1, -(-values.shape[0] // SAMPLE_TOKENS)))
+            self._step_quantizer(values[rows], self._project(values[rows]), self._reconstruct)
+        try:
+            symbols, stats = proj.quantize(x, self.quantizer)
+            amax = max(-int(stats[0].min()), int(stats[1].max()))
+            if not (amax + 0.5) * self.quantizer.step * proj.gain + proj.offset < FLOAT32_HEADROOM:
+                raise InvalidTensorError("values overflow float32 in the projection or its reconstruction")
+        except InvalidTensorError:
+            self._project(as_float_matrix(x))  # raises with the cause named
+            raise
+        header, qpar = self._symbols_header(x.shape, "bfloat16", self.quantizer)
+        return pack(header, {"QPAR": qpar, "DATA": rans_cpu.encode(symbols, lane_tokens=self.lane_tokens,
+                                                                   stats=stats)})
 
     def _symbols_header(self, shape, dtype: str, quantizer) -> tuple[dict, bytes]:
         """The container header of a compute-codec payload and its QPAR chunk (the CPU and GPU
@@ -427,6 +473,24 @@ class TensorCodec:
                     f"bitstream was coded with basis {expected['hash']} (K={expected['k']}), this codec holds "
                     f"{self.basis.content_hash} (K={self.basis.k}); load the sender's basis file"
                 )
+
+    def _decode_symbols_bf16(self, header: dict, chunks: dict[str, bytes]):
+        """A compute-codec container of a bf16 tensor -> the bf16 CPU tensor (CpuProjection's
+        reconstruction); None where that path does not apply."""
+        proj = self._cpu_projection(None, header["dtype"], dim=header["shape"][1]) \
+            if header["quant"]["kind"] == "rd_shared_step" else None
+        if proj is None:
+            return None
+        from .codecs import rans_cpu
+        from .rdquant import RDQuantizer
+
+        self._check_basis(header)
+        quantizer = RDQuantizer.from_bytes(chunks["QPAR"])  # its step checked against the header (schema)
+        symbols = rans_cpu.decode(chunks["DATA"], max_elements=header["shape"][0] * schema.components(header))
+        if [symbols.shape[0], symbols.shape[1]] != [header["shape"][0], proj.K]:
+            raise BitstreamError(f"payload holds [{symbols.shape[0]}, {symbols.shape[1]}] symbols; the header's shape "
+                                 f"{header['shape']} and the basis (K={proj.K}) need [{header['shape'][0]}, {proj.K}]")
+        return proj.reconstruct(symbols, quantizer.step)
 
     def decode_values(self, header: dict, chunks: dict[str, bytes]) -> np.ndarray:
         self._check_basis(header)
@@ -577,7 +641,8 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
             data = chunks["DATA"]
             jobs.append((i, header, chunks["QPAR"], rans_cuda.pinned(data).to(device, non_blocking=True), data[:64]))
         else:
-            values = _to_output(codec.decode_values(header, chunks), header)
+            values = codec._decode_symbols_bf16(header, chunks)
+            values = _to_output(codec.decode_values(header, chunks), header) if values is None else values
             out[i] = values if device is None else values.to(device)
     if jobs:
         _decode_symbols_cuda(codecs, jobs, out)

@@ -24,47 +24,77 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import BitstreamError, InvalidTensorError
+from .errors import BackendUnavailable, BitstreamError, InvalidTensorError
 
 INT32_MAX = 2**31 - 1
 _MAGIC = b"RDQ1"
 _HEAD = struct.Struct("<4sdIB")  # magic, step, K, has_keep_mask
 
 
-def _compiled_kernels():
-    """numba versions of the numpy quantizer and dequantizer (identical results, one pass each);
-    (None, None) without numba."""
-    try:
-        import numba
-        from numba import njit, prange
+# numba kernels of the quantizer and dequantizer (the numpy formulas, one pass each); _KERNELS is
+# None without numba. Compiled functions are cached on disk (cache=True).
+try:
+    import numba
+    from numba import njit, prange
 
-        if "NUMBA_THREADING_LAYER" not in __import__("os").environ:  # GNU OpenMP dies in a forked child
-            numba.config.THREADING_LAYER = "forksafe"
-    except ImportError:
-        return None, None
+    if "NUMBA_THREADING_LAYER" not in __import__("os").environ:  # GNU OpenMP dies in a forked child
+        numba.config.THREADING_LAYER = "forksafe"
+except ImportError:
+    numba = None
+if numba is not None:
+    jit = dict(cache=True, nogil=True)
 
-    @njit(parallel=True, cache=True, nogil=True)
-    def quantize(c, step, keep):
-        """round(c / step) in float64, half to even (np.rint), as int32; and max |round(c / step)|
-        (inf/nan when c holds them: the caller raises before using the symbols)."""
+    @njit(**jit)
+    def _quantize_row(v, bias, step, keep, out, mn, mx, sm):
+        """One row: out = round((v - bias) / step) in float64, half to even (np.rint), as int32
+        (0 outside keep), folded into the column min / max / sum; returns whether a value was
+        NaN, infinite or beyond int32 (branch-free, so the loop vectorizes)."""
+        bad = False
+        for k in range(v.shape[0]):
+            r = np.rint(np.float64(v[k] - bias[k]) / step)
+            ok = np.abs(r) <= 2147483647.0  # False for NaN too
+            bad |= not ok
+            s = np.int32(r) if ok and keep[k] else np.int32(0)
+            out[k] = s
+            mn[k] = min(mn[k], s)
+            mx[k] = max(mx[k], s)
+            sm[k] += s
+        return bad
+
+    @njit(parallel=True, **jit)
+    def _quantize_stats(c, bias, step, keep, bf16, nchunk):
+        """Symbols int32 [T, K] of c [T, K] (float32 / float64, or with bf16=True uint16 bfloat16
+        bits), each column's (min, max, sum), and whether any round((c - bias) / step) was NaN,
+        infinite or beyond int32 (the caller raises before using the symbols). The subtraction is
+        in c's precision (float32 for bf16 bits)."""
         T, K = c.shape
         out = np.empty((T, K), np.int32)
-        amax = np.zeros(T, np.float64)
-        for t in prange(T):
-            m = 0.0
+        nchunk = max(1, min(T, nchunk))  # one per thread
+        mn = np.full((nchunk, K), 2147483647, np.int32)
+        mx = np.full((nchunk, K), -2147483648, np.int32)
+        sm = np.zeros((nchunk, K), np.int64)
+        bad = np.zeros(nchunk, np.bool_)
+        for ch in prange(nchunk):
+            row = np.empty(K, np.uint32)
+            vals = row.view(np.float32)
+            b = False
+            for t in range(ch * T // nchunk, (ch + 1) * T // nchunk):
+                if bf16:
+                    for k in range(K):
+                        row[k] = np.uint32(c[t, k]) << np.uint32(16)
+                    b |= _quantize_row(vals, bias, step, keep, out[t], mn[ch], mx[ch], sm[ch])
+                else:
+                    b |= _quantize_row(c[t], bias, step, keep, out[t], mn[ch], mx[ch], sm[ch])
+            bad[ch] = b
+        for ch in range(1, nchunk):
             for k in range(K):
-                v = np.rint(np.float64(c[t, k]) / step)
-                a = abs(v)
-                m = max(m, a) if a == a else a  # NaN propagates
-                out[t, k] = np.int32(v) if (a <= 2147483647.0 and keep[k]) else 0
-            amax[t] = m
-        m = 0.0
-        for t in range(T):
-            m = max(m, amax[t]) if amax[t] == amax[t] else amax[t]
-        return out, m
+                mn[0, k] = min(mn[0, k], mn[ch, k])
+                mx[0, k] = max(mx[0, k], mx[ch, k])
+                sm[0, k] += sm[ch, k]
+        return out, mn[0].astype(np.int64), mx[0].astype(np.int64), sm[0], bad.any()
 
-    @njit(parallel=True, cache=True, nogil=True)
-    def dequantize(sym, step):
+    @njit(parallel=True, **jit)
+    def _dequantize(sym, step):
         T, K = sym.shape
         out = np.empty((T, K), np.float32)
         for t in prange(T):
@@ -72,10 +102,45 @@ def _compiled_kernels():
                 out[t, k] = np.float32(sym[t, k]) * step
         return out
 
-    return quantize, dequantize
+    @njit(parallel=True, **jit)
+    def _dequantize_bf16(sym, step, out):
+        """out[:, :K] = the bfloat16 bits (round to nearest even, torch's rule) of float32(sym) *
+        step; a column beyond K is set to 1.0 (it carries the mean through a GEMM). Returns
+        whether every value is finite."""
+        T, K = sym.shape
+        bad = np.zeros(T, np.bool_)
+        for t in prange(T):
+            row = np.empty(K, np.float32)
+            bits = row.view(np.uint32)
+            for k in range(K):
+                row[k] = np.float32(sym[t, k]) * step
+            b = False
+            for k in range(K):
+                u = bits[k]
+                h = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                b |= (h & np.uint16(0x7F80)) == np.uint16(0x7F80)
+                out[t, k] = h
+            for k in range(K, out.shape[1]):
+                out[t, k] = np.uint16(0x3F80)
+            bad[t] = b
+        return not bad.any()
 
+    @njit(parallel=True, **jit)
+    def _bf16_finite(bits):
+        """Whether no bfloat16 value (uint16 bits, [T, D]) is NaN or infinite."""
+        T, D = bits.shape
+        bad = np.zeros(T, np.bool_)
+        for t in prange(T):
+            b = False
+            for d in range(D):
+                b |= (bits[t, d] & np.uint16(0x7F80)) == np.uint16(0x7F80)
+            bad[t] = b
+        return not bad.any()
 
-_quantize_compiled, _dequantize_compiled = _compiled_kernels()
+    _KERNELS = dict(quantize_stats=_quantize_stats, dequantize=_dequantize, dequantize_bf16=_dequantize_bf16,
+                    bf16_finite=_bf16_finite)
+else:
+    _KERNELS = None
 
 
 def _is_torch(x) -> bool:
@@ -128,14 +193,8 @@ class RDQuantizer:
         c = np.asarray(coeffs)
         if c.dtype.kind != "f":
             raise InvalidTensorError(f"coefficients must be floating point, got {c.dtype}")
-        if _quantize_compiled is not None and c.dtype in (np.float32, np.float64):
-            sym, amax = _quantize_compiled(np.ascontiguousarray(c), float(self.step), self.keep if self.keep is not None
-                                           else np.ones(c.shape[1], bool))
-            if not math.isfinite(amax):
-                raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
-            if amax > INT32_MAX:
-                raise InvalidTensorError(f"quantized coefficients reach {amax:.3g}, beyond int32; use a larger step")
-            return sym
+        if _KERNELS is not None and c.dtype in (np.float32, np.float64):
+            return self.quantize_with_stats(c)[0]
         scaled = np.rint(c.astype(np.float64) / self.step)
         if not np.isfinite(scaled).all():
             raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
@@ -147,6 +206,29 @@ class RDQuantizer:
             sym = sym * self.keep[None, :].astype(np.int32)
         return sym
 
+    def quantize_with_stats(self, values, bias=None, bf16: bool = False):
+        """Compiled CPU quantizer: symbols round((values - bias) / step) of a numpy [T, K] array
+        (float32 / float64, or with bf16=True uint16 holding bfloat16 bits), and in the same pass
+        each column's (min, max, sum) as int64, the statistics the rANS coder's tables start from
+        (shared.codecs.rans_cpu.encode(symbols, stats=...)). bias: float32 [K], default 0."""
+        if _KERNELS is None:
+            raise BackendUnavailable("the compiled quantizer needs numba (pip install numba, see requirements.txt)")
+        c = np.ascontiguousarray(values)
+        self._check(c)
+        K = c.shape[1]
+        bias = np.zeros(K, np.float32 if bf16 or c.dtype == np.float32 else np.float64) if bias is None else \
+            np.ascontiguousarray(bias, np.float32)
+        keep = self.keep if self.keep is not None else np.ones(K, bool)
+        sym, mn, mx, sm, bad = _KERNELS["quantize_stats"](c, bias, float(self.step), keep, bf16,
+                                                             numba.get_num_threads())
+        if bad:  # name the cause (numpy, on this path only)
+            v = (c.astype(np.uint32) << 16).view(np.float32) if bf16 else c
+            amax = np.abs(np.rint((v - bias).astype(np.float64) / self.step)).max()
+            if not math.isfinite(amax):
+                raise InvalidTensorError("coefficients hold NaN/Inf; fix the producer, nothing is clipped here")
+            raise InvalidTensorError(f"quantized coefficients reach {amax:.3g}, beyond int32; use a larger step")
+        return sym, (mn, mx, sm)
+
     def dequantize(self, symbols):
         """int symbols [T, K] -> float32 coefficients (numpy or torch, like the input)."""
         if _is_torch(symbols):
@@ -154,8 +236,8 @@ class RDQuantizer:
 
             return symbols.to(torch.float32) * self.step
         symbols = np.asarray(symbols)
-        if _dequantize_compiled is not None and symbols.dtype == np.int32 and symbols.ndim == 2:
-            return _dequantize_compiled(np.ascontiguousarray(symbols), np.float32(self.step))
+        if _KERNELS is not None and symbols.dtype == np.int32 and symbols.ndim == 2:
+            return _KERNELS["dequantize"](np.ascontiguousarray(symbols), np.float32(self.step))
         return symbols.astype(np.float32) * np.float32(self.step)
 
     def to_bytes(self) -> bytes:
@@ -456,4 +538,71 @@ class CudaProjection:
                 *args, BM=b["BM"], BN=b["BN"], BK=b["BD"], UPCAST=True)
         else:
             kt.reconstruct_tuned[lambda m: (-(-T // m["BM"]), -(-self.D // m["BN"]), N)](*args, UPCAST=False)
+        return out
+
+
+class CpuProjection:
+    """The compute codec's dense stages on the CPU for bfloat16 tensors, in CudaProjection's
+    numerics: the basis rounded to bf16, bf16 GEMMs with float32 accumulation (oneDNN through
+    torch, AVX512-BF16 / AMX where the CPU has them), then the compiled quantizer:
+
+        proj = CpuProjection(basis.mean, basis.components)    # or CpuProjection(None, None, D): raw channels
+        symbols, stats = proj.quantize(x, quantizer)   # bf16 torch [T, D] -> int32 numpy [T, K] + (min, max, sum)
+        x_hat = proj.reconstruct(symbols, step)        # int32 numpy [T, K] -> bf16 torch [T, D]
+
+    quantize computes round((bf16(x @ components) - mean @ components) / step), half to even;
+    the coefficient is rounded to bf16 once (relative error <= 2^-9) before the quantizer sees it.
+    reconstruct computes bf16(bf16(symbols * step) @ components.T + mean) with one rounding at
+    the end, as the GPU's kernel does (the mean rides along the GEMM: its bf16 part as the bias,
+    its remainder as one more component whose coefficient is 1). Without a basis, x's bits go to
+    the quantizer and the symbols' bf16 values come back directly."""
+
+    def __init__(self, mean, components, dim: int | None = None):
+        import torch
+
+        self.identity = components is None
+        if self.identity:
+            self.D = self.K = int(dim)
+            self.gain, self.offset = 1.0, 0.0
+            return
+        comp = np.asarray(components, np.float32)
+        mu = np.asarray(mean, np.float32)
+        self.D, self.K = comp.shape
+        self.components = torch.from_numpy(comp).bfloat16().contiguous()  # [D, K]
+        self.bias = (torch.from_numpy(mu) @ self.components.float()).numpy()  # mean @ the bf16 basis, float32
+        mean_t = torch.from_numpy(mu)
+        self.mean_hi = mean_t.bfloat16()
+        mean_lo = (mean_t - self.mean_hi.float()).bfloat16()
+        self.weight = torch.cat([self.components, mean_lo[:, None]], 1).contiguous()  # [D, K + 1]
+        self.gain = float(np.abs(comp).sum(1).max())  # |coefficients| -> |reconstruction| bound, as TensorCodec's check
+        self.offset = float(np.abs(mu).max())
+
+    def quantize(self, x, quantizer: RDQuantizer):
+        """bf16 CPU tensor [T, D] -> (int32 symbols [T, K], (min, max, sum) per component)."""
+        import torch
+
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.D:
+            raise InvalidTensorError(f"CpuProjection takes a bf16 [T, {self.D}] tensor, got {x.dtype} {tuple(x.shape)}")
+        y = x.contiguous() if self.identity else x @ self.components
+        bits = y.view(torch.int16).numpy().view(np.uint16)
+        return quantizer.quantize_with_stats(bits, bias=None if self.identity else self.bias, bf16=True)
+
+    def reconstruct(self, symbols: np.ndarray, step: float):
+        """int32 symbols [T, K] -> bf16 CPU tensor [T, D]; BitstreamError where a value is not finite."""
+        import torch
+
+        T, K = symbols.shape
+        if K != self.K:
+            raise InvalidTensorError(f"symbols must be [T, {self.K}], got {tuple(symbols.shape)}")
+        coeffs = np.empty((T, K if self.identity else K + 1), np.uint16)
+        finite = _KERNELS["dequantize_bf16"](np.ascontiguousarray(symbols, np.int32), np.float32(step), coeffs)
+        a = torch.from_numpy(coeffs.view(np.int16)).view(torch.bfloat16)
+        if self.identity:
+            out = a
+        else:
+            out = torch.addmm(self.mean_hi, a, self.weight.t())  # bias added in float32, one rounding
+            finite = _KERNELS["bf16_finite"](out.view(torch.int16).numpy().view(np.uint16))
+        if not finite:
+            raise BitstreamError("decoded values are not finite in bfloat16 (chunk 'QPAR' or 'DATA' holds "
+                                 "out-of-range parameters): the bitstream is corrupt")
         return out

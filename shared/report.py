@@ -321,6 +321,62 @@ def api_speed() -> str | None:
             + "Wall clock of the call a user makes, median of 10. " + _source(df, "09_backend_bench"))
 
 
+def api_cpu_speed() -> str | None:
+    """The compute codec's CPU path on one core (PoC 09 --api-cpu): each way, and stage by stage."""
+    df = _csv("09_backend_bench")
+    if df is None or "path" not in df or not df.path.isin(["api_cpu"]).any():
+        return None
+    df = df[df.path == "api_cpu"]
+    cases = list(dict.fromkeys(df.case))
+
+    def val(case, stage, metric, direction=None):
+        sel = df[(df.case == case) & (df.stage == stage) & (df.metric == metric)]
+        sel = sel if direction is None else sel[sel.direction == direction]
+        return float(sel.value.iloc[0]) if len(sel) else float("nan")
+
+    target = float(df.target_gbps.dropna().iloc[0])
+    rows, stages = [], []
+    for c in cases:
+        enc, dec = val(c, "api", "gbps", "encode"), val(c, "api", "gbps", "decode")
+        agree = val(c, "check", "symbols_equal_gpu_formula"), val(c, "check", "decode_equals_gpu_formula")
+        rows.append([c, f"{val(c, 'check', 'ratio'):.2f}x ({val(c, 'check', 'ratio_float32_path'):.2f}x)",
+                     f"{val(c, 'check', 'cos'):.5f} ({val(c, 'check', 'cos_float32_path'):.5f})", f"{enc:.3f}", f"{dec:.3f}",
+                     "yes" if min(enc, dec) >= target else f"no ({'encode' if enc < target else 'decode'})",
+                     f"{val(c, 'memcpy of the bf16 bytes', 'gbps', 'reference'):.0f}",
+                     f"{8 * val(c, 'api', 'crossover_link_gbps'):.2f}",
+                     "-" if agree[0] != agree[0] else f"{100 * agree[0]:.2f}% / {100 * agree[1]:.2f}%",
+                     f"{val(c, 'machine', 'load_average'):.1f}"])
+        mine = df[df.case == c]
+        ms = {(d, st): val(c, st, "cpu_ms", d) for d, st in zip(mine.direction, mine.stage)}
+        enc_parts = [ms.get(("encode", k), float("nan")) for k in (
+            "projection: bf16 GEMM x @ C", "quantize + column statistics", "rANS: histogram", "rANS: tables",
+            "rANS: coding pass")]
+        dec_re = next((v for (d, st), v in ms.items() if d == "decode" and st.startswith("reconstruct")), float("nan"))
+        dec_parts = [ms.get(("decode", k), float("nan")) for k in (
+            "rANS: parse, checksum", "rANS: tables", "rANS: decoding pass")] + [dec_re]
+        fmt = [("-" if v != v else f"{v:.1f}") for v in enc_parts + [ms[("encode", "api")]] + dec_parts
+               + [ms[("decode", "api")]]]
+        stages.append([c] + fmt)
+    return (_table(rows, ["tensor (bf16, CPU)", "ratio (float32 path)", "cos (float32 path)", "encode GB/s", "decode GB/s",
+                          f">= {target:g} GB/s both ways", "memcpy GB/s", "codec wins below (Gbit/s)",
+                          "symbols / decode equal to the GPU formulas", "load average"])
+            + "\n\nWhere the time goes (CPU ms of one call, median):\n\n"
+            + _table(stages, ["tensor", "enc: bf16 GEMM", "quantize + stats", "histogram", "tables", "coding pass",
+                              "encode (API)", "dec: parse + checksum", "tables", "decoding pass",
+                              "reconstruct", "decode (API)"])
+            + "\n\n`TensorCodec.encode(x)` / `decode(blob)` of a bf16 CPU tensor on one core of "
+            + f"{df.cpu_model.iloc[0]} (torch, numba and BLAS one thread each): GB/s of bf16 per second of the "
+            + "process's CPU time (the machine ran other jobs: wall-clock rows are in the CSV), median of "
+            + f"{int(df.repeats.iloc[0])} calls after one untimed call, beside a memcpy of the same bytes in the "
+            + "same run. Every payload equals the numpy reference coder's and decodes to the same symbols "
+            + "(checked before timing). 'codec wins below': the link rate under which encode + sending the "
+            + "payload + decode, one after the other, beats sending the raw bf16. In brackets: the same "
+            + "values coded as a float32 tensor (float32 basis and GEMMs, the CPU path's numerics for other "
+            + "dtypes). The GPU formulas are the "
+            + "GPU kernels' arithmetic evaluated in float64 on the CPU (bf16 basis, float32 accumulation), "
+            + "not a GPU run. " + _source(df, "09_backend_bench"))
+
+
 FAILURE_METRICS = ["non_library_exceptions", "memory_errors", "worker_deaths", "hangs", "non_finite_outputs",
                    "wrong_dtype_or_shape"]
 
@@ -458,6 +514,7 @@ SECTIONS = [
     ("Which coder wins on identical coefficients (PoC 06)", coder_ablation),
     ("Speed of every backend (PoCs 09, 10, 12)", gpu_speed),
     ("The compute codec through its API, by tensor size (PoC 09 --api)", api_speed),
+    ("The compute codec on one CPU core (PoC 09 --api-cpu)", api_cpu_speed),
     ("Compressed vs raw over real links, and the pipelined model (PoC 13)", wire_simulation),
     ("Raw lane + codec lane at once (PoC 14)", dual_lane),
     ("KV cache spilled to host memory: decode tokens/s (PoC 17)", kv_spill),

@@ -173,3 +173,159 @@ def test_tensor_codec_uses_the_compiled_coder(monkeypatch):
     monkeypatch.setattr(rans_cpu, "_WARNED", [])
     with pytest.warns(RuntimeWarning, match="numpy rANS reference"):
         assert codec.encode(x) == blob
+
+
+# -- the bf16 CPU path: fused quantizer statistics, CpuProjection, the coder given statistics ---------
+
+
+def test_encode_given_column_statistics_is_identical():
+    x = np.concatenate([pca_like(1500, 20, seed=5), wide_windows(1500)], 1)
+    stats = (x.min(0), x.max(0), x.astype(np.int64).sum(0))
+    assert rans_cpu.encode(x, stats=stats) == rans.encode(x)
+    with pytest.raises(InvalidTensorError, match="stats"):
+        rans_cpu.encode(x, stats=(x.min(0), x.max(0)[:3], x.sum(0)))
+
+
+def _bf16_bits(a):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a, np.float32)).bfloat16().view(torch.int16).numpy().view(np.uint16)
+
+
+def test_quantize_with_stats_matches_numpy_for_float_and_bf16_bits():
+    import torch
+
+    rng = np.random.default_rng(1)
+    c = (rng.standard_normal((700, 37)) * 5).astype(np.float32)
+    c[0, :5] = [0.5, 1.5, 2.5, -0.5, -2.5]  # ties round to even
+    bias = (rng.standard_normal(37) * 0.3).astype(np.float32)
+    cb = torch.from_numpy(c).bfloat16().float().numpy()  # the values the bf16 bits hold
+    for step in (1.0, 0.013):
+        for keep in (None, rng.random(37) > 0.4):
+            q = rdquant.RDQuantizer(step, keep)
+            mask = 1 if keep is None else keep[None, :]
+            for values, b, bits, ref_in in ((c, None, False, c), (c.astype(np.float64), None, False, c),
+                                            (_bf16_bits(c), bias, True, cb - bias)):
+                sym, (mn, mx, sm) = q.quantize_with_stats(values, b, bf16=bits)
+                ref = np.rint(ref_in.astype(np.float64) / step).astype(np.int32) * mask
+                np.testing.assert_array_equal(sym, ref)
+                np.testing.assert_array_equal(mn, ref.min(0))
+                np.testing.assert_array_equal(mx, ref.max(0))
+                np.testing.assert_array_equal(sm, ref.astype(np.int64).sum(0))
+    bad = c.copy()
+    bad[3, 3] = np.inf
+    with pytest.raises(InvalidTensorError, match="NaN/Inf"):
+        rdquant.RDQuantizer(0.1).quantize_with_stats(_bf16_bits(bad), bf16=True)
+    with pytest.raises(InvalidTensorError, match="beyond int32"):
+        rdquant.RDQuantizer(1e-9).quantize_with_stats(c)
+
+
+def test_dequantize_to_bf16_bits_matches_torch_rounding():
+    import torch
+
+    rng = np.random.default_rng(2)
+    sym = rng.integers(-40000, 40000, (300, 9)).astype(np.int32)
+    sym[0, 0] = 2**31 - 1
+    for step in (0.37, 1e-3, 3.3e-3):
+        out = np.empty((300, 10), np.uint16)
+        assert rdquant._KERNELS["dequantize_bf16"](sym, np.float32(step), out)
+        want = torch.from_numpy(sym.astype(np.float32) * np.float32(step)).bfloat16().view(torch.int16).numpy()
+        np.testing.assert_array_equal(out[:, :9].view(np.int16), want)
+        assert (out[:, 9] == 0x3F80).all()  # 1.0: the column that carries the mean
+    out = np.empty((300, 9), np.uint16)
+    assert not rdquant._KERNELS["dequantize_bf16"](sym, np.float32(3e34), out)  # rounds to inf in bf16
+
+
+def _bf16_case(T=2048, D=64, K=40, seed=3):
+    import torch
+
+    from shared.basis import fit_basis
+
+    rng = np.random.default_rng(seed)
+    mix = rng.standard_normal((D, D)) * (np.arange(1, D + 1) ** -1.1)[None, :]
+    calib = [(rng.standard_normal((T, D)) @ mix.T + 2.0).astype(np.float32) for _ in range(2)]
+    x = torch.from_numpy((rng.standard_normal((T, D)) @ mix.T + 2.0).astype(np.float32)).bfloat16()
+    return x, fit_basis(calib, k=K)
+
+
+def test_bf16_cpu_path_follows_the_gpu_formulas():
+    """A bf16 CPU tensor: projection and reconstruction in the GPU kernels' numerics (bf16 basis,
+    float32 accumulation, the mean added before the one rounding), evaluated in float64 here; the
+    payload is the numpy reference coder's for those symbols."""
+    import torch
+
+    from shared.pipeline import TensorCodec, unpack
+
+    x, basis = _bf16_case()
+    codec = TensorCodec(basis, backend="rans", target_cos=0.999)
+    blob = codec.encode(x)
+    step = codec.quantizer.step
+    header, chunks = unpack(blob)
+    sym = rans.decode(chunks["DATA"])
+    assert chunks["DATA"] == rans.encode(sym)
+    gsym, gout = rans_cpu._gpu_formula(x, basis, step, sym)
+    assert (gsym == sym).mean() > 0.99 and np.abs(gsym - sym).max() <= 1  # bf16-rounded coefficients
+    out = codec.decode(blob)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert (out == gout).float().mean() > 0.995  # the rest: float32 sums in another order, one ulp apart
+    # one bf16 ulp, or near zero where the mean (about 2) cancels, float32 rounding of the mean's size
+    torch.testing.assert_close(out.float(), gout.float(), rtol=2**-7, atol=1e-4)
+    cos = rdquant.quality(x.float().numpy().astype(np.float64), out.float().numpy().astype(np.float64), "cos")
+    assert cos >= 0.998
+    # the float32 path of the same tensor reaches the same quality (its numerics: float32 basis)
+    ref = TensorCodec(basis, backend="rans", step=step)
+    y = ref.decode(ref.encode(x.float()))
+    assert y.dtype == torch.float32
+    assert abs(rdquant.quality(x.float().numpy().astype(np.float64), y.numpy().astype(np.float64), "cos") - cos) < 2e-4
+
+
+def test_bf16_cpu_path_without_basis_is_the_float32_path():
+    import torch
+
+    from shared.pipeline import TensorCodec, unpack
+
+    x = torch.from_numpy(wide_windows(1500, 6).astype(np.float32) / 50).bfloat16()
+    codec = TensorCodec(None, backend="rans", step=0.02)
+    header, chunks = unpack(codec.encode(x))
+    symbols = rdquant.RDQuantizer(0.02).quantize(x.float().numpy())
+    assert chunks["DATA"] == rans.encode(symbols)
+    np.testing.assert_array_equal(codec.decode(codec.encode(x)).float().numpy(),
+                                  torch.from_numpy(symbols * np.float32(0.02)).bfloat16().float().numpy())
+
+
+def test_bf16_cpu_path_refuses_what_the_general_path_refuses():
+    import torch
+
+    from shared.errors import BasisMismatchError
+    from shared.pipeline import TensorCodec
+
+    x, basis = _bf16_case(T=300)
+    bad = x.clone()
+    bad[7, 3] = float("nan")
+    for b in (None, basis):
+        with pytest.raises(InvalidTensorError, match="NaN/Inf"):
+            TensorCodec(b, backend="rans", step=0.05).encode(bad)
+    with pytest.raises(InvalidTensorError, match="overflow float32"):
+        TensorCodec(None, backend="rans", step=0.1).encode(torch.full((8, 4), 3e38).bfloat16())
+    with pytest.raises(BasisMismatchError):
+        TensorCodec(basis, backend="rans", step=0.05).encode(x[:, :32].contiguous())
+    blob = bytearray(TensorCodec(basis, backend="rans", step=0.05).encode(x))
+    with pytest.raises(BasisMismatchError):
+        TensorCodec(None, backend="rans", step=0.05).decode(bytes(blob))
+
+
+@pytest.mark.gpu
+def test_cpu_and_gpu_decoders_agree_on_bf16():
+    """The same container decoded by the CPU (CpuProjection) and by the GPU (CudaProjection): the
+    same formulas, so equal values but where float32 sums in another order round differently."""
+    import torch
+
+    from shared.pipeline import TensorCodec
+
+    x, basis = _bf16_case(T=4096, D=128, K=96)
+    codec = TensorCodec(basis, backend="rans", target_cos=0.999)
+    blob = codec.encode(x.cuda())
+    host = bytes(blob.cpu().numpy())
+    on_gpu, on_cpu = codec.decode(blob, device="cuda").cpu(), codec.decode(host)
+    assert (on_gpu == on_cpu).float().mean() > 0.99
+    torch.testing.assert_close(on_gpu.float(), on_cpu.float(), rtol=2**-7, atol=1e-4)

@@ -544,7 +544,8 @@ def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, model, scale, mu16, gro
     put(lay.escapes, np.asarray(escapes, np.int32))
     head = HEADER.pack(MAGIC, VERSION, prob_bits, lay.G, lay.T, lay.K, lay.S, n_table, len(escapes),
                        k_coded, n_param, lo_bytes, w_bytes, 0, stream_words, 0, 0)
-    tail = [bytes(meta), states.astype("<u4").tobytes(), streams.astype("<u2").tobytes()]
+    tail = [bytes(meta), memoryview(np.ascontiguousarray(states, "<u4")).cast("B"),
+            memoryview(np.ascontiguousarray(streams, "<u2")).cast("B")]  # views: join copies once
     c0, c1 = (checksum_fn or checksum)(head[:CHECKED_HEADER_BYTES], *tail)
     return b"".join([head[:CHECKED_HEADER_BYTES], struct.pack("<II", c0, c1)] + tail)
 

@@ -7,14 +7,21 @@
 
 The format, the table rules and every integer formula are those of rans.py (its docstring is the
 specification; the numpy coder there stays the readable reference, the tests compare the two byte
-for byte). Here they run as loops compiled by numba: one pass for each column's min, max and sum,
-one for the histogram, one over components for windows, parametric models and frequency tables,
-and one coding pass over lane groups (parallel over groups with numba's prange when
-NUMBA_NUM_THREADS > 1). Compiled functions are cached on disk (cache=True), so only the first
-import on a machine pays the compile time.
+for byte). Here they run as loops compiled by numba: one pass for each column's min, max and sum
+(skipped when the caller passes `stats=`, as TensorCodec does from its quantizer's pass), one for
+the histogram (row after row), one over components for windows, parametric models and frequency
+tables, and one coding pass over lane groups (parallel over groups with numba's prange when
+NUMBA_NUM_THREADS > 1). In the common group (32 consecutive components of one token chunk) each
+coding step is a loop of table lookups, a branch-free loop that LLVM vectorizes (32-bit states;
+the encoder divides by an exact reciprocal multiply, floor((2^32 - 1) / f) and one correction)
+and a loop that appends (encoder) or reads (decoder) the renormalization words in lane order.
+Compiled functions are cached on disk (cache=True), so only the first import on a machine pays the
+compile time.
 
-`benchmark_cpu_pipeline()` times TensorCodec's CPU path (bf16 tensor -> bytes -> bf16 tensor) and
-prints where the time goes, stage by stage.
+`benchmark_cpu_pipeline()` times TensorCodec's CPU path (bf16 tensor -> bytes -> bf16 tensor) on
+one core and prints where the time goes, stage by stage (PoC 09 --api-cpu writes its rows):
+
+    python -m shared.codecs.rans_cpu [--threads 1] [--reps 9]
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import time
 
 import numpy as np
 
-from ..errors import BackendUnavailable, BitstreamError
+from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
 from . import rans
 
 try:
@@ -182,20 +189,26 @@ def _column_stats(sym):
 
 
 @njit(parallel=True, **_JIT)
-def _histogram(sym, stride, lo0, h0, H):
-    """counts [K, H] of the values of every stride-th token inside the first window."""
+def _histogram(sym, stride, lo0, h0, H, nchunk):
+    """counts [K, H] of the values of every stride-th token inside the first window: row after
+    row (the symbols are read once, in memory order), one count table per chunk of rows."""
     T, K = sym.shape
     n_rows = (T + stride - 1) // stride
-    B = 16  # components per block: their counts stay in L1
+    nchunk = max(1, min(nchunk, n_rows // 256))
+    part = np.zeros((nchunk, K * H), np.int32)  # n_rows < 2^31
+    for c in prange(nchunk):
+        cf = part[c]
+        for r in range(c * n_rows // nchunk, (c + 1) * n_rows // nchunk):
+            row = sym[r * stride]
+            for k in range(K):
+                j = np.uint64(np.int64(row[k]) - lo0[k])  # unsigned: below the window is out of range too
+                if j < np.uint64(h0[k]):
+                    cf[np.uint64(k * H) + j] += 1
     counts = np.zeros((K, H), np.int64)
-    for kb in prange((K + B - 1) // B):
-        k0, k1 = kb * B, min(K, kb * B + B)
-        for r in range(n_rows):
-            t = r * stride
-            for k in range(k0, k1):
-                j = np.int64(sym[t, k]) - lo0[k]
-                if j >= 0 and j < h0[k]:
-                    counts[k, j] += 1
+    cflat = counts.ravel()
+    for c in range(nchunk):
+        for i in range(K * H):
+            cflat[i] += part[c, i]
     return counts, n_rows
 
 
@@ -218,113 +231,144 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
     cum = np.zeros((K, H + 1), np.int64)
     ok = np.ones(K, np.bool_)
     n_shapes = shapes.shape[0]
-    for k in prange(K):
-        cnt = counts[k].copy()
-        outside0 = n_sampled
-        for j in range(H):
-            outside0 -= cnt[j]
-        if stride > 1:
-            for j in range(min(H, h0[k])):
-                cnt[j] += 1
-        n_in = 0
-        mode = 0
-        for j in range(H):
-            n_in += cnt[j]
-            if cnt[j] > cnt[mode]:
-                mode = j
-        # trimming: a = first argmin of cost_l, b = first argmin of cost_r
-        incl = 0
-        best_l, a, left_a = _BIG, 0, 0
-        best_r, b, right_b = _BIG, 0, 0
-        for j in range(H):
-            left = incl
-            incl += cnt[j]
-            right = n_in - incl
-            cl = escape_cost * stride * left - entry_cost * j if j <= mode else _BIG
-            cr = entry_cost * j + escape_cost * stride * right if (j >= mode and j < h0[k]) else _BIG
-            if j == 0 or cl < best_l:
-                best_l, a, left_a = cl, j, left
-            if j == 0 or cr < best_r:
-                best_r, b, right_b = cr, j, right
-        n_esc = outside0 + left_a + right_b
-        Wk = b - a + 1
-        lok = lo0[k] + a
-        ek = 1 if (lok > mn[k] or lok + Wk - 1 < mx[k]) else 0
-        kept = np.zeros(H + 1, np.int64)
-        for j in range(H):
-            if j < Wk:
-                kept[j] = cnt[min(a + j, H - 1)]
-        if Wk >= 0:
-            kept[Wk] = max(n_esc, 1) if ek > 0 else 0
-        kmax = 0
-        for j in range(H + 1):
-            kmax = max(kmax, kept[j])
-        shift = max(_bitlen(kmax) - 18, 0)
-        A = Wk + ek
-        w = np.zeros(H + 1, np.int64)
-        for j in range(H + 1):
-            if kept[j] > 0:
-                codes[k, j] = _minifloat_encode(max(kept[j] >> shift, 1))
-                w[j] = _minifloat_decode(np.int64(codes[k, j]))
-        lo[k], W[k], esc[k] = lok, Wk, ek
-        # parametric models (rans.fit_models): moments of the in-window counts
-        n = 0
-        s1 = 0
-        for j in range(min(Wk, H + 1)):
-            n += kept[j]
-            s1 += kept[j] * 16 * j
-        n = max(n, 1)
-        mu16 = s1 // n
-        s2 = 0
-        for j in range(min(Wk, H + 1)):
-            d = 16 * j - mu16
-            s2 += kept[j] * d * d
-        var16 = s2 // n
-        code0 = 0
-        for c in range(sigma16_sq.shape[0]):
-            if sigma16_sq[c] < var16:
-                code0 += 1
-        f = np.zeros(H + 1, np.int64)
-        if not _normalize(w, H + 1, M, prob_bits, f):
-            ok[k] = False
-            continue
-        cost = 0
-        for j in range(A):
-            cost += kept[j] * nlog[f[j]]
-        best = cost * stride + 8 * 65536 * A
-        if min_share * 8 * 65536 * A >= best and mu16 <= 32767:  # a model's mean is stored as int16
-            for shape in range(n_shapes):
-                for d in range(-search, search + 1):
-                    code = min(max(code0 + d, 0), 255)
-                    tot = 0
-                    for j in range(A):
-                        w[j] = _model_weight(j, Wk, ek, shape, code, mu16, shapes, inv_sigma)
-                        tot += w[j]
-                    inv = 1.0 / tot
-                    cost = 0
-                    for j in range(A):
-                        if kept[j] > 0:  # kept > 0 implies w > 0
-                            cost += kept[j] * nlog[max(1, _floordiv(w[j] * M, tot, inv))]
-                    cost = cost * stride + 8 * 65536 * param_bytes
-                    if cost < best:
-                        best = cost
-                        model[k] = 1 + shape
-                        scale[k] = code
-        if model[k] > 0:
-            mu16_out[k] = mu16
+    shapes32 = shapes.astype(np.int32)  # values < 2^16
+    nchunk = min(K, 64)  # scratch arrays per chunk of components, not per component
+    n_d = 2 * search + 1
+    for ch in prange(nchunk):
+        cnt = np.empty(H, np.int64)
+        kept = np.empty(H + 1, np.int64)
+        w = np.empty(H + 1, np.int64)
+        f = np.empty(H + 1, np.int64)
+        idx = np.empty((n_d, H + 1), np.int32)  # 32-bit sample indices and weights: 16-wide gathers
+        w32 = np.empty(H + 2, np.int32)
+        nz = np.empty(H + 1, np.int64)
+        kz = np.empty(H + 1, np.int64)
+        for k in range(ch * K // nchunk, (ch + 1) * K // nchunk):
+            cnt[:] = counts[k]
+            outside0 = n_sampled
+            for j in range(H):
+                outside0 -= cnt[j]
+            if stride > 1:
+                for j in range(min(H, h0[k])):
+                    cnt[j] += 1
+            n_in = 0
+            mode = 0
+            for j in range(H):
+                n_in += cnt[j]
+                if cnt[j] > cnt[mode]:
+                    mode = j
+            # trimming: a = first argmin of cost_l, b = first argmin of cost_r
+            incl = 0
+            best_l, a, left_a = _BIG, 0, 0
+            best_r, b, right_b = _BIG, 0, 0
+            for j in range(H):
+                left = incl
+                incl += cnt[j]
+                right = n_in - incl
+                cl = escape_cost * stride * left - entry_cost * j if j <= mode else _BIG
+                cr = entry_cost * j + escape_cost * stride * right if (j >= mode and j < h0[k]) else _BIG
+                if j == 0 or cl < best_l:
+                    best_l, a, left_a = cl, j, left
+                if j == 0 or cr < best_r:
+                    best_r, b, right_b = cr, j, right
+            n_esc = outside0 + left_a + right_b
+            Wk = b - a + 1
+            lok = lo0[k] + a
+            ek = 1 if (lok > mn[k] or lok + Wk - 1 < mx[k]) else 0
+            kept[:] = 0
+            for j in range(H):
+                if j < Wk:
+                    kept[j] = cnt[min(a + j, H - 1)]
+            if Wk >= 0:
+                kept[Wk] = max(n_esc, 1) if ek > 0 else 0
+            kmax = 0
             for j in range(H + 1):
-                w[j] = _model_weight(j, Wk, ek, model[k] - 1, scale[k], mu16, shapes, inv_sigma)
-        else:
+                kmax = max(kmax, kept[j])
+            shift = max(_bitlen(kmax) - 18, 0)
+            A = Wk + ek
+            w[:] = 0
             for j in range(H + 1):
-                w[j] = _minifloat_decode(np.int64(codes[k, j]))
-        if not _normalize(w, H + 1, M, prob_bits, f):
-            ok[k] = False
-            continue
-        c = 0
-        for j in range(H + 1):
-            freq[k, j] = f[j]
-            cum[k, j] = c
-            c += f[j]
+                if kept[j] > 0:
+                    codes[k, j] = _minifloat_encode(max(kept[j] >> shift, 1))
+                    w[j] = _minifloat_decode(np.int64(codes[k, j]))
+            lo[k], W[k], esc[k] = lok, Wk, ek
+            # parametric models (rans.fit_models): moments of the in-window counts
+            n = 0
+            s1 = 0
+            for j in range(min(Wk, H + 1)):
+                n += kept[j]
+                s1 += kept[j] * 16 * j
+            n = max(n, 1)
+            mu16 = s1 // n
+            s2 = 0
+            for j in range(min(Wk, H + 1)):
+                d = 16 * j - mu16
+                s2 += kept[j] * d * d
+            var16 = s2 // n
+            code0 = 0
+            for c in range(sigma16_sq.shape[0]):
+                if sigma16_sq[c] < var16:
+                    code0 += 1
+            f[:] = 0
+            if not _normalize(w, A, M, prob_bits, f):  # w is 0 from A on
+                ok[k] = False
+                continue
+            cost = 0
+            for j in range(A):
+                cost += kept[j] * nlog[f[j]]
+            best = cost * stride + 8 * 65536 * A
+            if min_share * 8 * 65536 * A >= best and mu16 <= 32767:  # a model's mean is stored as int16
+                # the shape's sample index of each window symbol, per scale code tried (shape-independent)
+                for d in range(n_d):
+                    code = min(max(code0 + d - search, 0), 255)
+                    for j in range(Wk):
+                        idx[d, j] = min((abs(16 * j - mu16) * inv_sigma[code]) >> 24, shapes.shape[1] - 1)
+                # nz, kz: the symbols that occur (kept > 0 implies w > 0), and their counts
+                n_nz = 0
+                for j in range(A):
+                    if kept[j] > 0:
+                        nz[n_nz] = j
+                        kz[n_nz] = kept[j]
+                        n_nz += 1
+                for shape in range(n_shapes):
+                    srow = shapes32[shape]
+                    for d in range(n_d):  # the order of rans.fit_models: ties keep the first
+                        tot = ek
+                        for j in range(Wk):
+                            w32[j] = max(srow[idx[d, j]], 1)
+                            tot += w32[j]
+                        if ek > 0:
+                            w32[Wk] = 1
+                        # floor(w * M / tot) as a float product: w * M < 2^31 and tot < 2^29, so a
+                        # fraction is 0 or >= 2^-29 while the product errs by < 2^-36: +2^-33 makes it exact
+                        inv = M / tot
+                        limit = (best - 8 * 65536 * param_bytes) // stride + 1  # terms are >= 0: stop once it cannot win
+                        cost = 0
+                        for i0 in range(0, n_nz, 16):
+                            for i in range(i0, min(n_nz, i0 + 16)):
+                                cost += kz[i] * nlog[max(1, np.int64(w32[nz[i]] * inv + 1.1641532182693481e-10))]
+                            if cost >= limit:
+                                break
+                        cost = cost * stride + 8 * 65536 * param_bytes
+                        if cost < best:
+                            best = cost
+                            model[k] = 1 + shape
+                            scale[k] = min(max(code0 + d - search, 0), 255)
+            if model[k] > 0:
+                mu16_out[k] = mu16
+                for j in range(H + 1):
+                    w[j] = _model_weight(j, Wk, ek, model[k] - 1, scale[k], mu16, shapes, inv_sigma)
+            else:
+                for j in range(H + 1):
+                    w[j] = _minifloat_decode(np.int64(codes[k, j]))
+            if not _normalize(w, A, M, prob_bits, f):  # w is 0 from A on
+                ok[k] = False
+                continue
+            c = 0
+            for j in range(H + 1):
+                freq[k, j] = f[j]
+                cum[k, j] = c
+                c += f[j]
     return lo, W, esc, codes, model, scale, mu16_out, freq, cum, ok
 
 
@@ -340,11 +384,92 @@ def _lane_layout(g0, G, K, S):
     return row0, comp
 
 
+@njit(**_JIT)
+def _encode_group_fast(sym, r0, k0, lo, W, fc, rcp, S, G, prob_bits, x, words, base, escv):
+    """The coding pass of one group whose G lanes are consecutive components k0.. of one full token
+    chunk starting at row r0 (the common case); x: the lanes' states (uint32). Per step: one loop
+    gathers each lane's table entry, a branch-free one (vectorized, 32-bit but for the product
+    of the division) updates the states, with an exact reciprocal-multiply division, and one
+    appends the emitted words in lane order. Returns (words written, escapes written)."""
+    A1 = fc.shape[1]
+    fcf = fc.ravel()
+    rcf = rcp.ravel()
+    symf = sym.ravel()
+    K = sym.shape[1]
+    sh = np.uint32(32 - prob_bits)
+    n = np.uint32(prob_bits)
+    fv = np.empty(G, np.uint32)
+    rv = np.empty(G, np.uint32)
+    emw = np.empty(G, np.uint16)
+    em = np.empty(G, np.uint8)
+    lo32 = np.empty(G, np.int32)
+    w32 = np.empty(G, np.uint32)
+    tbase = np.empty(G, np.uint64)
+    for l in range(G):
+        lo32[l] = lo[k0 + l]
+        w32[l] = W[k0 + l]
+        tbase[l] = (k0 + l) * A1
+    ptr = 0
+    ne = 0
+    for ii in range(S):
+        row = np.uint64((r0 + S - 1 - ii) * K + k0)  # tokens last to first
+        n_out = 0
+        for l in range(G):  # unsigned indices: no negative-index wraparound in the loops
+            # v - lo taken mod 2^32: below the window wraps past every window (lo + W - 1 < 2^31)
+            j = np.uint32(symf[row + np.uint64(l)] - lo32[l])
+            out = j >= w32[l]  # below or above the window: the escape symbol
+            n_out += out
+            idx = tbase[l] + np.uint64(w32[l] if out else j)
+            fv[l] = fcf[idx]
+            rv[l] = rcf[idx]
+        for l in range(G):
+            xl = x[l]
+            e = fv[l]
+            f = e & np.uint32(0xFFFF)
+            emit = (xl >> sh) >= f
+            emw[l] = np.uint16(xl & np.uint32(0xFFFF))
+            em[l] = np.uint8(emit)
+            xl = (xl >> np.uint32(16)) if emit else xl
+            q = np.uint32((np.uint64(xl) * np.uint64(rv[l])) >> np.uint64(32))  # floor(xl / f) or one less
+            r = xl - q * f
+            up = r >= f
+            q = q + np.uint32(up)
+            r = r - (f if up else np.uint32(0))
+            x[l] = (q << n) + r + (e >> np.uint32(16))
+        for l in range(G):
+            words[base + ptr] = emw[l]  # kept only when emitted
+            ptr += em[l]
+        if n_out > 0:
+            for l in range(G):
+                v = symf[row + np.uint64(l)]
+                j = np.int64(v) - lo[k0 + l]
+                if j < 0 or j >= W[k0 + l]:
+                    escv[base + ne] = v
+                    ne += 1
+    return ptr, ne
+
+
+@njit(**_JIT)
+def _encode_table(freq, cum):
+    """Per (component, symbol): fc = freq | cum << 16 and rcp = floor((2^32 - 1) / freq), uint32.
+
+    After renormalization a state x is below freq * 2^(32 - prob_bits), so x * rcp < 2^54 and
+    (x * rcp) >> 32 is floor(x / freq) or one less: one correction step makes it exact."""
+    K, A1 = freq.shape
+    fc = np.empty((K, A1), np.uint32)
+    rcp = np.empty((K, A1), np.uint32)
+    for k in range(K):
+        for j in range(A1):
+            f = max(freq[k, j], 1)
+            fc[k, j] = np.uint32((f & 0xFFFF) | ((cum[k, j] & 0xFFFF) << 16))
+            rcp[k, j] = np.uint32(4294967295 // f)
+    return fc, rcp
+
+
 @njit(parallel=True, **_JIT)
-def _encode_lanes(sym, lo, W, fc, inv, S, G, NG, prob_bits):
+def _encode_lanes(sym, lo, W, fc, rcp, S, G, NG, prob_bits):
     """The coding pass. Per group: words [cap] and escapes [cap] in its slice of the buffers,
-    counts in group_words / group_escapes; final states per lane. fc: freq | cum << 16 per
-    (component, symbol), inv: 1 / freq."""
+    counts in group_words / group_escapes; final states per lane. fc, rcp: _encode_table."""
     T, K = sym.shape
     NL = ((T + S - 1) // S) * K
     cap = G * S
@@ -357,45 +482,14 @@ def _encode_lanes(sym, lo, W, fc, inv, S, G, NG, prob_bits):
     for gi in prange(NG):
         g0 = gi * G
         n_lane = min(G, NL - g0)
-        x = np.full(G, L, np.int64)
+        x = np.full(G, L, np.uint32)
         row0, comp = _lane_layout(g0, G, K, S)
         ptr = 0
         ne = 0
         base = gi * cap
-        k0 = comp[0]
-        if n_lane == G and k0 + G <= K and row0[0] + S <= T:
-            # the common case: the group's lanes are consecutive components of one full token chunk.
-            # Pass 1 (no branches, vectorizable) codes every lane; pass 2 writes the emitted words.
-            jj = np.empty(G, np.int64)
-            em = np.empty(G, np.int64)
-            old = np.empty(G, np.int64)
-            r0 = row0[0]
-            for i in range(S - 1, -1, -1):
-                row = sym[r0 + i]
-                n_out = 0
-                for l in range(G):
-                    j = np.int64(row[k0 + l]) - lo[k0 + l]
-                    out = (j < 0) | (j >= W[k0 + l])
-                    n_out += out
-                    j = W[k0 + l] if out else j
-                    jj[l] = j
-                    e = np.int64(fc[k0 + l, j])
-                    f = e & 0xFFFF
-                    xl = x[l]
-                    emit = np.int64((xl >> sh) >= f)
-                    old[l] = xl
-                    em[l] = emit
-                    xl >>= 16 * emit
-                    q = _floordiv(xl, f, inv[k0 + l, j])
-                    x[l] = (q << prob_bits) + (xl - q * f) + (e >> 16)
-                for l in range(G):
-                    words[base + ptr] = np.uint16(old[l] & 0xFFFF)  # kept only when emitted
-                    ptr += em[l]
-                if n_out > 0:
-                    for l in range(G):
-                        if jj[l] == W[k0 + l] and (row[k0 + l] < lo[k0 + l] or row[k0 + l] >= lo[k0 + l] + W[k0 + l]):
-                            escv[base + ne] = row[k0 + l]
-                            ne += 1
+        if n_lane == G and comp[0] + G <= K and row0[0] + S <= T:
+            ptr, ne = _encode_group_fast(sym, row0[0], comp[0], lo, W, fc, rcp, S, G, prob_bits, x, words, base,
+                                         escv)
             n_lane = 0  # done
         for i in range(S - 1, -1, -1):
             for l in range(n_lane):
@@ -411,17 +505,21 @@ def _encode_lanes(sym, lo, W, fc, inv, S, G, NG, prob_bits):
                     ne += 1
                 e = np.int64(fc[k, j])
                 f = e & 0xFFFF  # prob_bits <= 15: frequencies and cumulatives fit 16 bits
-                xl = x[l]
+                xl = np.int64(x[l])
                 emit = np.int64((xl >> sh) >= f)
                 words[base + ptr] = np.uint16(xl & 0xFFFF)  # kept only when emitted (ptr advances)
                 ptr += emit
                 xl >>= 16 * emit
-                q = _floordiv(xl, f, inv[k, j])
-                x[l] = (q << prob_bits) + (xl - q * f) + (e >> 16)
+                q = (xl * np.int64(rcp[k, j])) >> 32
+                r = xl - q * f
+                if r >= f:
+                    q += 1
+                    r -= f
+                x[l] = np.uint32((q << prob_bits) + r + (e >> 16))
         group_words[gi] = ptr
         group_escapes[gi] = ne
         for l in range(G):
-            states[g0 + l] = np.uint32(x[l])
+            states[g0 + l] = x[l]
     return words, escv, group_words, group_escapes, states
 
 
@@ -479,25 +577,35 @@ def checksum(*parts) -> tuple[int, int]:
     """rans.checksum (same values), compiled: the parts are the checked header bytes and the rest."""
     _require()
     head = np.frombuffer(parts[0], np.uint8)
-    rest = parts[1:]
-    tail = np.frombuffer(rest[0], np.uint8) if len(rest) == 1 else np.frombuffer(b"".join(rest), np.uint8)
-    c0, c1 = _checksum_parts(head, tail, len(head))
-    return int(c0), int(c1)
+    c0, c1 = _checksum_parts(head, np.zeros(0, np.uint8), len(head))
+    pos = len(head)
+    for part in parts[1:]:  # the sums are additive: each part alone at its position, no join
+        b = np.frombuffer(part, np.uint8)
+        p0, p1 = _checksum_parts(np.zeros(0, np.uint8), b, pos)
+        c0, c1, pos = c0 + p0, c1 + p1, pos + len(b)
+    return int(c0) & 0xFFFFFFFF, int(c1) & 0xFFFFFFFF
 
 
 def encode(symbols: np.ndarray, prob_bits: int = rans.DEFAULT_PROB_BITS, group_lanes: int = rans.DEFAULT_GROUP_LANES,
-           lane_tokens: int | None = None) -> bytes:
-    """rans.encode, compiled: the identical payload."""
+           lane_tokens: int | None = None, stats=None) -> bytes:
+    """rans.encode, compiled: the identical payload. stats: each column's (min, max, sum) of the
+    symbols, when the caller has them (RDQuantizer.quantize_with_stats makes them in its pass)."""
     _require()
     sym = rans._validate_symbols(symbols)
     T, K = sym.shape
     S = rans._check_settings(prob_bits, group_lanes, lane_tokens or rans.default_lane_tokens(T, K), T)
     G = group_lanes
-    mn, mx, sm = _column_stats(sym)
+    if stats is None:
+        mn, mx, sm = _column_stats(sym)
+    else:
+        mn, mx, sm = (np.asarray(v, np.int64).reshape(-1) for v in stats)
+        if not mn.shape == mx.shape == sm.shape == (K,):
+            raise InvalidTensorError(f"stats must be three arrays of {K} column statistics (min, max, sum), got "
+                                     f"shapes {mn.shape}, {mx.shape}, {sm.shape}")
     lo0, h0 = rans.initial_windows(mn, mx, sm, T, prob_bits)
     stride = rans.hist_row_stride(T)
     H = int(h0.max())
-    counts, n_sampled = _histogram(sym, stride, lo0, h0, H)
+    counts, n_sampled = _histogram(sym, stride, lo0, h0, H, numba.get_num_threads())
     tab = rans.model_tables()
     lo, W, esc, codes, model, scale, mu16, freq, cum, ok = _tables(
         counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, tab["shapes"], tab["inv_sigma"], tab["sigma16_sq"],
@@ -506,10 +614,8 @@ def encode(symbols: np.ndarray, prob_bits: int = rans.DEFAULT_PROB_BITS, group_l
     if not ok.all():
         raise BitstreamError("a component's frequency table cannot be normalized")
     lay = rans.Layout(T, K, S, G, 0, 0, 0)
-    fc = ((freq & 0xFFFF) | (cum << 16)).astype(np.uint32)
-    inv = 1.0 / np.maximum(freq, 1)
-    words, escv, group_words, group_escapes, states = _encode_lanes(sym, lo, W, fc, inv, S, G, lay.n_groups,
-                                                                    prob_bits)
+    words, escv, group_words, group_escapes, states = _encode_lanes(sym, lo, W, *_encode_table(freq, cum), S, G,
+                                                                    lay.n_groups, prob_bits)
     cap = G * S
     streams = np.empty(int(group_words.sum()), np.uint16)
     _gather(words, group_words, cap, streams)
@@ -547,7 +653,7 @@ def _decode_tables(codes_flat, model, scale, mu16, W, esc, prob_bits, shapes, in
             else:
                 w[j] = _model_weight(j, W[k], esc[k], model[k] - 1, scale[k], mu16[k], shapes, inv_sigma)
         f = np.zeros(A1, np.int64)
-        if not _normalize(w, A1, M, prob_bits, f):
+        if not _normalize(w, A[k], M, prob_bits, f):  # w is 0 from A[k] on
             ok[k] = False
             continue
         c = 0
@@ -557,6 +663,76 @@ def _decode_tables(codes_flat, model, scale, mu16, W, esc, prob_bits, shapes, in
                 lut[k, s] = j
             c += f[j]
     return fc, lut, ok
+
+
+@njit(**_JIT)
+def _decode_group_fast(words, wb, ptr, states, g0, escapes, eb, eptr, fc, lut, lo, esc_sym, r0, k0, S, G, prob_bits,
+                       out):
+    """The decoding pass of one group whose G lanes are consecutive components k0.. of one full
+    token chunk starting at row r0 (the common case). Per step: one loop looks up each lane's
+    symbol and table entry, a branch-free one (vectorized, 32-bit: a state stays below 2^32)
+    updates the states and writes the values, one lists the lanes that renormalize and one
+    reads their words, in lane order. Returns (words left, escapes left, error: 0 ok, 1 streams,
+    2 escapes)."""
+    K = out.shape[1]
+    A1 = fc.shape[1]
+    M = lut.shape[1]
+    fcf = fc.ravel()
+    lutf = lut.ravel()
+    outf = out.ravel()
+    n = np.uint32(prob_bits)
+    mask = np.uint32((1 << prob_bits) - 1)
+    x = np.empty(G, np.uint32)
+    sv = np.empty(G, np.uint32)
+    fv = np.empty(G, np.uint32)
+    need = np.empty(G, np.int64)
+    lo32 = np.empty(G, np.int32)
+    es32 = np.empty(G, np.int32)
+    for l in range(G):
+        x[l] = states[g0 + l]
+        lo32[l] = lo[k0 + l]
+        es32[l] = esc_sym[k0 + l]
+    esc_bad = False
+    for i in range(S):
+        row = np.uint64((r0 + i) * K + k0)
+        for l in range(G):
+            s = lutf[np.uint64((k0 + l) * M) + np.uint64(x[l] & mask)]
+            sv[l] = s
+            fv[l] = fcf[np.uint64((k0 + l) * A1) + np.uint64(s)]
+        n_esc = 0
+        for l in range(G):
+            xl = x[l]
+            e = fv[l]
+            x[l] = (e & np.uint32(0xFFFF)) * (xl >> n) + (xl & mask) - (e >> np.uint32(16))
+            n_esc += np.int32(sv[l]) == es32[l]
+            outf[row + np.uint64(l)] = np.int32(sv[l]) + lo32[l]
+        m = 0
+        for l in range(G):
+            need[m] = l
+            m += x[l] < np.uint32(L)
+        if m > 0:
+            ptr -= m
+            if ptr < 0:
+                return 0, eptr, 1
+            r = wb + ptr  # the words of this step, lanes in order (r + m <= the group's end)
+            for q in range(m):
+                l = need[q]
+                x[l] = (x[l] << np.uint32(16)) | np.uint32(words[r + q])
+        if n_esc > 0:
+            eptr -= n_esc
+            if eptr < 0:  # as the general pass: flagged, the values stay, a stream error wins
+                esc_bad = True
+                eptr = 0
+                continue
+            r = eb + eptr
+            for l in range(G):
+                if np.int32(sv[l]) == es32[l]:
+                    outf[row + np.uint64(l)] = escapes[r]
+                    r += 1
+    for l in range(G):
+        if x[l] != L:
+            return ptr, eptr, 1
+    return ptr, eptr, 2 if esc_bad else 0
 
 
 @njit(parallel=True, **_JIT)
@@ -587,6 +763,14 @@ def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, l
         wb = wstart[gi]
         eb = estart[gi]
         bad = False
+        if n_lane == G and comp[0] + G <= K and row0[0] + S <= T:
+            ptr, eptr, err[gi] = _decode_group_fast(words, wb, ptr, states, g0, escapes, eb, eptr, fc, lut, lo,
+                                                    esc_sym, row0[0], comp[0], S, G, prob_bits, out)
+            if ptr != 0:
+                err[gi] = 1
+            elif eptr != 0:
+                err[gi] = max(err[gi], 2)
+            continue
         for i in range(S):
             # pass 1: every lane's symbol and state before renormalization
             n_need = 0
@@ -684,35 +868,28 @@ def decode(payload, max_elements: int | None = None) -> np.ndarray:
 
 
 def _timed(fn, reps: int):
-    """(result, best wall seconds, best CPU seconds of this thread) over reps calls."""
-    wall = cpu = float("inf")
-    out = None
+    """(result, median wall seconds, median CPU seconds of the process) over reps calls after one
+    untimed call. CPU time counts every thread (torch, BLAS and numba run one each here), so a
+    busy machine's time-slicing does not count against the code."""
+    out = fn()
+    wall, cpu = [], []
     for _ in range(reps):
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
-        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.thread_time() - c0)
-    return out, wall, cpu
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return out, float(np.median(wall)), float(np.median(cpu))
 
 
-def benchmark_cpu_pipeline(T: int = 4096, D: int = 1024, ks=(None, 1024, 256), target_cos: float = 0.999,
-                           threads: int = 1, reps: int = 5, seed: int = 0) -> list[dict]:
-    """Time TensorCodec(basis, backend="rans", step=...) on a bf16 [T, D] CPU tensor, each way, and
-    each stage of it, on `threads` cores (torch, BLAS and numba limited to that many).
-
-    ks: None = the raw channels (no PCA), else a PCA basis of K components. The tensor is synthetic
-    with a decaying channel spectrum; the basis is fitted on other draws of the same distribution;
-    the step is found once for target_cos (not timed: the timed calls are given it). Prints a table
-    and returns one dict per measurement (config, direction, stage, ms wall, ms CPU, GB/s of bf16)."""
+def synthetic_cases(T: int = 4096, D: int = 1024, ks=(None, 256, 1024), target_cos: float = 0.999, seed: int = 0):
+    """[(name, bf16 tensor [T, D], basis or None, step)]: a tensor with a decaying channel spectrum,
+    its PCA basis of K components fitted on other draws of the same distribution (None: the raw
+    channels), and the step that reaches target_cos on it (searched once, not timed)."""
     import torch
-    import threadpoolctl
 
     from ..basis import as_float_matrix, fit_basis
-    from ..pipeline import TensorCodec, _to_output, pack, unpack
-    from ..rdquant import RDQuantizer, find_step, quality
+    from ..rdquant import find_step
 
-    _require()
-    torch.set_num_threads(threads)
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     rng = np.random.default_rng(seed)
     mix = (rng.standard_normal((D, D)) * (np.arange(1, D + 1) ** -1.2)[None, :]).astype(np.float32)
 
@@ -720,67 +897,168 @@ def benchmark_cpu_pipeline(T: int = 4096, D: int = 1024, ks=(None, 1024, 256), t
         return rng.standard_normal((n, D)).astype(np.float32) @ mix.T + 0.1
 
     x = torch.from_numpy(draw(T)).bfloat16()
-    nbytes = 2 * T * D
+    calib = fit_basis([draw(4096) for _ in range(2)], k=D)
+    values = as_float_matrix(x)
+    cases = []
+    for k in ks:
+        basis = None if k is None else calib.truncate(k)
+        coeffs = values if basis is None else basis.project(values)
+        step = find_step(coeffs, target_cos, "cos", reconstruct=(lambda c: c) if basis is None else basis.reconstruct,
+                         reference=values).step
+        cases.append((f"synthetic [{T}, {D}], " + ("no PCA" if k is None else f"PCA K={k}"), x, basis, step))
+    return cases
+
+
+def _gpu_formula(x, basis, step, symbols):
+    """The GPU kernels' formulas (shared/_rdquant_triton.py) evaluated in float64 on the CPU, a
+    proxy for what the GPU computes: (its symbols of x, its bf16 reconstruction of `symbols`)."""
+    import torch
+
+    comp = torch.from_numpy(basis.components).bfloat16().double()
+    mean = torch.from_numpy(basis.mean).float()
+    bias = (mean @ comp.float()).double()
+    sym = torch.floor(((x.double() @ comp - bias).float() * np.float32(1.0 / step)).double() + 0.5).to(torch.int32)
+    a = (torch.from_numpy(symbols).float() * np.float32(step)).bfloat16().double()
+    return sym.numpy(), (a @ comp.T).float().add(mean).bfloat16()
+
+
+def benchmark_cpu_pipeline(cases=None, threads: int = 1, reps: int = 9, check_reference: bool = True) -> list[dict]:
+    """Time TensorCodec(basis, backend="rans", step=step) on each case's bf16 CPU tensor, each way,
+    and each stage of it, on `threads` cores (torch, BLAS and numba limited to that many), beside a
+    memcpy of the same bytes in the same run. Before timing: the round trip's cosine, the payload
+    equal to the numpy reference coder's (check_reference; it takes seconds), and for a basis the
+    agreement with the GPU kernels' formulas. Prints a table; returns one dict per measurement.
+
+    cases: [(name, bf16 tensor, basis or None, step)], default synthetic_cases()."""
+    import os
+
+    import threadpoolctl
+    import torch
+
+    from ..pipeline import TensorCodec, unpack
+    from ..rdquant import RDQuantizer, quality
+
+    _require()
+    torch.set_num_threads(threads)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     rows = []
     with threadpoolctl.threadpool_limits(threads):
-        calib = fit_basis([draw(4096) for _ in range(2)], k=D)
-        for k in ks:
-            basis = None if k is None else calib.truncate(k)
-            name = "no PCA" if k is None else f"PCA K={k}"
-            recon = (lambda c: c) if basis is None else basis.reconstruct
-            values = as_float_matrix(x)
-            coeffs = values if basis is None else basis.project(values)
-            step = find_step(coeffs, target_cos, "cos", reconstruct=recon, reference=values, water_fill=False).step
+        for name, x, basis, step in (synthetic_cases() if cases is None else cases):
+            T, D = x.shape
+            nbytes = 2 * T * D
+            load0 = os.getloadavg()[0]
             codec = TensorCodec(basis, backend="rans", step=step)
-            blob, enc_wall, enc_cpu = _timed(lambda: codec.encode(x), reps)
-            out, dec_wall, dec_cpu = _timed(lambda: codec.decode(blob), reps)
+            blob = codec.encode(x)
+            out = codec.decode(blob)
             cos = quality(x.float().numpy(), out.float().numpy(), "cos")
-            ratio = nbytes / len(blob)
-            q = RDQuantizer(step)
             header, chunks = unpack(blob)
-            sym = q.quantize(coeffs)
+            q = RDQuantizer(step)
+            proj = codec._cpu_projection(x, "bfloat16")
+            sym, stats = proj.quantize(x, q)
+            payload = chunks["DATA"]
+            checks = {"cos": cos, "ratio": nbytes / len(blob)}
+            blob32 = codec.encode(x.float())  # the float32 path of the same values: float32 basis and GEMMs
+            checks["cos_float32_path"] = quality(x.float().numpy(), codec.decode(blob32).numpy(), "cos")
+            checks["ratio_float32_path"] = nbytes / len(blob32)
+            if check_reference:
+                checks["payload_equals_numpy_reference"] = float(rans.encode(sym) == payload)
+                checks["decode_equals_numpy_reference"] = float(np.array_equal(rans.decode(payload), decode(payload)))
+            if basis is not None:
+                gsym, gout = _gpu_formula(x, basis, step, sym)
+                checks["symbols_equal_gpu_formula"] = float((gsym == sym).mean())
+                checks["decode_equals_gpu_formula"] = float((proj.reconstruct(sym, step) == gout).float().mean())
+            print(f"\n{name}: {nbytes / 1e6:.1f} MB bf16 -> {len(blob)} bytes, " + ", ".join(
+                f"{k} {v:.5g}" for k, v in checks.items()) + f"; {threads} thread(s), load average {load0:.2f}")
+            if cos < 0.998 or checks.get("payload_equals_numpy_reference", 1.0) < 1 \
+                    or checks.get("decode_equals_numpy_reference", 1.0) < 1:
+                raise SystemExit(f"{name}: the round trip or the reference check failed ({checks})")
+            src = x.view(torch.int16).numpy().view(np.uint8).reshape(-1)
+            dst = np.empty_like(src)
+            hdr = parse(payload)
+            lay, n = hdr.layout, hdr.prob_bits
+            tab = rans.model_tables()
+            lut = np.empty((hdr.K, 1 << n), np.uint8 if int(hdr.A.max()) <= 256 else np.uint16)
+            mn, mx, sm = stats
+            lo0, h0 = rans.initial_windows(mn, mx, sm, T, n)
+            stride, H = rans.hist_row_stride(T), int(h0.max())
+            counts, n_sampled = _histogram(sym, stride, lo0, h0, H, numba.get_num_threads())
+            targs = (counts, h0, lo0, mn, mx, n_sampled, stride, n, tab["shapes"], tab["inv_sigma"], tab["sigma16_sq"],
+                     rans._neg_log2_table(n), rans.ESCAPE_COST, rans.TABLE_ENTRY_COST, rans.PARAM_BYTES,
+                     rans.MODEL_MIN_SHARE, rans.MODEL_SEARCH)
+            lo, W, esc, _, _, _, _, freq, cum, _ = _tables(*targs)
+            fc_enc = _encode_table(freq, cum)
+            fc, lut, _ = _decode_tables(np.asarray(hdr.codes_flat), hdr.model, hdr.scale, hdr.mu16, hdr.W, hdr.esc, n,
+                                        tab["shapes"], tab["inv_sigma"], lut)
+            mv = memoryview(payload)
+            states = np.full(lay.n_lanes, L, np.uint32)
+            states[np.tile(hdr.A > 1, lay.P)] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
+            words = np.frombuffer(mv[lay.streams:lay.total], "<u2")
+            y = x if basis is None else x @ proj.components
+            ybits = y.view(torch.int16).numpy().view(np.uint16)
+            ybias = None if basis is None else proj.bias
+            coef = torch.from_numpy(np.empty((T, proj.K + 1), np.uint16).view(np.int16)).view(torch.bfloat16)
             stages = [
-                ("encode", "bf16 -> float32 (as_float_matrix)", lambda: as_float_matrix(x)),
-                ("encode", "projection (x - mean) @ C", (lambda: values) if basis is None else
-                 (lambda: basis.project(values))),
-                ("encode", "quantize", lambda: q.quantize(coeffs)),
-                ("encode", "rANS encode", lambda: encode(sym)),
-                ("encode", "container (CRC32, join)", lambda: pack(codec._symbols_header(x.shape, "bfloat16", q)[0],
-                                                                  {"QPAR": q.to_bytes(), "DATA": chunks["DATA"]})),
-                ("decode", "container (CRC32 check)", lambda: unpack(blob)),
-                ("decode", "rANS decode", lambda: decode(chunks["DATA"])),
-                ("decode", "dequantize", lambda: q.dequantize(sym)),
-                ("decode", "reconstruct c @ C.T + mean", (lambda: coeffs) if basis is None else
-                 (lambda: basis.reconstruct(coeffs))),
-                ("decode", "float32 -> bf16 tensor", lambda: _to_output(values, header)),
+                ("encode", "api", lambda: codec.encode(x)),
+                ("encode", "projection: bf16 GEMM x @ C", None if basis is None else (lambda: x @ proj.components)),
+                ("encode", "quantize + column statistics", lambda: q.quantize_with_stats(ybits, ybias, bf16=True)),
+                ("encode", "rANS: histogram", lambda: _histogram(sym, stride, lo0, h0, H, numba.get_num_threads())),
+                ("encode", "rANS: tables", lambda: _tables(*targs)),
+                ("encode", "rANS: coding pass", lambda: _encode_lanes(sym, lo, W, *fc_enc, hdr.S, hdr.G, lay.n_groups,
+                                                                      n)),
+                ("encode", "rANS: whole payload", lambda: encode(sym, stats=stats)),
+                ("decode", "api", lambda: codec.decode(blob)),
+                ("decode", "container: parse, CRC32", lambda: unpack(blob)),
+                ("decode", "rANS: parse, checksum", lambda: parse(payload)),
+                ("decode", "rANS: tables", lambda: _decode_tables(np.asarray(hdr.codes_flat), hdr.model, hdr.scale,
+                                                                  hdr.mu16, hdr.W, hdr.esc, n, tab["shapes"],
+                                                                  tab["inv_sigma"], lut)),
+                ("decode", "rANS: decoding pass", lambda: _decode_lanes(words, hdr.group_words, states,
+                                                                        np.asarray(hdr.escapes), hdr.group_escapes, fc,
+                                                                        lut, hdr.lo, hdr.W, hdr.esc, hdr.T, hdr.K,
+                                                                        hdr.S, hdr.G, n)),
+                ("decode", "rANS: whole payload", lambda: decode(payload)),
+                ("decode", "reconstruct: dequantize to bf16" + ("" if basis is None else ", GEMM + mean")
+                 + ", finite check", lambda: proj.reconstruct(sym, step)),
+                ("decode", "of which bf16 GEMM + mean", None if basis is None else
+                 (lambda: torch.addmm(proj.mean_hi, coef, proj.weight.t()))),
+                ("reference", "memcpy of the bf16 bytes", lambda: np.copyto(dst, src)),
             ]
-            if basis is None:  # the numpy reference on the same symbols, once (it is ~100x slower)
-                stages += [("encode", "(reference) rANS encode, numpy", lambda: rans.encode(sym)),
-                           ("decode", "(reference) rANS decode, numpy", lambda: rans.decode(chunks["DATA"]))]
-            else:
-                cb = torch.from_numpy(basis.components).bfloat16()
-                stages.append(("encode", "(alternative) projection in bf16, torch", lambda: x @ cb))
-            print(f"\n{name}: 4096 x 1024 bf16 -> {len(blob)} bytes (ratio {ratio:.2f}x), cos {cos:.5f}, "
-                  f"step {step:.4g}, {threads} thread(s)")
-            print(f"  {'':44s} {'wall ms':>8s} {'CPU ms':>8s} {'GB/s':>7s} {'GB/s of CPU time':>17s}")
-            for direction, wall, cpu in (("encode", enc_wall, enc_cpu), ("decode", dec_wall, dec_cpu)):
-                print(f"  TensorCodec {direction + ' (the API)':32s} {1e3 * wall:8.1f} {1e3 * cpu:8.1f} "
-                      f"{nbytes / wall / 1e9:7.3f} {nbytes / cpu / 1e9:17.3f}")
-                rows.append(dict(config=name, k=k or D, direction=direction, stage="api", ms_wall=1e3 * wall,
-                                 ms_cpu=1e3 * cpu, gbps=nbytes / wall / 1e9, ratio=ratio, cos=cos, threads=threads))
+            common = dict(case=name, tokens=T, channels=D, k=D if basis is None else basis.k, threads=threads,
+                          repeats=reps, tensor_mb=nbytes / 1e6, step=step)
+            print(f"  {'':44s} {'CPU ms':>8s} {'wall ms':>8s} {'GB/s (CPU time)':>16s}")
+            times = {}
             for direction, stage, fn in stages:
-                _, wall, cpu = _timed(fn, 1 if stage.startswith("(reference)") else reps)
-                print(f"    {direction}: {stage:34s} {1e3 * wall:8.1f} {1e3 * cpu:8.1f}")
-                rows.append(dict(config=name, k=k or D, direction=direction, stage=stage, ms_wall=1e3 * wall,
-                                 ms_cpu=1e3 * cpu, gbps=nbytes / wall / 1e9, ratio=ratio, cos=cos, threads=threads))
+                if fn is None:
+                    continue
+                _, wall, cpu = _timed(fn, reps)
+                times[(direction, stage)] = cpu
+                print(f"  {direction + ': ' + stage:44s} {1e3 * cpu:8.2f} {1e3 * wall:8.2f} {nbytes / cpu / 1e9:16.3f}")
+                rows.append(dict(common, direction=direction, stage=stage, metric="cpu_ms", value=1e3 * cpu, unit="ms"))
+                rows.append(dict(common, direction=direction, stage=stage, metric="wall_ms", value=1e3 * wall,
+                                 unit="ms"))
+                rows.append(dict(common, direction=direction, stage=stage, metric="gbps", value=nbytes / cpu / 1e9,
+                                 unit="GB/s of bf16 per CPU second"))
+            t_enc, t_dec = times[("encode", "api")], times[("decode", "api")]
+            saved = nbytes * (1 - len(blob) / nbytes)
+            crossover = saved / (t_enc + t_dec) / 1e9  # GB/s of link below which encode + send + decode wins
+            print(f"  codec beats sending raw bf16 (one after the other, no overlap) on links below {crossover:.3f} "
+                  f"GB/s ({8 * crossover:.2f} Gbit/s); load average at the end {os.getloadavg()[0]:.2f}")
+            for metric, value in checks.items():
+                rows.append(dict(common, direction="both", stage="check", metric=metric, value=value,
+                                 unit="x vs bf16" if metric.startswith("ratio") else
+                                 ("cos" if metric.startswith("cos") else "fraction")))
+            rows.append(dict(common, direction="both", stage="api", metric="crossover_link_gbps", value=crossover,
+                             unit="GB/s"))
+            rows.append(dict(common, direction="both", stage="machine", metric="load_average", value=load0,
+                             unit="runnable tasks (1 min)"))
     return rows
 
 
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="time TensorCodec's CPU path (compiled rANS coder)")
+    ap = argparse.ArgumentParser(description="time TensorCodec's CPU path (compiled rANS coder), stage by stage")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
     benchmark_cpu_pipeline(threads=args.threads, reps=args.reps)
