@@ -50,11 +50,12 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared import kvquant as kq  # noqa: E402
+from shared import diffusion  # noqa: E402
 from shared import llm  # noqa: E402
-from shared.basis import fit_basis, leave_one_out  # noqa: E402
+from shared.basis import PCABasis, fit_basis  # noqa: E402
 from shared.errors import BackendUnavailable  # noqa: E402
-from shared.kvcodec import (KVCodec, allocate_by_sensitivity, calibrate_scale, fit_kv_codec, query_metric,  # noqa: E402
-                            rope_of, value_metric)
+from shared.kvcodec import (KVCodec, TensorTransform, allocate_by_sensitivity, calibrate_scale, fit_kv_codec,  # noqa: E402
+                            fit_transform, query_metric, rope_of, value_metric)
 from shared.pipeline import TensorCodec  # noqa: E402
 from shared.results import ROOT, ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 
@@ -79,12 +80,26 @@ TARGETS = [0.003, 0.01, 0.05]      # perplexity-change targets the codec is cali
 SHIPPED_COS = [0.999, 0.995]   # target cosines of the compute codec as it ships
 CACHE = ROOT / "data" / "cache" / "05_v1"
 CODEC_DIR = ROOT / "data" / "kv_codec"
-DIFF_SEEDS = range(8)      # capture seeds (the bases); generation seeds are held out one at a time
-EVAL_SEEDS = [0, 1, 2, 3]  # generations whose PSNR is measured
+DIFF_CLASSES = range(10)   # digit classes: one generation is one batch of 10 images
+DIFF_FIT_SEEDS = range(8)  # generations whose block outputs fit the codec's basis (PoC 03's 8 seeds)
+DIFF_FEWER_SEEDS = range(2)    # the basis from fewer generations
+DIFF_MORE_SEEDS = range(32)    # the basis from more generations
+DIFF_CALIB_SEEDS = range(100, 104)   # generations a PSNR target is calibrated on (and the sensitivities)
+DIFF_EVAL_SEEDS = range(1000, 1100)  # held-out generations; the first DIFF_EVAL_N are measured
+DIFF_EVAL_N = 16           # held-out generations x 10 images (PSNR SE about 0.05 dB)
 STEPS = 20                 # Euler steps
 PRESET = "medium"          # x265 preset
-DIFF_STEPS = [0.02, 0.05, 0.1, 0.2, 0.4]  # compute-codec steps for the diffusion activations (coefficient units)
-PSNR_TARGET = 40.0          # dB: the diffusion comparison is at this image quality
+INT_BITS = [2, 3, 4, 5, 6, 8]      # int-N min/max per channel (fp16 scale + zero per channel)
+GROUP, GROUP_BITS = 64, [2, 3, 4]  # per channel in groups of 64 tokens (one image), bits
+TOKEN_BITS = [3, 4, 6, 8]          # int-N min/max per token
+CODEC_STEPS = [0.05, 0.1, 0.2, 0.3, 0.45, 0.7]   # compute-codec steps (coefficient units; activations RMS ~0.7)
+VARIANT_STEPS = [0.2, 0.3, 0.45, 0.7]           # steps of each codec variant (around 40 dB)
+VARIANT_K = 64             # the truncated basis (the default keeps all D = 128 components)
+SENS_SEEDS = 2             # calibration generations the image sensitivities are measured on
+PROBES = 4                 # random pixel-space directions per (generation, step) for the sensitivities
+CALIB_ITERS = 4            # secant refinements of the step calibrated for a PSNR target
+PSNR_TARGET = 40.0         # dB: the diffusion comparison is at this image quality
+DIFF_CODEC_DIR = ROOT / "data" / "diff_codec"   # the diffusion codec files calibrated for PSNR_TARGET
 FALLBACK_POINTS = [(0.999, 192, None), (0.99, 128, 18), (0.97, 64, 26), (0.94, 32, 26)]  # if no PoC 03 CSV
 
 
@@ -99,25 +114,6 @@ def operating_points(csv: str, source: str | None, dim: int) -> list[tuple[float
     if source is not None:
         best = best[best.source == source]
     return [(float(r.threshold), int(r.k), None if pd.isna(r.qp) else int(r.qp)) for r in best.itertuples()]
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = float(((a - b) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
-
-
-class CountingCodec:
-    """A TensorCodec round trip that also tallies original and coded bytes."""
-
-    def __init__(self, basis, qp, frame):
-        self.codec = TensorCodec(basis, backend="x265", frame_size=frame, qp=qp, preset=PRESET)
-        self.raw_bytes = self.coded_bytes = 0
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        blob = self.codec.encode(x.to(torch.bfloat16))
-        self.raw_bytes += x.numel() * 2
-        self.coded_bytes += len(blob)
-        return self.codec.decode(blob).to(x.dtype)
 
 
 # ---------------------------------------------------------------- LLM: evaluation on cached prefixes
@@ -424,92 +420,326 @@ def llm_rows(res: ResultsWriter, quick: bool, n_eval: int | None, prefixes: list
     summary_rows(res)
 
 
-def per_channel_int8(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    x_hat, nbytes = kq.absmax_int8_rows(x.float().t().contiguous())
-    return x_hat.t(), nbytes
+# ---------------------------------------------------------------- diffusion: images from coded activations
 
+class CountingHook:
+    """The block-output hook of one generation: at denoising step i, x [B*T, D] -> fns[i % len(fns)](x),
+    each fn returning (x_hat, stored bytes); tallies the bf16 bytes and the stored bytes."""
 
-def per_channel_int4(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    x_hat, nbytes = kq.minmax_groups(x.float().t().contiguous(), 4, x.shape[0])
-    return x_hat.t(), nbytes
-
-
-DIFF_PEERS = {"int8 absmax per channel": per_channel_int8, "fp8 e4m3 per tensor": kq.fp8_e4m3_tensor,
-              "int4 min/max per channel": per_channel_int4}
-DIFF_COS = [0.9999, 0.9995, 0.999, 0.995, 0.99]  # target cosines of the compute codec on the activations
-
-
-class CountingQuantizer:
-    """A peer quantizer round trip that tallies original (bf16) and stored bytes."""
-
-    def __init__(self, fn):
-        self.fn, self.raw_bytes, self.coded_bytes = fn, 0, 0
+    def __init__(self, fns):
+        self.fns, self.calls, self.raw_bytes, self.coded_bytes = list(fns), 0, 0, 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x_hat, nbytes = self.fn(x)
-        self.raw_bytes += x.numel() * 2
+        x_hat, nbytes = self.fns[self.calls % len(self.fns)](x)
+        self.calls += 1
+        self.raw_bytes += 2 * x.numel()
         self.coded_bytes += nbytes
         return x_hat.to(x.dtype)
 
 
-class CountingRans(CountingQuantizer):
-    def __init__(self, basis, target_cos):
-        codec = TensorCodec(basis, backend="rans", target_cos=target_cos, water_fill=False)
+def per_channel(bits: int, group: int | None = None):
+    """Asymmetric min/max int-N per channel over the step's tokens (or groups of `group` tokens),
+    fp16 scale and zero per group (shared.kvquant.minmax_groups)."""
+    def fn(x):
+        x_hat, nbytes = kq.minmax_groups(x.float().t().contiguous(), bits, group or x.shape[0])
+        return x_hat.t(), nbytes
+    return fn
 
-        def fn(x):
-            blob = codec.encode(x.to(torch.bfloat16))
-            return codec.decode(blob).float(), len(blob)
-        super().__init__(fn)
+
+def per_token(bits: int):
+    return lambda x: kq.minmax_groups(x.float(), bits, x.shape[1])
 
 
-def diffusion_rows(res: ResultsWriter, quick: bool):
-    from shared import diffusion
+def int8_absmax_per_channel(x):
+    x_hat, nbytes = kq.absmax_int8_rows(x.float().t().contiguous())
+    return x_hat.t(), nbytes
 
-    model = diffusion.load_tiny_flux()
-    seeds, steps, eval_seeds = (range(3), 4, [0]) if quick else (DIFF_SEEDS, STEPS, EVAL_SEEDS)
-    store = diffusion.capture_tiny_flux(model, seeds=seeds, classes=range(10), steps=steps)
-    keys = store.keys()
-    caps = [store.load(k)["act"] for k in keys]
-    groups = [int(k.split("_")[0].removeprefix("seed")) for k in keys]
-    dim = caps[0].shape[1]
-    classes = list(range(10))
-    points = operating_points("03_pareto_diffusion", None, dim)
-    if quick:
-        points = points[:2]
-    references = {seed: diffusion.generate(model, classes, seed, steps) for seed in eval_seeds}
-    full_bases = dict((groups[i], b) for i, b in leave_one_out(caps, dim, groups))
 
-    def measure(backend, make, **settings):
-        values, raw, coded = [], 0, 0
-        for seed in eval_seeds:
-            hook = make(seed)
-            # the coded unit is one denoising step's whole batch, as in PoC 03
-            images = diffusion.generate(model, classes, seed, steps, activation_hook=hook, hook_whole_batch=True)
-            values.append(psnr(references[seed], images))
-            raw, coded = raw + hook.raw_bytes, coded + hook.coded_bytes
-        common = dict(domain="diffusion", model="tiny_flux", ratio=raw / coded, images=len(eval_seeds) * len(classes),
-                      **settings)
-        res.add(backend=backend, metric="psnr", value=float(np.mean(values)), unit="dB", **common)
-        res.add(backend=backend, metric="psnr_min", value=float(np.min(values)), unit="dB", **common)
-        res.add(backend=backend, metric="ratio_per_step_batch", value=raw / coded, unit="x", **common)
-        print(f"diff  {backend:<26} {settings}  ratio {raw / coded:6.2f}x (a step's batch of 10 images)  "
-              f"PSNR {np.mean(values):.1f} dB (min over seeds {np.min(values):.1f})")
+def tensor_codec_fn(codec: TensorCodec):
+    """The compute codec through its API: the container's length is every stored byte."""
+    def fn(x):
+        blob = codec.encode(x)
+        return codec.decode(blob).float(), len(blob)
+    return fn
 
-    for threshold, k, qp in points:
-        bases = dict((groups[i], b) for i, b in leave_one_out(caps, k, groups))
-        measure("x265", lambda seed: CountingCodec(bases[seed], qp, 64 if quick else 128),
-                threshold=threshold, k=k, qp=qp)
-    for cos in DIFF_COS[1:3] if quick else DIFF_COS:
-        measure("compute codec", lambda seed: CountingRans(full_bases[seed], cos), threshold=cos, k=dim)
-    for name, fn in DIFF_PEERS.items():
-        measure(name, lambda seed: CountingQuantizer(fn))
+
+def x265_fn(basis, qp: int, frame: int):
+    codec = TensorCodec(basis, backend="x265", frame_size=frame, qp=qp, preset=PRESET)
+    return lambda x: (lambda blob: (codec.decode(blob).float(), len(blob)))(codec.encode(x.to(torch.bfloat16)))
+
+
+def step_activations(model, seeds, steps: int) -> list[list[torch.Tensor]]:
+    """[seed][step]: the middle double block's image-stream output of one generation, [10 x 64 tokens, D]."""
+    out = []
+    for seed in tqdm(seeds, desc="record activations", unit="generation", leave=False):
+        with diffusion.record_block_output(model.transformer) as outputs:
+            diffusion.generate(model, DIFF_CLASSES, seed, steps)
+        out.append([o.reshape(-1, o.shape[-1]).float() for o in outputs])
+    return out
+
+
+def image_sensitivity(model, seeds, steps: int, probes: int) -> np.ndarray:
+    """[steps, D, D]: M_t = E[J_t^T J_t] summed over a step's tokens, J_t the Jacobian of the final
+    images (pixels in [0, 1]) with respect to the block output at step t; to first order an error e
+    added there costs e^T M_t e of summed squared pixel error. Estimated by vector-Jacobian products
+    with `probes` random pixel-space directions per (generation, step)."""
+    D = model.transformer.inner_dim
+    M = np.zeros((steps, D, D))
+    rng = torch.Generator().manual_seed(0)
+    for seed, t in tqdm([(s, t) for s in seeds for t in range(steps)], desc="image sensitivity", unit="step",
+                        leave=False):
+        delta = torch.zeros(len(DIFF_CLASSES) * model.tokens, D, requires_grad=True)
+        calls = []
+
+        def add(x, t=t, calls=calls, delta=delta):
+            calls.append(1)
+            return x + delta if len(calls) - 1 == t else x
+        images = diffusion.generate(model, DIFF_CLASSES, seed, steps, activation_hook=add, hook_whole_batch=True,
+                                    grad=True)
+        for p in range(probes):
+            (g,) = torch.autograd.grad(images, delta, torch.randn(images.shape, generator=rng),
+                                       retain_graph=p < probes - 1)
+            M[t] += (g.double().T @ g.double()).numpy()
+    return M / (len(seeds) * probes)
+
+
+def weighted_codec(acts, metric: np.ndarray, steps: int) -> KVCodec:
+    """One image-weighted transform per denoising step (shared.kvcodec.fit_transform with weighting
+    W_t = M_t^(1/2), M_t normalized to a mean eigenvalue of 1 over the steps): a step shared by every
+    component and every denoising step then spends bits where the final image is sensitive."""
+    norm = float(np.mean([np.trace(m) for m in metric])) / metric.shape[1]
+    transforms = {}
+    for t in range(steps):
+        x = torch.cat([a[t] for a in acts]).double().numpy()
+        mean, A, S = fit_transform(x, 1, metric[t][None] / norm, per_head=False)
+        transforms[(t, "x")] = TensorTransform(mean.astype(np.float32), A.astype(np.float32), S.astype(np.float32), 1.0)
+    h = hashlib.sha256(b"tiny_flux image-weighted")
+    for t in range(steps):
+        h.update(np.ascontiguousarray(transforms[(t, "x")].analysis).tobytes())
+    return KVCodec(transforms, meta={"model": "tiny_flux", "weighting": "final-image Jacobian",
+                                     "hash": h.hexdigest()[:16]})
+
+
+def kv_codec_fns(codec: KVCodec, steps: int):
+    return [lambda x, t=t: codec.roundtrip(x, t, "x") for t in range(steps)]
+
+
+def measure_images(model, classifier, refs, seeds, steps: int, fns) -> dict:
+    """Generate every seed's 10 images with the block output through `fns`; per-image PSNR against the
+    untouched generation from the same noise, the classifier's agreement with its label of the
+    untouched image, its accuracy against the class asked for, and the bytes."""
+    psnrs, agree, correct = [], [], []
+    raw = coded = 0
+    labels = torch.tensor(list(DIFF_CLASSES))
+    for seed in seeds:
+        hook = CountingHook(fns)
+        images = diffusion.generate(model, DIFF_CLASSES, seed, steps, activation_hook=hook, hook_whole_batch=True)
+        ref_images, ref_class = refs[seed]
+        mse = ((images.double() - ref_images.double()) ** 2).flatten(1).mean(1).clamp(min=1e-20)
+        psnrs += (10 * torch.log10(1 / mse)).tolist()
+        got = diffusion.classify(classifier, images)
+        agree += (got == ref_class).tolist()
+        correct += (got == labels).tolist()
+        raw, coded = raw + hook.raw_bytes, coded + hook.coded_bytes
+    p = np.array(psnrs)
+    return dict(psnr=float(p.mean()), psnr_sd=float(p.std(ddof=1)) if len(p) > 1 else float("nan"),
+                psnr_se=float(p.std(ddof=1) / math.sqrt(len(p))) if len(p) > 1 else float("nan"),
+                psnr_min=float(p.min()), psnr_p5=float(np.percentile(p, 5)), agreement=float(np.mean(agree)),
+                accuracy=float(np.mean(correct)), ratio=raw / coded, bits=16 * coded / raw, images=len(p),
+                bytes_per_step=coded / (len(seeds) * steps))
+
+
+def calibrate_psnr(evaluate, target: float, start: float, iters: int) -> tuple[float, dict]:
+    """The largest measured step whose mean PSNR on calibration generations (evaluate(step), dB) meets
+    the target. PSNR is close to linear in log(step) (about 6 dB per halving), so: two points a factor 2
+    apart, then secant steps on log(step) through the two measured points nearest the target."""
+    points = {start: evaluate(start), 2 * start: evaluate(2 * start)}
+    for _ in range(iters):
+        (s0, p0), (s1, p1) = sorted(points.items(), key=lambda kv: abs(kv[1] - target))[:2]
+        slope = (p1 - p0) / (math.log(s1) - math.log(s0)) if p1 != p0 else -8.0
+        step = math.exp(math.log(s0) + (target - p0) / min(slope, -1.0))
+        step = min(max(step, min(points) / 4), max(points) * 4)
+        points[step] = evaluate(step)
+    ok = [s for s, p in points.items() if p >= target]
+    return (max(ok) if ok else min(points)), points
+
+
+def ratio_at_psnr(points: list[tuple[float, float]], target: float) -> float | None:
+    """The best ratio a curve reaches at or above a PSNR: log(ratio) linear in PSNR between its measured
+    (PSNR, ratio) points after taking, at each PSNR, the best ratio of the points at or above it;
+    None outside the measured range."""
+    pts = sorted(points)
+    if len(pts) < 2 or not pts[0][0] <= target <= pts[-1][0]:
+        return None
+    ps = np.array([p for p, _ in pts])
+    best = np.maximum.accumulate(np.array([r for _, r in pts])[::-1])[::-1]
+    return float(np.exp(np.interp(target, ps, np.log(best))))
+
+
+def diffusion_rows(res: ResultsWriter, quick: bool, n_eval: int | None = None):
+    torch.set_num_threads(1)  # on a shared 2-core machine more threads spin waiting for cores
+    model = diffusion.load_tiny_flux().requires_grad_(False)
+    classifier = diffusion.digit_classifier()
+    steps = 4 if quick else STEPS
+    fit_seeds, fewer, more = (range(2), range(1), range(3)) if quick else (DIFF_FIT_SEEDS, DIFF_FEWER_SEEDS,
+                                                                          DIFF_MORE_SEEDS)
+    calib_seeds = DIFF_CALIB_SEEDS[:1] if quick else DIFF_CALIB_SEEDS
+    eval_seeds = DIFF_EVAL_SEEDS[:n_eval or (2 if quick else DIFF_EVAL_N)]
+    acts = step_activations(model, more, steps)  # the first len(fit_seeds) are the default fit set
+    D = acts[0][0].shape[1]
+    basis = fit_basis([x for a in acts[:len(fit_seeds)] for x in a], k=D, model="tiny_flux", layer="block1.img")
+    refs = {}
+    for seed in list(eval_seeds) + list(calib_seeds):
+        images = diffusion.generate(model, DIFF_CLASSES, seed, steps)
+        refs[seed] = (images, diffusion.classify(classifier, images))
+    n_images = len(eval_seeds) * len(DIFF_CLASSES)
+    print(f"diff  untouched generations: {n_images} held-out images ({len(eval_seeds)} seeds x 10 classes); the "
+          f"classifier labels {np.mean([(refs[s][1] == torch.tensor(list(DIFF_CLASSES))).float().mean() for s in eval_seeds]):.1%} "
+          "as the class asked for")
+    # the round trip first: the codec's coefficient error is within half a step, its size is every byte
+    probe = acts[0][steps // 2]
+    codec = TensorCodec(basis, backend="rans", step=0.2)
+    blob = codec.encode(probe)
+    err = float(np.abs(basis.project(codec.decode(blob)) - basis.project(probe)).max())
+    print(f"diff  round trip: compute codec at step 0.2 on a [{probe.shape[0]}, {D}] step batch: {len(blob)} bytes "
+          f"({2 * probe.numel() / len(blob):.2f}x), max coefficient error {err:.4f} <= step / 2 + float error: "
+          f"{'ok' if err <= 0.1 + 1e-3 else 'FAILED'}")
+    if err > 0.1 + 1e-3:
+        raise RuntimeError("the compute codec's round trip exceeds half a step: fix the codec before measuring")
+    settings = dict(domain="diffusion", model="tiny_flux", steps=steps, seeds=len(eval_seeds), fit_seeds=len(fit_seeds))
+    gen_bytes = 2 * steps * acts[0][0].numel()  # one generation's block outputs in bf16
+
+    def point(curve: str, label: str, fns, kind: str, artifact_bytes: int = 0, **extra):
+        out = measure_images(model, classifier, refs, eval_seeds, steps, fns)
+        common = dict(curve=curve, method=label, kind=kind, ratio=out["ratio"], bits_per_value=out["bits"],
+                      psnr_sd=out["psnr_sd"], psnr_se=out["psnr_se"], images=out["images"],
+                      bytes_per_step=out["bytes_per_step"], artifact_bytes=artifact_bytes,
+                      generation_bf16_bytes=gen_bytes, **settings, **extra)
+        res.add(backend=curve, metric="psnr", value=out["psnr"], unit="dB", **common)
+        for metric in ("psnr_min", "psnr_p5"):
+            res.add(backend=curve, metric=metric, value=out[metric], unit="dB", **common)
+        res.add(backend=curve, metric="classifier_agreement", value=out["agreement"], unit="fraction", **common)
+        res.add(backend=curve, metric="classifier_accuracy", value=out["accuracy"], unit="fraction", **common)
+        res.add(backend=curve, metric="bits_per_value", value=out["bits"], unit="bits", **common)
+        print(f"diff  {label:<58} {out['bits']:5.2f} b/v {out['ratio']:6.2f}x  PSNR {out['psnr']:5.1f} dB "
+              f"(sd {out['psnr_sd']:.2f}, SE {out['psnr_se']:.2f}, min {out['psnr_min']:.1f})  classifier agrees "
+              f"{out['agreement']:.1%}", flush=True)
+        return out
+
+    point("bf16 (the reference ratio)", "bf16", [lambda x: (x.to(torch.bfloat16).float(), 2 * x.numel())], "simple")
+    for bits in INT_BITS[2:5] if quick else INT_BITS:
+        point("int-N min/max per channel", f"int{bits} min/max per channel", [per_channel(bits)], "simple", bits=bits)
+    for bits in [] if quick else GROUP_BITS:
+        point(f"int-N min/max per channel, groups of {GROUP} tokens", f"int{bits} per channel, groups of {GROUP}",
+              [per_channel(bits, GROUP)], "simple", bits=bits)
+    for bits in [] if quick else TOKEN_BITS:
+        point("int-N min/max per token", f"int{bits} min/max per token", [per_token(bits)], "simple", bits=bits)
+    point("int8 absmax per channel", "int8 absmax per channel", [int8_absmax_per_channel], "simple", bits=8)
+    point("fp8 e4m3 per tensor", "fp8 e4m3 per tensor", [kq.fp8_e4m3_tensor], "simple", bits=8)
+    for threshold, k, qp in [] if quick else operating_points("03_pareto_diffusion", None, D):
+        point("libx265 (PoC 03's operating points)", f"x265 K {k} QP {qp} (PoC 03: cos >= {threshold:g})",
+              [x265_fn(basis.truncate(k), qp, 128)], "codec", basis.truncate(k).nbytes(), k=k, qp=qp,
+              threshold=threshold)
+
+    base = "compute codec (one basis, one step)"
+    for step in CODEC_STEPS[2:4] if quick else CODEC_STEPS:
+        point(base, f"{base}, step {step}", [tensor_codec_fn(TensorCodec(basis, backend="rans", step=step))],
+              "codec", basis.nbytes(), step=step, k=D)
+    sweep = CODEC_STEPS[2:4] if quick else VARIANT_STEPS
+    small = basis.truncate(VARIANT_K)
+    for step in sweep:
+        point(f"codec, K {VARIANT_K}", f"codec, K {VARIANT_K}, step {step}",
+              [tensor_codec_fn(TensorCodec(small, backend="rans", step=step))], "codec", small.nbytes(), step=step,
+              k=VARIANT_K)
+    for name, seeds in ((f"codec, basis from {len(fewer)} generation(s)", fewer),
+                        (f"codec, basis from {len(more)} generations", more)):
+        b = fit_basis([x for a in acts[:len(seeds)] for x in a], k=D)
+        for step in sweep:
+            point(name, f"{name}, step {step}", [tensor_codec_fn(TensorCodec(b, backend="rans", step=step))], "codec",
+                  b.nbytes(), step=step, k=D, fit_seeds_variant=len(seeds))
+    for step in sweep:
+        point("codec, water-filling", f"codec, water-filling, step {step}",
+              [tensor_codec_fn(TensorCodec(basis, backend="rans", step=step, water_fill=True))], "codec",
+              basis.nbytes(), step=step, k=D)
+    step_bases = [fit_basis([a[t] for a in acts[:len(fit_seeds)]], k=D) for t in range(steps)]
+    for step in sweep:
+        point("codec, a basis per denoising step", f"codec, a basis per denoising step, step {step}",
+              [tensor_codec_fn(TensorCodec(b, backend="rans", step=step)) for b in step_bases], "codec",
+              sum(b.nbytes() for b in step_bases), step=step, k=D)
+    sens = image_sensitivity(model, calib_seeds[:1 if quick else SENS_SEEDS], steps, 1 if quick else PROBES)
+    trace = np.array([np.trace(m) for m in sens])
+    unit = trace ** -0.5 / np.exp(np.mean(np.log(trace ** -0.5)))  # geometric mean 1
+    print("diff  image sensitivity per denoising step (trace of M_t, relative to the mean): "
+          + " ".join(f"{v:.2g}" for v in trace / trace.mean()))
+    for step in sweep:
+        point("codec, step per denoising step by image sensitivity", f"codec, step x sensitivity unit, step {step}",
+              [tensor_codec_fn(TensorCodec(basis, backend="rans", step=step * u)) for u in unit], "codec",
+              basis.nbytes() + 4 * steps, step=step, k=D)
+    for step in sweep:
+        point("codec, a basis and a step per denoising step", f"codec, a basis and a step per denoising step, step {step}",
+              [tensor_codec_fn(TensorCodec(b, backend="rans", step=step * u)) for b, u in zip(step_bases, unit)],
+              "codec", sum(b.nbytes() for b in step_bases) + 4 * steps, step=step, k=D)
+    weighted = weighted_codec(acts[:len(fit_seeds)], sens, steps)
+    w_bytes = sum(4 * (t.mean.size + t.analysis.size + t.synthesis.size) for t in weighted.transforms.values())
+    wname = "codec, image-weighted transform per step"
+    for step in sweep:
+        point(wname, f"{wname}, step {step}", kv_codec_fns(weighted.set_scale(step), steps), "codec", w_bytes,
+              step=step, k=D)
+
+    # the step calibrated for the PSNR target on calibration generations, then measured on held-out ones
+    def calib_eval(fns_of_step):
+        return lambda step: measure_images(model, classifier, refs, calib_seeds, steps, fns_of_step(step))["psnr"]
+    DIFF_CODEC_DIR.mkdir(parents=True, exist_ok=True)
+    iters = 1 if quick else CALIB_ITERS
+    step, pts = calibrate_psnr(calib_eval(lambda s: [tensor_codec_fn(TensorCodec(basis, backend="rans", step=s))]),
+                               PSNR_TARGET, 0.2, iters)
+    calibrated = PCABasis(basis.mean, basis.components, basis.eigenvalues,
+                          dict(basis.meta, rans_step=step, rans_target_psnr=PSNR_TARGET))
+    path = DIFF_CODEC_DIR / f"tiny_flux_block1_psnr{PSNR_TARGET:g}{'_quick' if quick else ''}.safetensors"
+    calibrated.save(path)
+    point(f"{base}, calibrated for {PSNR_TARGET:g} dB", f"{base}, calibrated for {PSNR_TARGET:g} dB",
+          [tensor_codec_fn(TensorCodec(PCABasis.load(path), backend="rans"))], "codec", basis.nbytes(), step=step,
+          k=D, target=PSNR_TARGET, calibration_points=json.dumps({f"{s:.5g}": p for s, p in sorted(pts.items())}),
+          codec_file=str(path.relative_to(ROOT)))
+    step, pts = calibrate_psnr(calib_eval(lambda s: kv_codec_fns(weighted.set_scale(s), steps)), PSNR_TARGET, 0.2,
+                               iters)
+    weighted.set_scale(step)
+    weighted.meta.update(target_psnr=PSNR_TARGET, calibration_points={f"{s:.5g}": p for s, p in sorted(pts.items())})
+    path = DIFF_CODEC_DIR / f"tiny_flux_block1_weighted_psnr{PSNR_TARGET:g}{'_quick' if quick else ''}.safetensors"
+    weighted.save(path)
+    point(f"{wname}, calibrated for {PSNR_TARGET:g} dB", f"{wname}, calibrated for {PSNR_TARGET:g} dB",
+          kv_codec_fns(KVCodec.load(path), steps), "codec", w_bytes, step=step, k=D, target=PSNR_TARGET,
+          calibration_points=json.dumps(weighted.meta["calibration_points"]), codec_file=str(path.relative_to(ROOT)))
+    diffusion_summary(res)
+
+
+def diffusion_summary(res: ResultsWriter):
+    """Each curve's ratio at PSNR_TARGET, the best simple quantizer there, and each codec's multiple of it."""
     df = pd.DataFrame(res.rows)
     d = df[(df.domain == "diffusion") & (df.metric == "psnr")]
-    for backend, g in d.groupby("backend"):
-        ok = g[g.value >= PSNR_TARGET]
-        if len(ok):
-            res.add(backend=backend, metric="best_ratio_at_psnr", value=float(ok.ratio.max()), unit="x",
-                    domain="diffusion", threshold=PSNR_TARGET)
+    at = {}
+    for curve, g in d.groupby("curve", sort=False):
+        r = ratio_at_psnr(list(zip(g.value, g.ratio)), PSNR_TARGET)
+        if r is not None:
+            at[curve] = r
+            res.add(backend=curve, metric="ratio_at_psnr", value=r, unit="x", domain="diffusion", curve=curve,
+                    target=PSNR_TARGET, kind=g.kind.iloc[0], points=len(g), seeds=int(g.seeds.iloc[0]))
+    simple = {c: r for c, r in at.items() if d[d.curve == c].kind.iloc[0] == "simple"}
+    if not simple:
+        return
+    best = max(simple, key=simple.get)
+    print(f"diff  at {PSNR_TARGET:g} dB: best simple quantizer {best} {simple[best]:.2f}x")
+    for curve, r in at.items():
+        if curve not in simple:
+            res.add(backend=curve, metric="ratio_vs_best_quantizer_at_psnr", value=r / simple[best], unit="x",
+                    domain="diffusion", curve=curve, target=PSNR_TARGET, best_quantizer=best, kind="codec")
+            print(f"diff  at {PSNR_TARGET:g} dB: {curve:<58} {r:6.2f}x = {r / simple[best]:.2f} x the best quantizer")
+    for r in (d[d.target == PSNR_TARGET] if "target" in d else d[:0]).itertuples():  # the calibrated points, at their held-out PSNR
+        res.add(backend=r.curve, metric="ratio_vs_best_quantizer_at_psnr", value=r.ratio / simple[best], unit="x",
+                domain="diffusion", curve=r.curve, target=PSNR_TARGET, best_quantizer=best, kind="codec",
+                psnr_measured=r.value)
+        print(f"diff  {r.curve:<58} {r.ratio:6.2f}x at {r.value:.2f} dB held out = {r.ratio / simple[best]:.2f} x "
+              "the best quantizer at the target")
 
 
 def run(quick: bool, domains: list[str], args) -> ResultsWriter:
@@ -519,7 +749,7 @@ def run(quick: bool, domains: list[str], args) -> ResultsWriter:
         llm_rows(res, quick, args.eval_chunks, args.prefixes, args.part, args.ablation_chunks, args.long_chunks,
                  args.device)
     if "diffusion" in domains:
-        diffusion_rows(res, quick)
+        diffusion_rows(res, quick, args.eval_seeds)
     return res
 
 
@@ -536,11 +766,43 @@ CURVE_STYLE = {"codec": ("-", "o"), "KIVI": ("--", "s"), "compute codec as shipp
                "QuantizedCache": ("", "D"), "int8": ("", "P"), "fp8": ("", "X")}
 
 
+def plot_diffusion(ax, df: pd.DataFrame):
+    """Ratio vs final-image PSNR, one curve per method; the title says the ratios at PSNR_TARGET."""
+    diff = df[(df.domain == "diffusion") & (df.metric == "psnr")]
+    if "curve" not in diff or diff.curve.isna().all():
+        return
+    simple_cycle = iter(["0.2", "0.45", "0.65", "tab:brown", "tab:olive", "tab:pink", "tab:gray"])
+    for curve, g in diff.groupby("curve", sort=False):
+        g = g.sort_values("ratio")
+        simple = g.kind.iloc[0] == "simple"
+        if "calibrated" in curve:
+            ax.errorbar(g.ratio, g.value, yerr=g.psnr_sd, ls="none", marker="*", ms=13, capsize=3, label=curve)
+        elif simple:
+            ax.plot(g.ratio, g.value, ls="--" if len(g) > 1 else "none", marker="s", ms=4, color=next(simple_cycle),
+                    label=curve)
+        else:
+            bold = "image-weighted" in curve or curve.startswith("compute codec")
+            ax.plot(g.ratio, g.value, ls="-", marker="o", ms=4, lw=2 if bold else 1, label=curve)
+    ax.axhline(PSNR_TARGET, color="0.6", lw=0.7, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("activation compression ratio vs bf16, every stored byte counted, per-model tables apart (x)")
+    ax.set_ylabel("final-image PSNR vs untouched (dB, mean over images)")
+    at = df[(df.domain == "diffusion") & (df.metric == "ratio_at_psnr")]
+    title = "diffusion: tiny FLUX, middle double block coded at every step"
+    if len(at) and (at.kind == "simple").any() and (at.kind == "codec").any():
+        q, c = at[at.kind == "simple"].sort_values("value").iloc[-1], at[at.kind == "codec"].sort_values("value").iloc[-1]
+        title = (f"diffusion at {PSNR_TARGET:g} dB: {c.curve} {c.value:.1f}x = {c.value / q.value:.1f}x the best "
+                 f"simple quantizer ({q.curve}, {q.value:.1f}x)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(bbox_to_anchor=(0, -0.16), loc="upper left", ncol=2, fontsize=7)
+
+
 def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"):
     plt = apply_style()
     df = load(csv)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.2))
-    llm_df = df[(df.domain == "llm") & (df.metric == "perplexity_change") & (df.prefix == PREFIX)]
+    llm_df = df[(df.domain == "llm") & (df.metric == "perplexity_change")]
+    llm_df = llm_df[llm_df.prefix == PREFIX] if "prefix" in llm_df else llm_df
     for curve, g in llm_df.groupby("curve", sort=False):
         g = g.sort_values("ratio")
         ls, marker = next((v for k, v in CURVE_STYLE.items() if curve.startswith(k)), ("-", "o"))
@@ -557,16 +819,7 @@ def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"
     ax1.set_title(f"LLM (SmolLM2-135M, {PREFIX}-token prefix): the codec with all ideas reaches higher ratios "
                   "at equal perplexity", fontsize=9)
     ax1.legend(bbox_to_anchor=(0, -0.16), loc="upper left", ncol=3, fontsize=7)
-    diff = df[(df.domain == "diffusion") & (df.metric == "psnr")]
-    for backend, g in diff.groupby("backend", sort=False):
-        g = g.sort_values("ratio")
-        ax2.plot(g.ratio, g.value, "o-" if len(g) > 1 else "s", label=backend)
-    ax2.axhline(PSNR_TARGET, color="0.6", lw=0.7, ls=":")
-    ax2.set_xscale("log")
-    ax2.set_xlabel("activation compression ratio vs bf16, one step's batch of 10 images at a time (x)")
-    ax2.set_ylabel("PSNR vs untouched generation (dB)")
-    ax2.set_title("diffusion: tiny FLUX, middle double block coded at every step", fontsize=9)
-    ax2.legend(bbox_to_anchor=(0, -0.16), loc="upper left", ncol=2, fontsize=7)
+    plot_diffusion(ax2, df)
     fig.suptitle("PoC 05: downstream cost of KV-cache and activation compression, every method on the same tensors",
                  fontsize=11)
     save_figure(fig, name, f"{csv}.csv")
@@ -578,6 +831,7 @@ if __name__ == "__main__":
     ap.add_argument("--only", choices=["llm", "diffusion"], help="measure one domain, keep the other's rows")
     ap.add_argument("--eval-chunks", type=int, help=f"held-out chunks (default {EVAL_CHUNKS})")
     ap.add_argument("--ablation-chunks", type=int, help=f"held-out chunks of the ablation curves ({ABLATION_CHUNKS})")
+    ap.add_argument("--eval-seeds", type=int, help=f"held-out diffusion generations x 10 images ({DIFF_EVAL_N})")
     ap.add_argument("--long-chunks", type=int, help=f"held-out chunks at each long prefix ({LONG_CHUNKS})")
     ap.add_argument("--device", default="cpu", help="where the LLM runs (cpu, cuda); the codecs run on the CPU")
     ap.add_argument("--prefixes", type=int, nargs="+", default=[PREFIX] + LONG_PREFIXES,
