@@ -111,7 +111,9 @@ VARIANT_STEPS = [0.2, 0.3, 0.45, 0.7]           # steps of each codec variant (a
 VARIANT_K = 64             # the truncated basis (the default keeps all D = 128 components)
 SENS_SEEDS = 2             # calibration generations the image sensitivities are measured on
 PROBES = 4                 # random pixel-space directions per (generation, step) for the sensitivities
-CALIB_ITERS = 4            # secant refinements of the step calibrated for a PSNR target
+WEIGHTED_STEPS = [0.05, 0.1, 0.2, 0.3, 0.45]   # steps of the image-weighted codecs (their tails need small ones)
+METRIC_FLOOR = 0.1         # the image-weighted codec with a floor under M_t's eigenvalues (x their mean)
+CALIB_ITERS = 3            # secant refinements of the step calibrated for a PSNR target
 PSNR_TARGET = 40.0         # dB: the diffusion comparison is at this image quality
 DIFF_CODEC_DIR = ROOT / "data" / "diff_codec"   # the diffusion codec files calibrated for PSNR_TARGET
 FALLBACK_POINTS = [(0.999, 192, None), (0.99, 128, 18), (0.97, 64, 26), (0.94, 32, 26)]  # if no PoC 03 CSV
@@ -517,20 +519,24 @@ def image_sensitivity(model, seeds, steps: int, probes: int) -> np.ndarray:
     return M / (len(seeds) * probes)
 
 
-def weighted_codec(acts, metric: np.ndarray, steps: int) -> KVCodec:
+def weighted_codec(acts, metric: np.ndarray, steps: int, floor: float = 0.0) -> KVCodec:
     """One image-weighted transform per denoising step (shared.kvcodec.fit_transform with weighting
     W_t = M_t^(1/2), M_t normalized to a mean eigenvalue of 1 over the steps): a step shared by every
-    component and every denoising step then spends bits where the final image is sensitive."""
-    norm = float(np.mean([np.trace(m) for m in metric])) / metric.shape[1]
+    component and every denoising step then spends bits where the final image is sensitive. floor: add
+    floor x the step's mean eigenvalue to every eigenvalue of M_t (directions the estimate calls free
+    still get a finite step; the allocation across denoising steps is kept)."""
+    D = metric.shape[1]
+    norm = float(np.mean([np.trace(m) for m in metric])) / D
     transforms = {}
     for t in range(steps):
         x = torch.cat([a[t] for a in acts]).double().numpy()
-        mean, A, S = fit_transform(x, 1, metric[t][None] / norm, per_head=False)
+        m = metric[t] + floor * np.trace(metric[t]) / D * np.eye(D)
+        mean, A, S = fit_transform(x, 1, m[None] / norm, per_head=False)
         transforms[(t, "x")] = TensorTransform(mean.astype(np.float32), A.astype(np.float32), S.astype(np.float32), 1.0)
-    h = hashlib.sha256(b"tiny_flux image-weighted")
+    h = hashlib.sha256(f"tiny_flux image-weighted floor {floor}".encode())
     for t in range(steps):
         h.update(np.ascontiguousarray(transforms[(t, "x")].analysis).tobytes())
-    return KVCodec(transforms, meta={"model": "tiny_flux", "weighting": "final-image Jacobian",
+    return KVCodec(transforms, meta={"model": "tiny_flux", "weighting": "final-image Jacobian", "floor": floor,
                                      "hash": h.hexdigest()[:16]})
 
 
@@ -694,37 +700,48 @@ def diffusion_rows(res: ResultsWriter, quick: bool, n_eval: int | None = None):
         point(name, f"{name}, step {step}",
               [tensor_codec_fn(TensorCodec(b, backend="rans", step=step * u)) for b, u in zip(step_bases, unit)],
               "codec", sum(b.nbytes() for b in step_bases) + 4 * steps, step=step, k=D)
-    weighted = weighted_codec(acts[:len(fit_seeds)], sens, steps)
-    w_bytes = sum(4 * (t.mean.size + t.analysis.size + t.synthesis.size) for t in weighted.transforms.values())
-    wname = "codec, image-weighted transform per step"
-    for step in sweep:
-        point(wname, f"{wname}, step {step}", kv_codec_fns(weighted.set_scale(step), steps), "codec", w_bytes,
-              step=step, k=D)
+    weighted = {}
+    for floor in (0.0, METRIC_FLOOR):
+        codec = weighted_codec(acts[:len(fit_seeds)], sens, steps, floor)
+        w_bytes = sum(4 * (t.mean.size + t.analysis.size + t.synthesis.size) for t in codec.transforms.values())
+        wname = "codec, image-weighted transform per step" + (f", metric floor {floor:g}" if floor else "")
+        weighted[wname] = (codec, w_bytes, floor)
+        for step in sweep if quick else WEIGHTED_STEPS:
+            point(wname, f"{wname}, step {step}", kv_codec_fns(codec.set_scale(step), steps), "codec", w_bytes,
+                  step=step, k=D, metric_floor=floor)
 
-    # the step calibrated for the PSNR target on calibration generations, then measured on held-out ones
-    def calib_eval(fns_of_step):
-        return lambda step: measure_images(model, classifier, refs, calib_seeds, steps, fns_of_step(step))["psnr"]
+    # the step calibrated for the PSNR target on calibration generations (by the mean PSNR over images, and by
+    # the PSNR 95% of images reach), stored in the codec file, then measured on the held-out generations
     DIFF_CODEC_DIR.mkdir(parents=True, exist_ok=True)
-    iters = 1 if quick else CALIB_ITERS
-    step, pts = calibrate_psnr(calib_eval(lambda s: [tensor_codec_fn(TensorCodec(basis, backend="rans", step=s))]),
-                               PSNR_TARGET, 0.2, iters)
-    calibrated = PCABasis(basis.mean, basis.components, basis.eigenvalues,
-                          dict(basis.meta, rans_step=step, rans_target_psnr=PSNR_TARGET))
-    path = DIFF_CODEC_DIR / f"tiny_flux_block1_psnr{PSNR_TARGET:g}{'_quick' if quick else ''}.safetensors"
-    calibrated.save(path)
-    point(f"{base}, calibrated for {PSNR_TARGET:g} dB", f"{base}, calibrated for {PSNR_TARGET:g} dB",
-          [tensor_codec_fn(TensorCodec(PCABasis.load(path), backend="rans"))], "codec", basis.nbytes(), step=step,
-          k=D, target=PSNR_TARGET, calibration_points=json.dumps({f"{s:.5g}": p for s, p in sorted(pts.items())}),
-          codec_file=str(path.relative_to(ROOT)))
-    step, pts = calibrate_psnr(calib_eval(lambda s: kv_codec_fns(weighted.set_scale(s), steps)), PSNR_TARGET, 0.2,
-                               iters)
-    weighted.set_scale(step)
-    weighted.meta.update(target_psnr=PSNR_TARGET, calibration_points={f"{s:.5g}": p for s, p in sorted(pts.items())})
-    path = DIFF_CODEC_DIR / f"tiny_flux_block1_weighted_psnr{PSNR_TARGET:g}{'_quick' if quick else ''}.safetensors"
-    weighted.save(path)
-    point(f"{wname}, calibrated for {PSNR_TARGET:g} dB", f"{wname}, calibrated for {PSNR_TARGET:g} dB",
-          kv_codec_fns(KVCodec.load(path), steps), "codec", w_bytes, step=step, k=D, target=PSNR_TARGET,
-          calibration_points=json.dumps(weighted.meta["calibration_points"]), codec_file=str(path.relative_to(ROOT)))
+    iters, tag = (1, "_quick") if quick else (CALIB_ITERS, "")
+    for metric, criterion in CRITERIA.items():
+        suffix = "" if metric == "psnr" else "_p5"
+
+        def calib_eval(fns_of_step, metric=metric):
+            return lambda step: measure_images(model, classifier, refs, calib_seeds, steps, fns_of_step(step))[metric]
+        step, pts = calibrate_psnr(calib_eval(lambda s: [tensor_codec_fn(TensorCodec(basis, backend="rans", step=s))]),
+                                   PSNR_TARGET, 0.2, iters)
+        calibrated = PCABasis(basis.mean, basis.components, basis.eigenvalues,
+                              dict(basis.meta, rans_step=step, rans_target_psnr=PSNR_TARGET, rans_criterion=criterion))
+        path = DIFF_CODEC_DIR / f"tiny_flux_block1_psnr{PSNR_TARGET:g}{suffix}{tag}.safetensors"
+        calibrated.save(path)
+        name = f"{base}, calibrated for {PSNR_TARGET:g} dB ({criterion})"
+        point(name, name, [tensor_codec_fn(TensorCodec(PCABasis.load(path), backend="rans"))], "codec", basis.nbytes(),
+              step=step, k=D, target=PSNR_TARGET, criterion=criterion, codec_file=str(path.relative_to(ROOT)),
+              calibration_points=json.dumps({f"{s:.5g}": p for s, p in sorted(pts.items())}))
+        for wname, (codec, w_bytes, floor) in weighted.items():
+            step, pts = calibrate_psnr(calib_eval(lambda s, c=codec: kv_codec_fns(c.set_scale(s), steps)),
+                                       PSNR_TARGET, 0.2, iters)
+            codec.set_scale(step)
+            codec.meta.update(target_psnr=PSNR_TARGET, criterion=criterion,
+                              calibration_points={f"{s:.5g}": p for s, p in sorted(pts.items())})
+            path = DIFF_CODEC_DIR / (f"tiny_flux_block1_weighted{'_floor' if floor else ''}_psnr{PSNR_TARGET:g}"
+                                     f"{suffix}{tag}.safetensors")
+            codec.save(path)
+            name = f"{wname}, calibrated for {PSNR_TARGET:g} dB ({criterion})"
+            point(name, name, kv_codec_fns(KVCodec.load(path), steps), "codec", w_bytes, step=step, k=D,
+                  target=PSNR_TARGET, criterion=criterion, metric_floor=floor, codec_file=str(path.relative_to(ROOT)),
+                  calibration_points=json.dumps(codec.meta["calibration_points"]))
     diffusion_summary(res, pd.DataFrame(res.rows))
 
 
@@ -758,8 +775,8 @@ def diffusion_summary(res: ResultsWriter, df: pd.DataFrame):
                         best_quantizer=best, kind="codec")
                 print(f"diff  at {PSNR_TARGET:g} dB ({criterion}): {curve:<58} {r:6.2f}x = {r / simple[best]:.2f} x "
                       "the best quantizer")
-        calibrated = d[d.target == PSNR_TARGET] if "target" in d else d[:0]
-        for r in calibrated.itertuples():  # the calibrated points, at their held-out PSNR
+        calibrated = d[(d.target == PSNR_TARGET) & (d.criterion == criterion)] if "criterion" in d else d[:0]
+        for r in calibrated.itertuples():  # the points calibrated for this criterion, at their held-out PSNR
             res.add(backend=r.curve, metric="ratio_vs_best_quantizer_at_psnr", value=r.ratio / simple[best],
                     unit="x", domain="diffusion", curve=r.curve, target=PSNR_TARGET, criterion=criterion,
                     best_quantizer=best, kind="codec", psnr_measured=r.value)
