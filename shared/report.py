@@ -171,12 +171,12 @@ def downstream_diffusion() -> str | None:
                      + "; ".join(f"{k}: {v}" for k, v in best.items()) + "). The calibrated codecs' step was set on "
                      "calibration generations; their row is the held-out measurement (ratio, and the mean PSNR or "
                      "the PSNR 95% of images reach):\n\n" + _table(rows, header))
-    art = psnr.drop_duplicates("curve")
-    art = art[art.artifact_bytes > 0]
+    art = psnr[psnr.artifact_bytes > 0].groupby("curve", sort=False).artifact_bytes.agg(["min", "max"])
     if len(art):
-        parts.append("Per-model tables each codec needs at the receiver (not in the ratios above; one generation's "
-                     f"block outputs are {first.generation_bf16_bytes / 1e6:.2f} MB in bf16): " +
-                     "; ".join(f"{r.curve} {r.artifact_bytes / 1e3:.0f} kB" for r in art.itertuples()) + ".")
+        parts.append("Per-model tables each codec holds (float32 means and matrices; not in the ratios above; one "
+                     f"generation's block outputs are {first.generation_bf16_bytes / 1e6:.2f} MB in bf16): " +
+                     "; ".join(f"{c} {'' if lo == hi else 'up to '}{hi / 1e3:.0f} kB"
+                               for c, lo, hi in art.itertuples()) + ".")
     return "\n\n".join(parts) + "\n\n" + _source(d, "05_downstream_quality")
 
 
