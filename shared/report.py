@@ -159,9 +159,10 @@ def downstream_diffusion() -> str | None:
         for c in dict.fromkeys(cal.curve):
             g = cal[cal.curve == c]
             ratio = psnr[psnr.curve == c].ratio.iloc[0]
-            held = [g[g.criterion == k].iloc[0] for k in criteria if (g.criterion == k).any()]
-            rows.append([c, "codec, calibrated"] + sum([[f"{ratio:.2f}x at {h.psnr_measured:.2f} dB held out",
-                                                          f"{h.value:.2f}"] for h in held], []))
+            held = {k: g[g.criterion == k].iloc[0] for k in criteria if (g.criterion == k).any()}
+            rows.append([c, "codec, calibrated"] + sum([[f"{ratio:.2f}x at {held[k].psnr_measured:.2f} dB held out",
+                                                          f"{held[k].value:.2f}"] if k in held else ["", ""]
+                                                         for k in criteria], []))
         best = {k: vs[vs.criterion == k].best_quantizer.iloc[0] for k in criteria if (vs.criterion == k).any()}
         header = ["curve", "kind"] + sum([[f"ratio at {target:g} dB ({k})", "x the best simple quantizer"]
                                           for k in criteria], [])
