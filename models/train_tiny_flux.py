@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from shared.diffusion import build_tiny_flux, generate, load_tiny_flux  # noqa: E402
+from shared.diffusion import build_tiny_flux, classify, digit_classifier, digits, generate, load_tiny_flux  # noqa: E402
 
 SEED = 0                 # seeds weights, batches, noise and timesteps
 THREADS = 2              # CPU threads (the CI and developer machines have 2 cores); part of the recipe:
@@ -82,12 +82,7 @@ def model_config() -> dict:
 
 def load_dataset() -> tuple[torch.Tensor, torch.Tensor]:
     """Digits as (N, 1, 16, 16) float32 in [-1, 1] and their labels."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    images = F.interpolate(images, size=(IMAGE_SIDE, IMAGE_SIDE), mode="bilinear", align_corners=False)
-    return images * 2 - 1, torch.tensor(digits.target, dtype=torch.long)
+    return digits(IMAGE_SIDE)
 
 
 def flow_loss(model, images, labels, generator) -> torch.Tensor:
@@ -150,11 +145,7 @@ def eval_loss(model) -> float:
 
 def sample_accuracy(samples: torch.Tensor, asked: torch.Tensor) -> float:
     """Share of generated images that a classifier fit on the real digits assigns to the class asked for."""
-    from sklearn.linear_model import LogisticRegression
-
-    images, labels = load_dataset()
-    classifier = LogisticRegression(max_iter=2000).fit(((images + 1) / 2).flatten(1).numpy(), labels.numpy())
-    return float((classifier.predict(samples.flatten(1).numpy()) == asked.numpy()).mean())
+    return float((classify(digit_classifier(IMAGE_SIDE), samples) == asked).float().mean())
 
 
 def draw_figure(samples: torch.Tensor, path: Path, title: str, sample_steps: int) -> None:

@@ -133,15 +133,15 @@ def _labels_tensor(model: TinyFlux, labels: Iterable[int] | torch.Tensor) -> tor
     return labels
 
 
-@torch.no_grad()
 def generate(model: TinyFlux, labels: Iterable[int] | torch.Tensor, seed: int, steps: int,
              activation_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             block: int | None = None, hook_whole_batch: bool = False) -> torch.Tensor:
+             block: int | None = None, hook_whole_batch: bool = False, grad: bool = False) -> torch.Tensor:
     """Images (B, 1, 16, 16) in [0, 1] by Euler steps of the rectified flow from sigma 1 to 0.
 
     The starting noise of all B items comes from one generator seeded with `seed`, so item j depends
     on the seed and on its position j in `labels`. `activation_hook` (x [T, D] -> x_hat [T, D])
     replaces the image-stream output of double block `block` (default the middle one) at every step.
+    grad=True records the autograd graph (e.g. the images' sensitivity to what a hook adds).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -151,11 +151,37 @@ def generate(model: TinyFlux, labels: Iterable[int] | torch.Tensor, seed: int, s
     sigmas = torch.linspace(1.0, 0.0, steps + 1)
     replacing = (replace_block_output(model.transformer, activation_hook, block, hook_whole_batch)
                  if activation_hook else nullcontext())
-    with replacing:
+    with replacing, torch.set_grad_enabled(grad):
         for i in range(steps):
             velocity = model(x, sigmas[i].expand(len(labels)), labels)
             x = x + (sigmas[i + 1] - sigmas[i]) * velocity
     return ((model.unpack(x) + 1) / 2).clamp(0, 1)
+
+
+def digits(side: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training data: scikit-learn's digits as (N, 1, side, side) float32 in [-1, 1] (8x8 upsampled
+    bilinearly) and their labels."""
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    images = F.interpolate(images, size=(side, side), mode="bilinear", align_corners=False)
+    return images * 2 - 1, torch.tensor(data.target, dtype=torch.long)
+
+
+def digit_classifier(side: int = 16):
+    """A classifier of generated digits: logistic regression fit on the real digits (pixels in [0, 1]).
+    `classify(clf, images)` labels images (B, 1, side, side) in [0, 1]."""
+    from sklearn.linear_model import LogisticRegression
+
+    images, labels = digits(side)
+    return LogisticRegression(max_iter=2000).fit(((images + 1) / 2).flatten(1).numpy(), labels.numpy())
+
+
+def classify(classifier, images: torch.Tensor) -> torch.Tensor:
+    """The class digit_classifier() sees in each image (B, 1, H, W) in [0, 1]."""
+    return torch.as_tensor(classifier.predict(images.detach().flatten(1).numpy()))
 
 
 # ---------------------------------------------------------------- hooks on a double block (tiny and real)

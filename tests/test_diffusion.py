@@ -79,6 +79,29 @@ def test_whole_batch_hook_sees_the_stacked_batch_and_is_exact_for_identity(model
     assert seen == [(2 * model.tokens, model.transformer.inner_dim)] * STEPS
 
 
+def test_grad_generation_gives_the_images_sensitivity_and_the_default_records_none(model):
+    delta = torch.zeros(2 * model.tokens, model.transformer.inner_dim, requires_grad=True)
+    model.requires_grad_(False)
+    images = generate(model, [1, 4], seed=0, steps=STEPS, hook_whole_batch=True, grad=True,
+                      activation_hook=lambda x: x + delta)
+    (g,) = torch.autograd.grad(images.sum(), delta)
+    assert g.shape == delta.shape and g.abs().max() > 0
+    assert torch.equal(images.detach(), generate(model, [1, 4], seed=0, steps=STEPS))  # adding zero changes nothing
+    assert not generate(model, [1, 4], seed=0, steps=STEPS, hook_whole_batch=True,
+                        activation_hook=lambda x: x + delta).requires_grad
+
+
+def test_digit_classifier_labels_generated_digits_as_asked(model):
+    from shared.diffusion import classify, digit_classifier, digits
+
+    images, labels = digits()
+    assert images.shape == (1797, 1, 16, 16) and images.min() >= -1 and images.max() <= 1
+    classifier = digit_classifier()
+    samples = generate(model, range(10), seed=0, steps=10)
+    assert (classify(classifier, samples) == torch.arange(10)).float().mean() >= 0.7
+    assert (classify(classifier, torch.zeros(10, 1, 16, 16)) == torch.arange(10)).float().mean() <= 0.2
+
+
 def test_replace_hook_rejects_a_wrong_shape(model):
     with pytest.raises(InvalidTensorError, match="shape"):
         generate(model, [0], seed=0, steps=1, activation_hook=lambda x: x[:, :10])
