@@ -266,7 +266,8 @@ def calibrate_scale(codec: KVCodec, evaluate: Callable[[KVCodec], float | tuple[
     measured: dict[float, tuple[float, float]] = {}
 
     def measure(scale: float) -> None:
-        scale = float(f"{scale:.4g}")  # a stable label for score caches
+        unit = 10.0 ** (math.floor(math.log10(scale)) - 3)
+        scale = float(f"{math.floor(scale / unit * (1 + 1e-12)) * unit:.4g}")  # 4 digits, rounded down: a stable label
         if scale not in measured:
             out = evaluate(codec.set_scale(scale))
             change, se = out if isinstance(out, tuple) else (out, 0.0)
