@@ -199,24 +199,30 @@ def fit_kv_codec(calib: list[list[tuple[torch.Tensor, torch.Tensor]]], heads: in
 
 
 def allocate_by_sensitivity(codec: KVCodec, delta: dict[tuple[int, str], float], probe_scale: float,
-                            floor: float = 0.1, max_shift: float = 4.0) -> KVCodec:
+                            floor: float = 0.1, max_shift: float = 4.0, se: dict[tuple[int, str], float] | None = None,
+                            se_mult: float = 2.0) -> KVCodec:
     """Set each tensor's unit from its measured sensitivity: delta[(layer, kind)] is the perplexity
     change (fraction) when that tensor alone was coded at probe_scale. With a cost a = delta / step^2
     (quantization error ~ step^2), the steps that minimize the total bits for a total cost satisfy
     step ~ 1 / sqrt(a) (equal marginal cost per bit). Deltas below floor x their median magnitude
-    are raised to it (noise; a tensor that seems free still gets a step), the geometric mean of the
-    units is kept (scales stay comparable), and no unit moves more than max_shift from equal
-    relative error."""
+    are raised to it (a tensor that seems free still gets a step); with `se` (the standard error of
+    each delta) a delta is never taken below se_mult x its SE either, so a tensor whose cost is lost
+    in the measurement noise is not given a coarse step on the strength of that noise. The
+    geometric mean of the units is kept (scales stay comparable), and no unit moves more than
+    max_shift from equal relative error."""
     keys = sorted(codec.transforms)
     d = np.array([delta[k] for k in keys], np.float64)
     d = np.maximum(d, floor * max(float(np.median(np.abs(d))), 1e-6))
+    if se is not None:
+        d = np.maximum(d, se_mult * np.array([se[k] for k in keys], np.float64))
     probe = np.array([probe_scale * codec.transforms[k].unit for k in keys])
     new = 1 / np.sqrt(d / probe ** 2)
     old = np.array([codec.transforms[k].unit for k in keys])
     new *= np.exp(np.log(old).mean() - np.log(new).mean())
     new = np.clip(new, old / max_shift, old * max_shift)  # a noisy measurement moves a step at most this far
     transforms = {k: dataclasses.replace(codec.transforms[k], unit=float(u)) for k, u in zip(keys, new)}
-    meta = dict(codec.meta, allocation="sensitivity", probe_scale=probe_scale)
+    meta = dict(codec.meta, allocation="sensitivity", probe_scale=probe_scale,
+                **({"allocation_se_mult": se_mult} if se is not None else {}))
     meta["hash"] = hashlib.sha256((codec.meta.get("hash", "") + json.dumps(new.tolist())).encode()).hexdigest()[:16]
     return KVCodec(transforms, sink=codec.sink, recent=codec.recent, pre_rope=codec.pre_rope, rope=codec.rope,
                    scale=codec.scale, meta=meta)
@@ -247,8 +253,9 @@ def calibrate_scale(codec: KVCodec, evaluate: Callable[[KVCodec], float | tuple[
     (change, se) -- se the standard error of that change, e.g. the paired per-token SE -- or a
     bare change (se 0). Each measured scale s has an upper bound u(s) = change(s) + z * se(s).
     The grid is measured, then `refine` times a power law u = a * s^b is fitted to every measured
-    bound and the scale it predicts for u = target is measured too; if no scale passes, the
-    smallest is halved up to `shrink` times.
+    bound and the scale it predicts for u = target is measured too (kept inside the bracket between
+    the largest passing and the smallest failing scale, else its geometric middle); if no scale
+    passes, the smallest is halved up to `shrink` times.
 
     Acceptance rule (what is guaranteed): the stored scale is a MEASURED one, the largest s such
     that every measured scale <= s has u <= target (a noisy pass above a failure is not taken).
@@ -288,8 +295,14 @@ def calibrate_scale(codec: KVCodec, evaluate: Callable[[KVCodec], float | tuple[
         measure(g)
     for _ in range(refine):
         a, b = fit_power_law({sc: bound(sc) for sc in measured})
-        lo, hi = min(measured), max(measured)
-        measure(min(max(float((target / a) ** (1 / b)), lo / 8), hi * 4))
+        guess = min(max(float((target / a) ** (1 / b)), min(measured) / 8), max(measured) * 4)
+        lo = accepted()
+        above = [sc for sc in measured if bound(sc) > target and (lo is None or sc > lo)]
+        if lo is not None and above:  # keep inside the bracket, away from its ends (a repeat teaches nothing)
+            hi = min(above)
+            if not lo * 1.03 < guess < hi / 1.03:
+                guess = math.sqrt(lo * hi)
+        measure(guess)
     for _ in range(shrink):
         if accepted() is not None:
             break

@@ -143,6 +143,12 @@ def test_allocation_and_calibration(calib, rope):
     alloc = allocate_by_sensitivity(codec, delta, probe_scale=1.0)
     ratio = {key: alloc.transforms[key].unit / codec.transforms[key].unit for key in delta}
     assert ratio[(0, "k")] == pytest.approx(ratio[(1, "v")] / 2)  # 4x the cost: half the step
+    # a delta lost in its noise counts as se_mult x its SE: (1, "v") measured 0.01 +- 0.02 acts as 0.04
+    se = {key: (0.02 if key == (1, "v") else 0.0) for key in delta}
+    noisy = allocate_by_sensitivity(codec, delta, probe_scale=1.0, se=se, se_mult=2.0)
+    got = {key: noisy.transforms[key].unit / codec.transforms[key].unit for key in delta}
+    assert got[(1, "v")] == pytest.approx(got[(0, "k")]) and got[(1, "v")] == pytest.approx(got[(0, "v")] / 2)
+    assert noisy.meta["hash"] != alloc.meta["hash"] and noisy.meta["allocation_se_mult"] == 2.0
 
 
 def test_calibration_stores_a_measured_scale_whose_bound_meets_the_target(calib):
@@ -221,3 +227,26 @@ def test_recent_tokens_travel_raw_and_cost_their_bytes(calib, rope, tmp_path):
         KVCodec({}, recent=-1)
     with pytest.raises(InvalidTensorError, match="coder"):
         codec.encode(x, 0, "k", coder="gpu")
+
+
+@pytest.mark.gpu
+def test_codec_on_cuda_codes_the_same_bytes_and_rows_as_on_the_cpu(calib, rope):
+    codec = fit_kv_codec(calib[:2], HEADS, sink=4, recent=8, pre_rope=True, rope=rope).set_scale(0.3)
+    x = calib[2][1][0]
+    for kind in "kv":
+        cpu_blob = codec.encode(x, 1, kind)
+        gpu_blob = codec.encode(x.cuda(), 1, kind)  # coder "auto": rans_cuda on the GPU
+        assert bytes(gpu_blob) == cpu_blob
+        assert bytes(codec.encode(x.cuda(), 1, kind, coder="cpu")) == cpu_blob
+        rt, n = codec.roundtrip(x.cuda(), 1, kind)
+        assert rt.is_cuda and n == len(cpu_blob)
+        torch.testing.assert_close(rt.cpu(), codec.decode(cpu_blob), rtol=0, atol=1e-4)
+
+
+def test_calibration_closes_in_on_a_cost_the_power_law_does_not_fit():
+    # a floor the power law lacks: its predictions miss, the bracket still closes on the root
+    root = (0.2) ** 0.5
+    got = calibrate_scale(KVCodec({}), lambda c: 0.001 + 0.01 * c.scale ** 2, 0.003, grid=(0.15, 0.3, 0.6, 0.9),
+                          refine=4)
+    assert root / 1.04 < got.scale <= root
+    assert len(got.meta["calibration_points"]) == 4 + 4  # every refinement measured a new scale
