@@ -386,8 +386,7 @@ CODEC_VARIANTS = {  # curve name -> options (each idea alone, then together)
     "codec + per-head bases": dict(per_head=True),
     "codec, all but the allocation": dict(sink=SINK, pre_rope=True, weighted=True),
     "codec, all ideas": dict(sink=SINK, pre_rope=True, weighted=True, alloc=True),
-    **{f"codec, all ideas + last {r} tokens raw": dict(sink=SINK, recent=r, pre_rope=True, weighted=True, alloc=True)
-       for r in RECENT},
+    **{f"codec, all ideas + last {r} tokens raw": dict(recent=r) for r in RECENT},  # the same tables as all ideas
 }
 BEST = "codec, all ideas"
 
@@ -410,7 +409,9 @@ class Fit:
     def codec(self, name: str) -> KVCodec:
         """The KV codec of a variant (built once per run), at scale 1."""
         if name not in self.codecs:
-            self.codecs[name] = build_codec(name, CODEC_VARIANTS[name], self)
+            opts = CODEC_VARIANTS[name]
+            self.codecs[name] = (self.codec(BEST).with_recent(opts["recent"]) if set(opts) == {"recent"} else
+                                 build_codec(name, opts, self))
         return self.codecs[name].set_scale(1.0)
 
 

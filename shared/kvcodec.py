@@ -352,6 +352,13 @@ class KVCodec:
         self.scale = float(scale)
         return self
 
+    def with_recent(self, recent: int) -> "KVCodec":
+        """The same tables and steps with the last `recent` tokens kept raw (bf16); its own hash."""
+        meta = dict(self.meta, recent=int(recent))
+        meta["hash"] = hashlib.sha256(f"{self.meta.get('hash', '')} recent {int(recent)}".encode()).hexdigest()[:16]
+        return KVCodec(self.transforms, sink=self.sink, recent=recent, pre_rope=self.pre_rope, rope=self.rope,
+                       scale=self.scale, meta=meta)
+
     def step(self, layer: int, kind: str) -> float:
         return self.scale * self.transforms[(layer, kind)].unit
 

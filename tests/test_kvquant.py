@@ -218,6 +218,11 @@ def test_recent_tokens_travel_raw_and_cost_their_bytes(calib, rope, tmp_path):
         # the same reconstruction without the entropy coder, and no bytes counted
         fast, zero = codec.roundtrip(x, 1, kind, count_bytes=False)
         assert zero == 0 and fast.equal(rt)
+    # the same tables with recent tokens added: its own hash, the same coded body as the plain codec
+    added = plain.with_recent(16)
+    assert added.recent == 16 and added.meta["hash"] not in (plain.meta["hash"], codec.meta["hash"])
+    assert added.symbols(x, 1, "v").equal(plain.symbols(x, 1, "v")[:-16])
+    assert added.decode(added.encode(x, 1, "k"))[-16:].equal(x[-16:].bfloat16().float())
     codec.save(tmp_path / "r.safetensors")
     again = KVCodec.load(tmp_path / "r.safetensors")
     assert again.recent == 16 and again.decode(codec.encode(x, 0, "k")).equal(codec.decode(codec.encode(x, 0, "k")))
