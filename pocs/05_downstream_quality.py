@@ -81,15 +81,15 @@ LONG_CALIB = 16            # calibration windows at a long prefix (stride SCORED
 FIT_CHUNKS = 8             # chunks 0..7 of the text: bases, query covariances, sensitivities
 SENS_CHUNKS = 4            # of those, the ones scored for sensitivities (SENS_SCORED tokens each)
 CAL_CHUNKS = 16            # chunks 8..23: the perplexity-target calibration (disjoint from the fit)
-EVAL_CHUNKS = 24           # held-out chunks from chunk 24 on (paired SE ~0.1% per token near +0.3%)
-ABLATION_CHUNKS = 12       # held-out chunks for the ablation curves (the headline rows use EVAL_CHUNKS)
+EVAL_CHUNKS = 48           # held-out chunks from chunk 24 on (paired SE <= 0.1% per token up to about +0.5%)
+ABLATION_CHUNKS = 16       # held-out chunks for the ablation and scale curves (calibrated rows and peers use EVAL_CHUNKS)
 SINK = 4                   # tokens kept raw (bf16) at the start of the cache
 RECENT = [16, 64]          # last tokens of the cache kept raw (bf16), the ablation rows
-SCALES = [0.15, 0.3, 0.6, 1.2]     # codec step scale sweep (step = scale x unit of each tensor)
+SCALES = [0.15, 0.3, 0.6, 1.2, 2.4]   # codec step scale sweep (step = scale x unit of each tensor)
 PROBE_SCALE = 1.2          # scale at which each tensor alone is coded to measure its sensitivity
 SENS_SCORED = 511          # tokens after the prefix scored for sensitivities (fit text)
 ALLOC_SE_MULT = 2.0        # a sensitivity is taken as at least this many of its SEs (kvcodec.allocate_by_sensitivity)
-CALIB_GRID = (0.15, 0.3, 0.6, 0.9)   # scales measured on calibration text before refining for a target
+CALIB_GRID = (0.3, 0.6, 1.2, 2.4)   # scales measured on calibration text before refining for a target
 CALIB_REFINE = 3           # power-law predictions measured after the grid, per target
 CALIB_Z = 1.0              # acceptance: change + CALIB_Z x SE on calibration text <= target
 TARGETS = [0.003, 0.01, 0.05]      # perplexity-change targets the codec is calibrated for
