@@ -690,7 +690,9 @@ def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"
     plt = apply_style()
     df = load(csv)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.2))
-    llm_df = df[(df.domain == "llm") & (df.metric == "perplexity_change") & (df.prefix == PREFIX)]
+    llm_df = df[(df.domain == "llm") & (df.metric == "perplexity_change")]
+    main_prefix = PREFIX if (llm_df.prefix == PREFIX).any() or llm_df.empty else int(llm_df.prefix.min())
+    llm_df = llm_df[llm_df.prefix == main_prefix]
     for curve, g in llm_df.groupby("curve", sort=False):
         g = g.sort_values("ratio")
         ls, marker = next((v for k, v in CURVE_STYLE.items() if curve.startswith(k)), ("-", "o"))
@@ -704,7 +706,7 @@ def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"
     ax1.set_yscale("symlog", linthresh=0.1)
     ax1.set_xlabel("KV-cache compression ratio vs bf16, all layers, every side byte counted (x)")
     ax1.set_ylabel("perplexity change vs untouched cache (%, held-out text)")
-    ax1.set_title(f"LLM (SmolLM2-135M, {PREFIX}-token prefix): the codec with all ideas reaches higher ratios "
+    ax1.set_title(f"LLM (SmolLM2-135M, {main_prefix}-token prefix): the codec with all ideas reaches higher ratios "
                   "at equal perplexity", fontsize=9)
     ax1.legend(bbox_to_anchor=(0, -0.16), loc="upper left", ncol=3, fontsize=7)
     diff = df[(df.domain == "diffusion") & (df.metric == "psnr")]
