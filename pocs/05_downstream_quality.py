@@ -76,12 +76,12 @@ QUICK_TOKENS, QUICK_PREFIX = 192, 96   # --quick: chunk and prefix tokens
 QUICK_LONG, QUICK_SCORED_LONG = 192, 64   # --quick: a long prefix and the tokens scored after it
 LONG_PREFIXES = [2048, 4096]   # longer caches (windows of prefix + SCORED_LONG tokens), the headline methods only
 SCORED_LONG = 512          # tokens after a long prefix (the last one's prediction is not scored)
-LONG_CHUNKS = 16           # held-out windows at a long prefix (non-overlapping; the text holds 19 at 4096)
-LONG_CALIB = 16            # calibration windows at a long prefix (stride SCORED_LONG, inside the calibration text)
+LONG_CHUNKS = 15           # held-out windows at a long prefix (non-overlapping; the text holds 15 at 4096)
+LONG_CALIB = 32            # calibration windows at a long prefix (stride SCORED_LONG, inside the calibration text)
 FIT_CHUNKS = 8             # chunks 0..7 of the text: bases, query covariances, sensitivities
 SENS_CHUNKS = 4            # of those, the ones scored for sensitivities (SENS_SCORED tokens each)
-CAL_CHUNKS = 16            # chunks 8..23: the perplexity-target calibration (disjoint from the fit)
-EVAL_CHUNKS = 48           # held-out chunks from chunk 24 on (paired SE <= 0.1% per token up to about +0.5%)
+CAL_CHUNKS = 32            # chunks 8..39: the perplexity-target calibration (disjoint from the fit)
+EVAL_CHUNKS = 48           # held-out chunks from chunk 40 on (paired SE <= 0.1% per token up to about +0.5%)
 ABLATION_CHUNKS = 16       # held-out chunks for the ablation and scale curves (calibrated rows and peers use EVAL_CHUNKS)
 SINK = 4                   # tokens kept raw (bf16) at the start of the cache
 RECENT = [16, 64]          # last tokens of the cache kept raw (bf16), the ablation rows
@@ -492,6 +492,11 @@ def llm_prefix_rows(res, model, tokenizer, prefix: int, spec: dict, fit: Fit, pa
     the codec with all ideas, calibrated again at that length (its own calibration windows)."""
     device = next(model.parameters()).device
     heads = model.config.num_key_value_heads
+    start, n, length, stride = spec["held"]
+    most = (len(text_ids(tokenizer)) - start - length) // stride + 1
+    if not main and n > most:  # another Python's pydoc text may be shorter: measure what it holds
+        print(f"{llm.TEXT_SOURCE} holds {most} held-out windows of {length} tokens, not {n}: measuring {most}")
+        spec = dict(spec, held=(start, most, length, stride))
     held_chunks = text_windows(tokenizer, *spec["held"])
     held = Scorer(model, held_chunks, prefix_kv(model, held_chunks, prefix), f"held_p{prefix}")
     settings = dict(prefix=prefix, tokens_per_chunk=held_chunks.shape[1], model=llm.model_label(model),
