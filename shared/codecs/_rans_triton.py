@@ -242,20 +242,23 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     jc = tl.arange(0, CHUNK)
     for t0 in range(0, n_try, TRY_BLOCK):
         t = t0 + tb
-        shape = tl.minimum(t // (2 * SEARCH + 1), N_SHAPES - 1)[:, None]
+        shape = tl.minimum(t // (2 * SEARCH + 1), N_SHAPES - 1)
         scode = tl.minimum(tl.maximum(code0 + (t % (2 * SEARCH + 1)) - SEARCH, 0), 255)
         wsum = tl.zeros([TRY_BLOCK], tl.int64)
         for j0 in range(0, A, CHUNK):
             jj = (j0 + jc).to(tl.int64)[None, :]
-            wsum += tl.sum(model_row(shapes_ptr, inv_ptr, shape, scode[:, None], mu16, W, has_esc, jj, SHAPE_STEPS), 1)
+            wsum += tl.sum(model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc, jj,
+                                     SHAPE_STEPS), 1)
+        if PROB_BITS <= 11:  # model weights are < 2^16, so the proxy's products fit int32
+            wsum_n = wsum.to(tl.int32)
+        else:
+            wsum_n = wsum
         cost = tl.zeros([TRY_BLOCK], tl.int64)
         for j0 in range(0, A, CHUNK):
             jj = (j0 + jc).to(tl.int64)[None, :]
-            wp = model_row(shapes_ptr, inv_ptr, shape, scode[:, None], mu16, W, has_esc, jj, SHAPE_STEPS)
-            if PROB_BITS <= 11:  # model weights are < 2^16, so the proxy's products fit int32
-                fp = tl.where(wp > 0, tl.maximum(wp.to(tl.int32) * (1 << PROB_BITS) // wsum.to(tl.int32)[:, None], 1), 0)
-            else:
-                fp = tl.where(wp > 0, tl.maximum(wp * (1 << PROB_BITS) // wsum[:, None], 1), 0)  # cost proxy
+            wp = model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc, jj,
+                           SHAPE_STEPS).to(wsum_n.dtype)
+            fp = tl.where(wp > 0, tl.maximum(wp * (1 << PROB_BITS) // wsum_n[:, None], 1), 0)  # cost proxy
             kc = tl.load(tab_ptr + k * HCAP + j0 + jc, mask=j0 + jc < A, other=0).to(tl.int64)
             cost += tl.sum(kc[None, :] * tl.load(nlog_ptr + fp), 1)
         cost = tl.where(t < n_try, cost * R + 8 * 65536 * PARAM_BYTES, 1 << 62)
@@ -263,7 +266,7 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
         i = tl.argmin(cost, 0, tie_break_left=True)
         better = c_min < best
         best = tl.where(better, c_min, best)
-        model = tl.where(better, 1 + tl.sum(tl.where(tb == i, t // (2 * SEARCH + 1), 0), 0), model)
+        model = tl.where(better, 1 + tl.sum(tl.where(tb == i, shape, 0), 0), model)
         best_code = tl.where(better, tl.sum(tl.where(tb == i, scode, 0), 0), best_code)
     if n_try > 0:
         tl.debug_barrier()  # every read of the scratch row is done before the table overwrites it
@@ -289,6 +292,19 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     if HAS_GUARD:
         g = tl.load(guard_ptr)
         tl.atomic_max(scal_ptr + SCAL_OVERFLOW, (~(g < 2147483520.0)).to(tl.int64), mask=k == 0)
+
+
+@triton.jit
+def table_index(v, lo, hi, W):
+    """A value's symbol in its component's table: v - lo inside the window [lo, hi], else the escape W."""
+    return tl.where((v < lo) | (v > hi), W, v - lo)
+
+
+@triton.jit
+def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask):
+    """The G words of each lane group's stream just below its read position ptr ([GPP, G])."""
+    wp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] - G + jg), 0), last_word)
+    return tl.load(words_ptr + wp, mask=mask, other=0).to(tl.int32) & 0xFFFF
 
 
 @triton.jit
@@ -341,7 +357,7 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     else:
         off_next = row * K + k
     v_cur = tl.load(sym_ptr + off_next, mask=lane_ok & (row < T), other=0).to(tl.int32)
-    e_cur = tl.load(tab_row + tl.where((v_cur < lo) | (v_cur > hi), W, v_cur - lo), mask=lane_ok & (row < T), other=M)
+    e_cur = tl.load(tab_row + table_index(v_cur, lo, hi, W), mask=lane_ok & (row < T), other=M)
     off_next = off_next - K
     v_next = tl.load(sym_ptr + off_next, mask=lane_ok & (row - 1 < T) & (S > 1), other=0).to(tl.int32)
     for jj in range(0, S):
@@ -350,8 +366,7 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
         v = v_cur
         e = e_cur
         outside = (v < lo) | (v > hi)
-        e_cur = tl.load(tab_row + tl.where((v_next < lo) | (v_next > hi), W, v_next - lo),
-                        mask=lane_ok & (row - 1 < T) & (jj + 1 < S), other=M)
+        e_cur = tl.load(tab_row + table_index(v_next, lo, hi, W), mask=lane_ok & (row - 1 < T) & (jj + 1 < S), other=M)
         v_cur = v_next
         off_next = off_next - K
         v_next = tl.load(sym_ptr + off_next, mask=lane_ok & (row - 2 < T) & (jj + 2 < S), other=0).to(tl.int32)
@@ -699,8 +714,8 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     else:
         off = row0 * K + k
     jg = tl.arange(0, G)[None, :]
-    wp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] - G + jg), 0), last_word)
-    window = tl.load(words_ptr + wp, mask=grp_ok[:, None] & (n_words > 0), other=0).to(tl.int32) & 0xFFFF
+    has_words = grp_ok[:, None] & (n_words > 0)
+    window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
     for i in range(0, S):
         row = row0 + i
         active = lane_ok & (row < T)
@@ -727,8 +742,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         wd = tl.gather(window, tl.minimum(G - tot[:, None] + rank_w, G - 1), 1)
         # the next step's window: the G words below the new read position (issued now, so its
         # latency overlaps the next lookup's)
-        wp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] - G + jg), 0), last_word)
-        window = tl.load(words_ptr + wp, mask=grp_ok[:, None] & (n_words > 0), other=0).to(tl.int32) & 0xFFFF
+        window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
         x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
         val = lo32 + s  # wraps only for an escape symbol, whose value is replaced
         if may_escape:
