@@ -412,6 +412,21 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_FLOATS_ON = {}  # small float32 tensors by (values, device): a codec's steps repeat call after call
+
+
+def _floats_on(values: list, dev):
+    """values as a float32 tensor on dev, made once: the steps cross to the GPU once, not in every call."""
+    import torch
+
+    key = (tuple(values), str(dev))
+    if key not in _FLOATS_ON:
+        if len(_FLOATS_ON) >= 64:
+            _FLOATS_ON.pop(next(iter(_FLOATS_ON)))
+        _FLOATS_ON[key] = torch.tensor(values, dtype=torch.float32).to(dev)
+    return _FLOATS_ON[key]
+
+
 class CudaProjection:
     """The compute codec's dense stages on a GPU, fused into one Triton kernel each way:
 
@@ -489,7 +504,7 @@ class CudaProjection:
         mx = torch.full((N, K), -2**31, dtype=torch.int32, device=dev)
         sm = torch.zeros((N, K), dtype=torch.int64, device=dev)
         amax = torch.zeros(N, dtype=torch.float32, device=dev)
-        inv = self._floats_on([1.0 / s for s in steps], dev)
+        inv = _floats_on([1.0 / s for s in steps], dev)
         args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv)
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
@@ -497,19 +512,6 @@ class CudaProjection:
         else:
             kt.project_quantize_tuned[lambda m: (-(-T // m["BM"]), -(-K // m["BN"]), N)](*args, UPCAST=False)
         return sym, (mn, mx, sm), amax
-
-    def _floats_on(self, values: list, dev):
-        """values as a float32 tensor on dev, kept: a codec's steps repeat call after call, so
-        they cross to the GPU once, not in every call."""
-        import torch
-
-        cache = self.__dict__.setdefault("_floats_cache", {})
-        key = (tuple(values), str(dev))
-        if key not in cache:
-            if len(cache) >= 64:
-                cache.pop(next(iter(cache)))
-            cache[key] = torch.tensor(values, dtype=torch.float32).to(dev)
-        return cache[key]
 
     def reconstruct(self, symbols, step: float):
         if symbols.dim() != 2 or symbols.shape[1] != self.K:
@@ -528,7 +530,7 @@ class CudaProjection:
             raise InvalidTensorError(f"symbols must be [N, T, {self.K}], got {tuple(symbols.shape)}")
         dev = symbols.device
         out = torch.empty((N, T, self.D), dtype=torch.bfloat16, device=dev)
-        st = self._floats_on([float(v) for v in steps], dev)
+        st = _floats_on([float(v) for v in steps], dev)
         if bad is None:
             bad = torch.zeros(N, dtype=torch.int32, device=dev)
         args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st, bad)
