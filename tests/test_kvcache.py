@@ -2,15 +2,12 @@
 output exactly in raw_fetch and gpu_resident modes and stays within its stated quality compressed;
 it flushes in chunks, fetches bit-exact, refuses what it cannot do; PoC 17's decoder agrees with its
 own prefill. GPU tests (marked gpu) run the CUDA streams, the prefetch worker and the CUDA graphs."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from poc_module import load_poc
 from shared.basis import fit_basis, fit_basis_torch
 from shared.errors import InvalidTensorError, TensorCodecError
 from shared.kvcache import MODES, SpillCache, cache_kwarg, rows_to_states, states_to_rows
@@ -191,12 +188,7 @@ def test_fit_basis_torch_matches_fit_basis():
 # ---------------------------------------------------------------- PoC 17's decoder
 
 def poc17():
-    path = Path(__file__).resolve().parent.parent / "pocs" / "17_kv_spill_decode.py"
-    spec = importlib.util.spec_from_file_location("poc17", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("poc17", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_poc("17_kv_spill_decode.py", "poc17", register=True)
 
 
 SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=50)

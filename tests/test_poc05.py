@@ -1,22 +1,15 @@
 """PoC 05's LLM bookkeeping: runs split by --prefixes / --part merge into one CSV without losing rows,
 and the text windows of each protocol never overlap between fit, calibration and held-out text."""
-import importlib.util
-from pathlib import Path
-
 import pandas as pd
 import pytest
 
+from poc_module import load_poc
 from shared.results import ResultsWriter
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def poc():
-    spec = importlib.util.spec_from_file_location("poc05", ROOT / "pocs" / "05_downstream_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_poc("05_downstream_quality.py", "poc05")
 
 
 def llm_row(res, prefix, part, curve, value, ratio):

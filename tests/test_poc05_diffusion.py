@@ -1,21 +1,16 @@
 """PoC 05's diffusion helpers: the ratio at a PSNR read off a measured curve, the step calibrated for a
 PSNR target, and the per-step hook's byte count."""
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from poc_module import load_poc
 
 
 @pytest.fixture(scope="module")
 def poc():
-    spec = importlib.util.spec_from_file_location("poc05", ROOT / "pocs" / "05_downstream_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_poc("05_downstream_quality.py", "poc05")
 
 
 def test_ratio_at_psnr_interpolates_log_ratio_and_refuses_outside_the_curve(poc):

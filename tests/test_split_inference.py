@@ -1,6 +1,5 @@
 """PoC 16 (split inference): the halves compose to the unsplit model, and the quick run over the shaped
 link (or loopback where namespaces cannot be made) checks its transfers, writes its rows and cleans up."""
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -9,15 +8,14 @@ import pandas as pd
 import pytest
 import torch
 
+from poc_module import load_poc
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "pocs" / "16_split_inference.py"
 
 
 def poc():
-    spec = importlib.util.spec_from_file_location("poc16", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_poc(SCRIPT.name, "poc16")
 
 
 def namespaces() -> set[str]:
