@@ -375,6 +375,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
     """Round trip checked first (quality, and GPU decode == CPU decode of the same container), then timed."""
     import time
 
+    from shared import pipeline
     from shared.basis import fit_basis
     from shared.metrics import quality
     from shared.pipeline import TensorCodec
@@ -416,7 +417,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         if q["cos_mean"] < API_TARGET_COS - 5e-4:
             raise SystemExit(f"round trip at {mb} MB gives cos {q['cos_mean']:.5f} < {API_TARGET_COS}")
         nbytes = x.numel() * 2
-        lanes = dict(lane_tokens=lane_tokens or "default")
+        lanes = dict(lane_tokens=lane_tokens or "default", encode_graph=nbytes <= pipeline.GRAPH_MAX_BYTES)
         t_enc = wall(lambda: codec.encode(x))
         t_dec = wall(lambda: codec.decode(blob, device="cuda"))
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
@@ -447,6 +448,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
 def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
     """API_BATCH tensors of one step, one codec each, in one call per direction."""
     from shared.metrics import quality
+    from shared import pipeline
     from shared.pipeline import TensorCodec, decode_many, encode_many
 
     codecs = [TensorCodec(basis, backend="rans", lane_tokens=lane_tokens) for _ in range(API_BATCH)]
@@ -465,7 +467,8 @@ def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
     t_d2h = wall(lambda: pinned.copy_(flat, non_blocking=True))
     t_h2d = wall(lambda: flat.copy_(pinned, non_blocking=True))
     ratio = nbytes / sum(b.numel() for b in blobs)
-    kw = dict(tokens=API_BATCH_TOKENS, channels=D, tensors=API_BATCH, lane_tokens=lane_tokens or "default")
+    kw = dict(tokens=API_BATCH_TOKENS, channels=D, tensors=API_BATCH, lane_tokens=lane_tokens or "default",
+              encode_graph=nbytes <= pipeline.GRAPH_MAX_BYTES)
     add("api_batched", "encode_gbps", nbytes / t_enc / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "decode_gbps", nbytes / t_dec / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "encode_us_per_tensor", t_enc / API_BATCH * 1e6, "us", mb, **kw)

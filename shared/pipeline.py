@@ -546,35 +546,92 @@ def _same_shape_groups(keys) -> list[list[int]]:
     return list(groups.values())
 
 
-def encode_many(codecs, tensors) -> list:
+GRAPH_MAX_BYTES = 64 << 20  # calls moving up to this many input bytes replay a CUDA graph (0: never)
+GRAPH_PLANS = 4  # CUDA graphs kept, one per repeated list of codecs and shapes (each holds its buffers)
+_GRAPHS = {}  # key -> _EncodeGraph, or the number of eager calls seen with that key so far
+
+
+def _on_stream(stream):
+    """A context running work on `stream` after what the current stream has queued (its inputs)."""
+    import contextlib
+
+    import torch
+
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    return torch.cuda.stream(stream)
+
+
+def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
     """Code tensors[i] with codecs[i] (e.g. every layer's K and V of one step, each layer's codec
     holding its basis and step): one blob per tensor, each decodable and checked alone. CUDA
     tensors on the compute codec are coded on their GPU, tensors of one shape together in one
     launch per kernel, with one host synchronization for the whole list, and come back as uint8
-    CUDA tensors (views into one buffer per shape); the rest as bytes."""
-    import torch
+    CUDA tensors (views into one buffer); the rest as bytes.
 
+    stream: a torch.cuda.Stream to queue the GPU work on (it first waits for the current stream,
+    which made the inputs); the host synchronization then waits for that stream alone.
+    sync=False (every tensor a CUDA tensor on the compute codec): no host synchronization at all;
+    returns a rans_cuda.PendingEncode whose buffer and spans (start, length of each container,
+    on the device) can be sent as they are, and whose result() gives the blobs.
+
+    A list of codecs and shapes seen again (a decode step's KV, a pipeline stage's activations)
+    of up to GRAPH_MAX_BYTES is replayed as one CUDA graph: one launch for every kernel, inputs
+    copied into the graph's buffers, the blobs copied out of them."""
     if len(codecs) != len(tensors):
         raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
     out = [None] * len(tensors)
     gpu = [i for i, (c, x) in enumerate(zip(codecs, tensors)) if c.symbols and getattr(x, "is_cuda", False)]
+    if not sync and len(gpu) != len(tensors):
+        raise ConfigurationError("sync=False needs every tensor on a GPU and every codec a compute codec "
+                                 "(backend='rans'); encode the others with sync=True")
     for i in sorted(set(range(len(tensors))) - set(gpu)):
         out[i] = codecs[i].encode(tensors[i])
     if not gpu:
         return out
+    with _on_stream(stream):
+        cs, xs = [codecs[i] for i in gpu], [tensors[i] for i in gpu]
+        key = _graph_key(cs, xs) if sync else None
+        plan = _GRAPHS.get(key)
+        if isinstance(plan, _EncodeGraph):  # a repeat: the key pins every codec's state and every shape
+            blobs = plan.run(xs)
+        elif (plan := _graph_plan(key, cs, xs, [c._cuda_prepare(x) for c, x in zip(cs, xs)])) is not None:
+            blobs = plan.run(xs)
+        else:
+            prepared = [c._cuda_prepare(x) for c, x in zip(cs, xs)]
+            pending = _encode_launch(cs, xs, prepared, sync=sync)
+            if not sync:
+                return pending
+            blobs = pending.result()
+    for i, blob in zip(gpu, blobs):
+        out[i] = blob
+    return out
+
+
+def _encode_groups(xs, prepared):
+    """Tensors that share launches: one input shape and dtype, one device, one basis shape."""
+    return _same_shape_groups([(tuple(x.shape), x.dtype, str(x.device), p[0].K) for x, p in zip(xs, prepared)])
+
+
+def _encode_launch(codecs, xs, prepared, sync: bool, staged=None, retry=None):
+    """Queue the projection and the coder of every tensor; returns the coder's PendingEncode.
+    staged: one stacked input tensor per group of _encode_groups, instead of stacking xs."""
+    import torch
+
     from .codecs import rans_cuda
 
-    prepared = {i: codecs[i]._cuda_prepare(tensors[i]) for i in gpu}
-    symbols, stats, guards = {}, {}, {}
-    # one launch needs one input shape and dtype and one basis shape
-    for group in _same_shape_groups([(tuple(tensors[i].shape), tensors[i].dtype, str(tensors[i].device),
-                                      prepared[i][0].K) for i in gpu]):
-        idx = [gpu[j] for j in group]
+    n = len(xs)
+    symbols, stats, guards = [None] * n, [None] * n, [None] * n
+    for g, idx in enumerate(_encode_groups(xs, prepared)):
         projs = [prepared[i][0] for i in idx]
         proj = projs[0] if len(idx) == 1 else _stacked_projection(projs)
-        xs = tensors[idx[0]].unsqueeze(0) if len(idx) == 1 else torch.stack([tensors[i] for i in idx])
+        if staged is not None:
+            stack = staged[g]
+        else:
+            stack = xs[idx[0]].unsqueeze(0) if len(idx) == 1 else torch.stack([xs[i] for i in idx])
         # amax is inf where a tensor holds NaN/Inf: the coder's guard refuses it in its one sync
-        sym, (mn, mx, sm), amax = proj.quantize_many(xs, [prepared[i][1].step for i in idx])
+        sym, (mn, mx, sm), amax = proj.quantize_many(stack, [prepared[i][1].step for i in idx])
         for j, i in enumerate(idx):
             symbols[i], stats[i], guards[i] = sym[j], (mn[j], mx[j], sm[j]), amax[j:j + 1]
             keep = prepared[i][1].keep
@@ -582,15 +639,78 @@ def encode_many(codecs, tensors) -> list:
                 symbols[i] = sym[j].clone()
                 symbols[i][:, torch.as_tensor(~keep, device=sym.device)] = 0
                 stats[i] = None
-    fronts = [prepared[i][2] for i in gpu]  # each container's bytes before its payload, for payload length 0
-    blobs = rans_cuda.encode_many_cuda(
-        [symbols[i] for i in gpu], stats=[stats[i] for i in gpu], guards=[guards[i] for i in gpu],
-        reserve_fronts=[len(f) for f in fronts], reserve_backs=[4] * len(gpu),  # a self-checked chunk's trailer: 0
-        lane_tokens=[codecs[i].lane_tokens for i in gpu],
-        make_front=lambda j, n: fronts[j][:-8] + struct.pack("<Q", n))  # the DATA length ends the prefix
-    for i, blob in zip(gpu, blobs):
-        out[i] = blob
-    return out
+    fronts = [p[2] for p in prepared]  # each container's bytes before its payload, for payload length 0
+    return rans_cuda.encode_many_cuda(
+        symbols, stats=stats, guards=guards, fronts=fronts, backs=[4] * n,  # a self-checked chunk's trailer: 0
+        length_field=True,  # the DATA length ends the prefix
+        lane_tokens=[c.lane_tokens for c in codecs], sync=False, retry=sync if retry is None else retry)
+
+
+def _graph_key(codecs, xs):
+    """What a CUDA graph of encode_many depends on: each codec's quantizer, projection and lane
+    setting (by identity: a new step or basis is a new object), each input's shape, dtype and
+    device, and the stream. None where no graph is kept (too large, under Triton's interpreter)."""
+    import torch
+
+    from .codecs import rans_cuda
+
+    if rans_cuda._interpreting() or sum(x.numel() * x.element_size() for x in xs) > GRAPH_MAX_BYTES \
+            or torch.cuda.is_current_stream_capturing():
+        return None
+    return (tuple((id(c), id(c.quantizer), id(c._proj), c.lane_tokens) for c in codecs),
+            tuple((x.shape, x.dtype, x.device) for x in xs), torch.cuda.current_stream(xs[0].device))
+
+
+def _graph_plan(key, codecs, xs, prepared):
+    """The CUDA graph of this list of codecs and shapes, captured on its second eager call; None
+    while it runs eagerly (first call, no key, water-filled)."""
+    if key is None or any(p[1].keep is not None and not p[1].keep.all() for p in prepared):
+        return None
+    seen = _GRAPHS.get(key, 0)
+    if seen == 0:  # the first call runs eagerly: it compiles the kernels and fills the caches
+        _GRAPHS[key] = 1
+        if len(_GRAPHS) > 4 * GRAPH_PLANS:
+            _GRAPHS.pop(next(k for k, v in _GRAPHS.items() if not isinstance(v, _EncodeGraph)))
+        return None
+    plans = [k for k, v in _GRAPHS.items() if isinstance(v, _EncodeGraph)]
+    if len(plans) >= GRAPH_PLANS:
+        _GRAPHS.pop(plans[0])
+    _GRAPHS[key] = _EncodeGraph(codecs, xs, prepared, key)
+    return _GRAPHS[key]
+
+
+class _EncodeGraph:
+    """encode_many of one list of codecs and shapes as a CUDA graph: static input buffers, every
+    kernel of the projection and the coder, and the containers in a buffer of worst-case room."""
+
+    def __init__(self, codecs, xs, prepared, key):
+        import torch
+
+        self.key, self.groups = key, _encode_groups(xs, prepared)
+        self.staged = [torch.empty((len(idx),) + tuple(xs[idx[0]].shape), dtype=xs[idx[0]].dtype,
+                                   device=xs[idx[0]].device) for idx in self.groups]
+        self.held = (codecs, prepared, [c._proj for c in codecs])  # keeps the key's ids unique
+        self._stage(xs)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.pending = _encode_launch(codecs, xs, prepared, sync=True, staged=self.staged, retry=True)
+
+    def _stage(self, xs):
+        import torch
+
+        for buf, idx in zip(self.staged, self.groups):
+            if len(idx) == 1:
+                buf[0].copy_(xs[idx[0]])
+            else:
+                torch.stack([xs[i] for i in idx], out=buf)
+
+    def run(self, xs) -> list:
+        self._stage(xs)
+        self.graph.replay()
+        blobs = self.pending.result(copy=True)  # copied out: the next replay rewrites the buffer
+        if self.pending.retried:  # the lanes were coded again outside the graph: capture afresh later
+            _GRAPHS.pop(self.key, None)
+        return blobs
 
 
 def _host_bytes(blob) -> bytes:

@@ -419,12 +419,10 @@ def _floats_on(values: list, dev):
     """values as a float32 tensor on dev, made once: the steps cross to the GPU once, not in every call."""
     import torch
 
-    key = (tuple(values), str(dev))
-    if key not in _FLOATS_ON:
-        if len(_FLOATS_ON) >= 64:
-            _FLOATS_ON.pop(next(iter(_FLOATS_ON)))
-        _FLOATS_ON[key] = torch.tensor(values, dtype=torch.float32).to(dev)
-    return _FLOATS_ON[key]
+    from .codecs.rans_cuda import cached_on_device
+
+    return cached_on_device(_FLOATS_ON, (tuple(values), str(dev)),
+                            lambda: torch.tensor(values, dtype=torch.float32).to(dev))
 
 
 class CudaProjection:

@@ -481,6 +481,41 @@ def test_encode_many_equals_single_calls_and_names_the_corrupt_blob():
     assert back[3].dtype == torch.float32 and back[2].shape == mixed[2].shape
 
 
+@pytest.mark.gpu
+def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
+    """The third call of one list of codecs and shapes replays a CUDA graph: the same bytes as the
+    eager calls, new inputs give new blobs, and earlier blobs stay as they were. On a side stream
+    the same bytes; with sync=False the containers sit at their spans in the pending buffer."""
+    from shared import pipeline
+    from shared.pipeline import decode_many, encode_many
+    from shared.rdquant import calibrate_step
+
+    rows = torch.from_numpy(low_rank(4096, 64, seed=3)).to(torch.bfloat16)
+    basis = calibrate_step(fit_basis([rows[:1024]], k=48), [rows[:1024]], 0.999)
+    codecs = [TensorCodec(basis, backend="rans") for _ in range(6)]
+    first = [rows[1024 + 256 * i:1024 + 256 * (i + 1)].cuda() for i in range(6)]
+    second = [x.flip(0).contiguous() for x in first]
+    eager = [encode_many(codecs, xs) for xs in (first, second)]  # the second call captures the graph
+    assert any(isinstance(v, pipeline._EncodeGraph) for v in pipeline._GRAPHS.values())
+    replayed = [encode_many(codecs, xs) for xs in (first, second)]
+    for a, b in zip(eager, replayed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, c.encode(t)) for x, c, t in zip(replayed[0], codecs, first))  # not overwritten
+    ys = decode_many(codecs, replayed[1], device="cuda")
+    assert all(quality(x.float().cpu().numpy(), y.float().cpu().numpy())["cos_mean"] >= 0.99
+               for x, y in zip(second, ys))
+    side = torch.cuda.Stream()
+    on_side = encode_many(codecs, first, stream=side)
+    side.synchronize()
+    assert all(torch.equal(x, y) for x, y in zip(on_side, eager[0]))
+    pending = encode_many(codecs, first, sync=False)
+    spans = pending.spans.tolist()
+    assert all(torch.equal(pending.buffer[a:a + n], y) for (a, n), y in zip(spans, eager[0]))
+    assert not pending.flags.any()
+    with pytest.raises(ConfigurationError, match="sync=False"):
+        encode_many([TensorCodec(basis, backend="rans")], [first[0].cpu()], sync=False)
+
+
 def test_calibrated_step_lives_in_the_basis(tmp_path):
     """calibrate_step stores the step for a target in the basis file; a codec made from the loaded
     basis uses it without a search, and held-out tensors of the same source meet the target closely."""

@@ -293,6 +293,20 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
             np.testing.assert_array_equal(y.numpy(), x)
         many = rans_cuda.encode_many_cuda([torch.from_numpy(np.ascontiguousarray(x)) for x in xs], lane_tokens=64)
         assert [bytes(m.numpy()) for m in many] == payloads
+        # containers: each front (its last 8 bytes the payload length), payload, zero back; the
+        # deferred form gives the same bytes at its spans before any host synchronization
+        fronts = [bytes(range(16 * (1 + i % 3))) for i in range(len(xs))]
+        backs = [4, 0, 16, 1, 4, 4, 7]
+        ts = [torch.from_numpy(np.ascontiguousarray(x)) for x in xs]
+        boxed = rans_cuda.encode_many_cuda(ts, lane_tokens=64, fronts=fronts, backs=backs, length_field=True)
+        want = [f[:-8] + len(p).to_bytes(8, "little") + p + bytes(b) for f, p, b in zip(fronts, payloads, backs)]
+        assert [bytes(m.numpy()) for m in boxed] == want
+        pending = rans_cuda.encode_many_cuda(ts, lane_tokens=64, fronts=fronts, backs=backs, length_field=True,
+                                             sync=False)
+        assert [bytes(pending.buffer[a:a + n].numpy()) for a, n in pending.spans.tolist()] == want
+        assert not pending.flags.any() and [bytes(m.numpy()) for m in pending.result(copy=False)] == want
+        with pytest.raises(ValueError, match="multiples of 16"):
+            rans_cuda.encode_many_cuda(ts[:1], fronts=[b"x" * 8])
         bad = bytearray(payloads[3])
         bad[len(bad) // 2] ^= 0x10
         with pytest.raises(BitstreamError, match="payload 3 of the list"):

@@ -502,6 +502,8 @@ def checksum_kernel(ptr, seg_ptr, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.co
     pay = ptr + tl.load(seg_ptr + s * SEG_FIELDS + SEG_BASE)
     n = tl.load(seg_ptr + s * SEG_FIELDS + SEG_LEN)
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+    if start >= n:  # the grid covers the longest payload a batch can hold
+        return
     base = ((start - tl.where(start >= SKIP_HI, D, 0)) % 65521).to(tl.int32)  # first byte's position mod 65521
     s0 = tl.zeros([BLOCK], tl.int64)
     s1 = tl.zeros([BLOCK], tl.int64)
@@ -539,6 +541,140 @@ def finish_checksum_kernel(sums_ptr, b32, seg_ptr, SEG_FIELDS: tl.constexpr):
     v = tl.load(sums_ptr + 2 * s + tl.arange(0, 2))
     check_out = b32 + tl.load(seg_ptr + s * SEG_FIELDS + SEG_CHECK)
     tl.store(check_out + tl.arange(0, 2), (v & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _pad_to(n, a: tl.constexpr):
+    return (n + (a - 1)) // a * a
+
+
+@triton.jit
+def layout_kernel(scal_ptr, front_ptr, back_ptr, seg_ptr, span_ptr, origin, N, K, P, n_groups,
+                  BLOCK_N: tl.constexpr, SEG_FIELDS: tl.constexpr, HEADER_BYTES: tl.constexpr,
+                  CHECK_AT: tl.constexpr):
+    """rans.Layout on the device, for all N payloads of a batch in one program: from each encoder
+    summary (scal) the sections' offsets, written as the segment table the later kernels read, and
+    where each container (front bytes, payload, back bytes) starts in the batch buffer: containers
+    follow each other 16-byte aligned, so span = (start, container length) per payload."""
+    i = tl.arange(0, BLOCK_N)
+    m = i < N
+    sc = scal_ptr + i * SCAL_SLOTS
+    n_table = tl.load(sc + SCAL_N_TABLE, mask=m, other=0)
+    k_coded = tl.load(sc + SCAL_K_CODED, mask=m, other=0)
+    w_max = tl.load(sc + SCAL_W_MAX, mask=m, other=0)
+    lo_min = tl.load(sc + SCAL_LO_MIN, mask=m, other=0)
+    lo_max = tl.load(sc + SCAL_LO_MAX, mask=m, other=0)
+    words = tl.load(sc + SCAL_WORDS, mask=m, other=0)
+    n_esc = tl.load(sc + SCAL_ESCAPES, mask=m, other=0)
+    n_param = tl.load(sc + SCAL_N_PARAM, mask=m, other=0)
+    front = tl.load(front_ptr + i, mask=m, other=0)
+    back = tl.load(back_ptr + i, mask=m, other=0)
+    lob = tl.where((lo_min >= -128) & (lo_max < 128), 1, tl.where((lo_min >= -32768) & (lo_max < 32768), 2, 4))
+    wb = tl.where(w_max < 128, 1, 2)
+    lo = HEADER_BYTES + tl.zeros_like(n_table)
+    wflag = lo + lob * K + (lob * K) % wb
+    model = wflag + wb * K
+    mu16 = (model + K + 1) // 2 * 2
+    scale = mu16 + 2 * n_param
+    codes = _pad_to(scale + n_param, 4)
+    gw = _pad_to(codes + n_table, 4)
+    ge = gw + 4 * n_groups
+    esc = ge + 4 * n_groups
+    states = esc + 4 * n_esc
+    streams = states + 4 * P * k_coded
+    total = streams + 2 * words
+    length = front + total + back
+    slot = tl.where(m, _pad_to(length, 16), 0)
+    start = origin + tl.cumsum(slot, 0) - slot
+    base = start + front
+    row = seg_ptr + i * SEG_FIELDS
+    tl.store(row + SEG_BASE, base, mask=m)
+    tl.store(row + SEG_LEN, total, mask=m)
+    tl.store(row + SEG_LO, (base + lo) // lob, mask=m)
+    tl.store(row + SEG_WFLAG, (base + wflag) // wb, mask=m)
+    tl.store(row + SEG_MODEL, base + model, mask=m)
+    tl.store(row + SEG_MU16, (base + mu16) // 2, mask=m)
+    tl.store(row + SEG_SCALE, base + scale, mask=m)
+    tl.store(row + SEG_CODES, base + codes, mask=m)
+    tl.store(row + SEG_CHECK, (base + CHECK_AT) // 4, mask=m)
+    tl.store(row + SEG_GW, (base + gw) // 4, mask=m)
+    tl.store(row + SEG_GE, (base + ge) // 4, mask=m)
+    tl.store(row + SEG_ESC, (base + esc) // 4, mask=m)
+    tl.store(row + SEG_STATES, (base + states) // 4, mask=m)
+    tl.store(row + SEG_STREAMS, (base + streams) // 2, mask=m)
+    tl.store(row + SEG_N_TABLE, n_table, mask=m)
+    tl.store(row + SEG_K_CODED, k_coded, mask=m)
+    tl.store(row + SEG_N_PARAM, n_param, mask=m)
+    tl.store(row + SEG_N_WORDS, words, mask=m)
+    tl.store(row + SEG_N_ESC, n_esc, mask=m)
+    tl.store(row + SEG_LO_BYTES, lob, mask=m)
+    tl.store(row + SEG_W_BYTES, wb, mask=m)
+    tl.store(span_ptr + 2 * i, start, mask=m)
+    tl.store(span_ptr + 2 * i + 1, length, mask=m)
+
+
+@triton.jit
+def _u32(v):
+    return (v & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def fronts_kernel(src_ptr, src_off_ptr, front_ptr, back_ptr, seg_ptr, span_ptr, b8, b32, T, K, S,
+                  MAGIC_WORD: tl.constexpr, VERSION: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr,
+                  LENGTH_FIELD: tl.constexpr, HEADER_BYTES: tl.constexpr, BLOCK: tl.constexpr,
+                  SEG_FIELDS: tl.constexpr):
+    """Container s = program_id(0) of a batch, all but what pack_meta, gather and the checksum
+    write: its front bytes (with the payload length, u64, in their last 8 bytes when LENGTH_FIELD),
+    the payload header's first 48 bytes, zeros in the alignment gaps between sections, and its back
+    bytes (zeros)."""
+    s = tl.program_id(0)
+    seg = seg_ptr + s * SEG_FIELDS
+    start = tl.load(span_ptr + 2 * s)
+    front = tl.load(front_ptr + s)
+    back = tl.load(back_ptr + s)
+    src = src_ptr + tl.load(src_off_ptr + s)
+    base = tl.load(seg + SEG_BASE)
+    total = tl.load(seg + SEG_LEN)
+    n_copy = front - 8 if LENGTH_FIELD else front
+    for st in range(0, n_copy, BLOCK):
+        offs = st + tl.arange(0, BLOCK)
+        tl.store(b8 + start + offs, tl.load(src + offs, mask=offs < n_copy), mask=offs < n_copy)
+    if LENGTH_FIELD:
+        tl.store(b32 + (base - 8) // 4 + tl.arange(0, 2), _u32(total >> (32 * tl.arange(0, 2))))
+    lob = tl.load(seg + SEG_LO_BYTES)
+    wb = tl.load(seg + SEG_W_BYTES)
+    j = tl.arange(0, 16)
+    field = tl.where(j == 0, MAGIC_WORD, 0)
+    field = tl.where(j == 1, VERSION | (PROB_BITS << 8) | (G << 16), field)
+    field = tl.where(j == 2, T, field)
+    field = tl.where(j == 3, K, field)
+    field = tl.where(j == 4, S, field)
+    field = tl.where(j == 5, tl.load(seg + SEG_N_TABLE), field)
+    field = tl.where(j == 6, tl.load(seg + SEG_N_ESC), field)
+    field = tl.where(j == 7, tl.load(seg + SEG_K_CODED), field)
+    field = tl.where(j == 8, tl.load(seg + SEG_N_PARAM), field)
+    field = tl.where(j == 9, lob | (wb << 8), field)
+    words = tl.load(seg + SEG_N_WORDS)
+    field = tl.where(j == 10, words, field)
+    field = tl.where(j == 11, words >> 32, field)
+    tl.store(b32 + base // 4 + j, _u32(field), mask=j < 12)
+    # the gaps: after lo (to wflag's width), after model (to 2), after scale and codes (to 4)
+    model = tl.load(seg + SEG_MODEL)
+    n_param = tl.load(seg + SEG_N_PARAM)
+    scale = tl.load(seg + SEG_SCALE)
+    codes = tl.load(seg + SEG_CODES)
+    gw = tl.load(seg + SEG_GW) * 4
+    lo_end = tl.load(seg + SEG_LO) * lob + lob * K
+    z = tl.zeros([4], tl.int8)
+    k4 = tl.arange(0, 4)
+    wflag = tl.load(seg + SEG_WFLAG) * wb
+    tl.store(b8 + lo_end + k4, z, mask=lo_end + k4 < wflag)
+    tl.store(b8 + model + K + k4, z, mask=model + K + k4 < tl.load(seg + SEG_MU16) * 2)
+    tl.store(b8 + scale + n_param + k4, z, mask=scale + n_param + k4 < codes)
+    codes_end = codes + tl.load(seg + SEG_N_TABLE)
+    tl.store(b8 + codes_end + k4, z, mask=codes_end + k4 < gw)
+    end = base + total
+    tl.store(b8 + end + j, tl.zeros([16], tl.int8), mask=j < back)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ def _kernels():
 
     _KERNELS = dict(fields=kt.SUMMARY_FIELDS, seg_fields=kt.SEG_FIELDS, hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
                     pack_meta=kt.pack_meta_kernel, gather=kt.gather_streams_kernel, checksum=kt.checksum_kernel,
-                    finish=kt.finish_checksum_kernel, scatter=kt.scatter_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel)
+                    finish=kt.finish_checksum_kernel, layout=kt.layout_kernel, fronts=kt.fronts_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel)
     return _KERNELS
 
 
@@ -91,66 +91,143 @@ ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: code
 
 
 def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
-                lane_tokens: int | None = None, stats=None, guard=None, reserve_front: int = 0,
-                reserve_back: int = 0):
+                lane_tokens: int | None = None, stats=None, guard=None):
     """encode() on the GPU: int32 CUDA tensor [T, K] -> uint8 CUDA tensor holding the same bytes.
 
     stats: optional (min, max, sum) per component, int tensors [K] on t's device, when the
     producer already has them (rdquant's fused projection does); saves a pass over t.
     guard: optional float tensor [1] that must be below 2^31 (the fused quantizer's largest
     |value|), checked in the same host synchronization as everything else.
-    reserve_front, reserve_back: bytes left (uninitialized) before and after the payload in the
-    returned buffer, where a container writes its header and trailer without copying the payload;
-    reserve_front is a multiple of 16. The payload is out[reserve_front:len(out) - reserve_back].
 
-    Kernels: histogram of sampled tokens, tables, lanes, then (after the one host
-    synchronization, which learns the payload's size) meta, streams and checksum."""
-    return encode_many_cuda([t], prob_bits, group_lanes, lane_tokens, [stats], [guard], [reserve_front],
-                            [reserve_back])[0]
+    Kernels: histogram of sampled tokens, tables, lanes, then the layout, meta, streams and
+    checksum, all sized on the device; the one host synchronization reads the payload's length."""
+    return encode_many_cuda([t], prob_bits, group_lanes, lane_tokens, [stats], [guard])[0]
 
 
 def encode_many_cuda(ts, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
-                     lane_tokens: int | None = None, stats=None, guards=None, reserve_fronts=None,
-                     reserve_backs=None, make_front=None) -> list:
+                     lane_tokens: int | None = None, stats=None, guards=None, fronts=None, backs=None,
+                     length_field: bool = False, sync: bool = True, retry: bool | None = None):
     """encode_cuda() of each tensor of a list: tensors of one shape share every kernel launch (a
-    segment axis in each grid), and one host synchronization serves the whole list. lane_tokens:
-    one value, or one per tensor. stats,
-    guards, reserve_*: lists of encode_cuda's arguments, one per tensor, or None. make_front(i,
-    payload_len) -> bytes: what to write into tensor i's reserved front once its payload's
-    length is known (a container's header), else it is zeros. Returns uint8 CUDA tensors, views
-    into one buffer per shape."""
+    segment axis in each grid), every container lands in one buffer, and one host synchronization
+    serves the whole list. lane_tokens: one value, or one per tensor. stats, guards: lists of
+    encode_cuda's arguments, one per tensor, or None.
+
+    fronts: bytes to write before each payload (a container's header; each a multiple of 16
+    long), with the payload's length as a little-endian u64 in their last 8 bytes when
+    length_field; backs: zero bytes after each payload (at most 16). A tensor's blob is its front,
+    payload and back. Returns uint8 CUDA tensors, views into one compact buffer; with sync=False,
+    a PendingEncode instead, before any host synchronization (see there). retry (default: sync):
+    size the escape buffers for the usual case and code a lane group again in result() when it
+    escaped more values than that (else sized for every value escaping, never coded again)."""
     torch = _torch()
     n_t = len(ts)
     stats, guards = stats or [None] * n_t, guards or [None] * n_t
-    fronts, backs = reserve_fronts or [0] * n_t, reserve_backs or [0] * n_t
-    if any(f % 16 for f in fronts):
-        raise ValueError(f"reserve_front must be a multiple of 16, got {fronts}")
+    fronts = [bytes(f) for f in fronts] if fronts is not None else [b""] * n_t
+    backs = list(backs) if backs is not None else [0] * n_t
+    if any(len(f) % 16 for f in fronts) or (length_field and any(len(f) < 8 for f in fronts)):
+        raise ValueError(f"fronts must be multiples of 16 bytes long (at least 16 with length_field), got "
+                         f"{sorted({len(f) for f in fronts})}")
+    if any(not 0 <= b <= 16 for b in backs):
+        raise ValueError(f"backs are 0..16 zero bytes, got {backs}")
     ts = [_as_symbols(torch, t) for t in ts]
     lanes = lane_tokens if isinstance(lane_tokens, (list, tuple)) else [lane_tokens] * n_t
     groups = {}
     for i, t in enumerate(ts):
         groups.setdefault((tuple(t.shape), str(t.device), lanes[i]), []).append(i)
     jobs = [_EncodeBatch([ts[i] for i in members], prob_bits, group_lanes, key[2], [stats[i] for i in members],
-                         [guards[i] for i in members]) for key, members in groups.items()]
-    for job in jobs:
-        job.code_lanes(min(job.cap, ESCAPES_PER_GROUP))
-    summaries = torch.cat([job.scal for job in jobs]).cpu().tolist()  # the host synchronization
-    outs = [None] * n_t
-    row = 0
-    for job, members in zip(jobs, groups.values()):
-        fields = job.kern["fields"]
-        rows = [dict(zip(fields, r)) for r in summaries[row:row + len(members)]]
-        row += len(members)
-        if max(r["group_escapes_max"] for r in rows) > job.ecap:  # a group escaped more than its buffer holds
-            job.scal[:, fields.index("stream_words")] = 0
-            job.scal[:, fields.index("n_escapes")] = 0
-            job.code_lanes(job.cap)
-            rows = [dict(zip(fields, r)) for r in job.scal.cpu().tolist()]
-        views = job.finish(rows, [fronts[i] for i in members], [backs[i] for i in members],
-                           None if make_front is None else [lambda n, i=i: make_front(i, n) for i in members])
-        for i, v in zip(members, views):
-            outs[i] = v
-    return outs
+                         [guards[i] for i in members], [fronts[i] for i in members], [backs[i] for i in members],
+                         length_field) for key, members in groups.items()]
+    pending = PendingEncode(torch, jobs, list(groups.values()), n_t, retry=sync if retry is None else retry)
+    return pending.result() if sync else pending
+
+
+class PendingEncode:
+    """An encode whose kernels are queued but whose host synchronization has not happened.
+
+    buffer: one uint8 CUDA tensor holding every container at its final place; spans: int64 CUDA
+    [N, 2], each container's (start, length) in it; flags: int64 CUDA [N], nonzero where a tensor
+    could not be coded (NaN/Inf or coefficients beyond int32). All three are valid once the queued
+    work has run, so a caller can send buffer and spans (torch.distributed, a copy to the host)
+    without waiting. Without a retry (sync=False) the escape buffers are sized for the worst case.
+    result() synchronizes once and returns the blobs as views into a compact copy, raising
+    InvalidTensorError where a tensor could not be coded."""
+
+    def __init__(self, torch, jobs, members, n_t, retry: bool):
+        self.torch, self.jobs, self.members, self.n_t, self.retry = torch, jobs, members, n_t, retry
+        self.retried = False
+        dev = jobs[0].dev
+        self.spans = torch.empty((n_t, 2), dtype=torch.int64, device=dev)
+        self.flags = torch.empty(n_t, dtype=torch.int64, device=dev)
+        for job in jobs:
+            job.code_lanes(min(job.cap, ESCAPES_PER_GROUP) if retry else job.cap)
+        self._assemble()
+
+    def _assemble(self):
+        """Every container into one buffer sized for the jobs' worst cases, then the spans and
+        flags in the callers' order."""
+        torch = self.torch
+        self.offsets, total = [], 0
+        for job in self.jobs:
+            self.offsets.append(total)
+            total += job.capacity()
+        self.buffer = torch.empty(total, dtype=torch.uint8, device=self.jobs[0].dev)
+        col = self.jobs[0].kern["fields"].index("overflow")
+        for job, off, members in zip(self.jobs, self.offsets, self.members):
+            job.assemble(self.buffer, off)
+            if len(self.jobs) == 1:
+                self.spans.copy_(job.span)
+                self.flags.copy_(job.scal[:, col])
+            else:
+                idx = _index_on(torch, self.buffer.device, members)
+                self.spans[idx] = job.span
+                self.flags[idx] = job.scal[:, col]
+
+    def _rows(self):
+        return self.torch.cat([self.torch.cat([job.scal, job.span], 1) for job in self.jobs]).cpu().tolist()
+
+    def result(self, copy: bool = True) -> list:
+        """The blobs (one host synchronization; a second only when a lane group escaped more
+        values than its first buffer held). copy: views into a compact copy of the buffer, else
+        into the buffer itself (which holds every container's worst-case room)."""
+        fields = self.jobs[0].kern["fields"]
+        overflow, esc_max = fields.index("overflow"), fields.index("group_escapes_max")
+        rows = self._rows()  # the host synchronization
+        per_job, at = [], 0
+        for job in self.jobs:
+            per_job.append(rows[at:at + job.N])
+            at += job.N
+        if any(r[overflow] for r in rows):
+            raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
+                                     "use a larger step or fix the producer")
+        again = [j for j, (job, mine) in enumerate(zip(self.jobs, per_job))
+                 if max(r[esc_max] for r in mine) > job.ecap]
+        if again:
+            if not self.retry:
+                raise RuntimeError("a lane group escaped more values than its buffer holds with retry off")
+            for j in again:  # rare: code those lanes again with room for every value
+                self.jobs[j].code_lanes(self.jobs[j].cap)
+            self._assemble()
+            self.retried = True
+            return self.result(copy)
+        spans = [None] * self.n_t
+        for members, mine in zip(self.members, per_job):
+            for i, r in zip(members, mine):
+                spans[i] = (r[-2], r[-1])
+        if not copy:
+            return [self.buffer[a:a + n] for a, n in spans]
+        parts, shift, new = [], [], 0
+        for off, mine in zip(self.offsets, per_job):
+            end = max(r[-2] + r[-1] for r in mine)
+            parts.append(self.buffer[off:end])
+            shift.append(new - off)
+            new += (end - off + 15) // 16 * 16
+        buf = parts[0].clone() if len(parts) == 1 else self.torch.cat(
+            [t for p in parts for t in (p, self.buffer.new_zeros((-len(p)) % 16))])
+        shifted = [None] * self.n_t
+        for members, d in zip(self.members, shift):
+            for i in members:
+                shifted[i] = (spans[i][0] + d, spans[i][1])
+        return [buf[a:a + n] for a, n in shifted]
 
 
 def _stacked(torch, ts):
@@ -189,7 +266,7 @@ class _EncodeBatch:
     """The encode of N tensors of one shape [T, K]: every kernel's grid has a segment axis of N.
     The lanes run before the host learns the payloads' sizes; then the payloads are assembled."""
 
-    def __init__(self, ts, prob_bits, group_lanes, lane_tokens, stats, guards):
+    def __init__(self, ts, prob_bits, group_lanes, lane_tokens, stats, guards, fronts, backs, length_field):
         torch = _torch()
         N = len(ts)
         T, K = ts[0].shape
@@ -240,9 +317,15 @@ class _EncodeBatch:
         self.N, self.T, self.K, self.S, self.wide_index = N, T, K, S, wide_index
         self.lo, self.W, self.A, self.codes, self.tab = lo, W, A, codes, tab
         self.model, self.scale, self.mu16, self.scal = model, scale, mu16, scal
+        self.P, self.length_field = lay.P, length_field
+        self.front_src, self.front_off, self.front_len, self.back_len = _fronts_on(torch, dev, fronts, backs)
+        self.room = max(len(f) for f in fronts) + max(backs) + 16
 
     def code_lanes(self, ecap):
         torch, kern = self.torch, self.kern
+        if getattr(self, "ecap", None) is not None:  # coding again: the lanes add to these slots
+            for f in ("stream_words", "n_escapes", "group_escapes_max"):
+                self.scal[:, kern["fields"].index(f)] = 0
         self.ecap = ecap
         self.ebuf = torch.empty((self.N, self.NG * ecap), dtype=torch.int32, device=self.dev)
         kern["encode"][(triton_cdiv(self.NG, GROUPS_PER_PROGRAM), self.N)](
@@ -252,54 +335,72 @@ class _EncodeBatch:
             num_warps=_warps(self.G))
         self.gend, self.geend = torch.cumsum(torch.stack([self.glen, self.gesc]), 2, dtype=torch.int64)
 
-    def finish(self, summaries, fronts, backs, make_fronts):
-        """The payloads, each in its container's place in one buffer: header, meta, escapes,
-        states and streams, then the checksums."""
+    def capacity(self) -> int:
+        """Bytes that hold these N containers whatever the lanes wrote: the widest header fields,
+        every table explicit, every lane group's escape buffer full, one word per value."""
+        K = self.K
+        worst = Layout(self.T, K, self.S, self.G, K * self.HCAP, min(self.NG * self.ecap, self.T * K),
+                       self.NG * self.cap, K, 4, 2, K)
+        return self.N * ((self.room + worst.total + 15) // 16 * 16)
+
+    def assemble(self, buffer, origin: int):
+        """The containers, one after the other from byte `origin` of buffer (16-byte aligned): the
+        layout of each payload from its summary on the device, then front, header, meta, escapes,
+        states, streams, back and checksums, with no host synchronization. self.span: each
+        container's (start, length) in buffer."""
         torch, kern, dev = self.torch, self.kern, self.dev
         T, K, S, G, n, N = self.T, self.K, self.S, self.G, self.n, self.N
         fields = kern["seg_fields"]
-        lays, starts, total = [], [], 0
-        for r, front, back in zip(summaries, fronts, backs):
-            if r["overflow"]:
-                raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
-                                         "use a larger step or fix the producer")
-            lo_bytes, w_bytes = _widths(r["lo_min"], r["lo_max"], r["w_max"])
-            lays.append(Layout(T, K, S, G, r["n_table"], r["n_escapes"], r["stream_words"], r["k_coded"], lo_bytes,
-                               w_bytes, r["n_param"]))
-            starts.append(total)
-            total += (front + lays[-1].total + back + 15) // 16 * 16
-        out = torch.zeros(total, dtype=torch.uint8, device=dev)  # header, padding between sections, trailers
-        table = np.zeros((N, len(fields)), np.int64)
-        patches, patch_rows, at = [], [], 0
-        for s, (lay, r, start, front) in enumerate(zip(lays, summaries, starts, fronts)):
-            table[s] = _segment_row(fields, lay, start + front)
-            head = HEADER.pack(MAGIC, VERSION, n, G, T, K, S, r["n_table"], r["n_escapes"], r["k_coded"],
-                               r["n_param"], lay.lo_bytes, lay.w_bytes, 0, r["stream_words"], 0,
-                               0)[:CHECKED_HEADER_BYTES]
-            prefix = make_fronts[s](lay.total) if make_fronts is not None else bytes(front)
-            if len(prefix) != front:
-                raise ValueError(f"make_front wrote {len(prefix)} bytes into a front of {front}")
-            patches.append(prefix + head)
-            patch_rows.append((at, start, front + CHECKED_HEADER_BYTES))
-            at += front + CHECKED_HEADER_BYTES
-        # one host->device copy: the segment table, the scatter's rows, then every container's
-        # front and its payload's first header bytes (written by one scatter)
-        rows = np.asarray(patch_rows, np.int64)
-        up = pinned(table.tobytes() + rows.tobytes() + b"".join(patches)).to(dev, non_blocking=True)
-        segs = up[:table.nbytes].view(torch.int64).view(table.shape)
-        rows_dev = up[table.nbytes:table.nbytes + rows.nbytes].view(torch.int64).view(rows.shape)
-        kern["scatter"][(N,)](up[table.nbytes + rows.nbytes:], rows_dev, out, BLOCK=1024)
-        b8, b16, b32 = out.view(torch.int8), out.view(torch.int16), out.view(torch.int32)
+        segs = torch.empty((N, len(fields)), dtype=torch.int64, device=dev)
+        self.span = torch.empty((N, 2), dtype=torch.int64, device=dev)
+        kern["layout"][(1,)](self.scal, self.front_len, self.back_len, segs, self.span, origin, N, K, self.P, self.NG,
+                             BLOCK_N=_pow2(N), SEG_FIELDS=len(fields), HEADER_BYTES=HEADER.size,
+                             CHECK_AT=CHECKED_HEADER_BYTES)
+        b8, b16, b32 = buffer.view(torch.int8), buffer.view(torch.int16), buffer.view(torch.int32)
+        kern["fronts"][(N,)](self.front_src, self.front_off, self.front_len, self.back_len, segs, self.span, b8, b32,
+                             T, K, S, MAGIC_WORD=MAGIC_WORD, VERSION=VERSION, PROB_BITS=n, G=G,
+                             LENGTH_FIELD=self.length_field, HEADER_BYTES=HEADER.size, BLOCK=256,
+                             SEG_FIELDS=len(fields))
         kern["pack_meta"][(K, N)](self.lo, self.W, self.A, self.codes, self.states, self.model, self.scale, self.mu16,
-                                  b8, b16, b32, segs, K, -(-T // S), HCAP=self.HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
+                                  b8, b16, b32, segs, K, self.P, HCAP=self.HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
                                   SEG_FIELDS=len(fields))
         kern["gather"][(self.NG, N)](self.buf, self.glen, self.gend, self.cap, self.ebuf, self.gesc, self.geend,
                                      self.ecap, b16, b32, segs, self.NG, BLOCK=1024, SEG_FIELDS=len(fields))
         sums = torch.zeros((N, 2), dtype=torch.int64, device=dev)
-        _checksum_torch(torch, out, segs, sums, max(lay.total for lay in lays))
+        _checksum_torch(torch, buffer, segs, sums, self.capacity() // N)
         kern["finish"][(N,)](sums, b32, segs, SEG_FIELDS=len(fields))
-        return [out[start:start + front + lay.total + back]
-                for start, front, back, lay in zip(starts, fronts, backs, lays)]
+
+
+MAGIC_WORD = int.from_bytes(MAGIC, "little")
+_FRONTS_ON, _INDEX_ON = {}, {}
+
+
+def cached_on_device(cache: dict, key, make, limit: int = 64):
+    """make() once per key (tensors on a device, so they cross to it once), keeping the newest
+    `limit` entries of cache."""
+    if key not in cache:
+        if len(cache) >= limit:
+            cache.pop(next(iter(cache)))
+        cache[key] = make()
+    return cache[key]
+
+
+def _fronts_on(torch, dev, fronts, backs):
+    """The fronts (concatenated), their offsets and lengths, and the back lengths, on the device;
+    cached, since a codec writes the same front before every tensor of one shape."""
+    def make():
+        off = np.cumsum([0] + [len(f) for f in fronts[:-1]])
+        return (torch.frombuffer(bytearray(b"".join(fronts) or b"\0"), dtype=torch.uint8).to(dev),
+                torch.as_tensor(off, dtype=torch.int64).to(dev),
+                torch.as_tensor([len(f) for f in fronts], dtype=torch.int64).to(dev),
+                torch.as_tensor(backs, dtype=torch.int64).to(dev))
+
+    return cached_on_device(_FRONTS_ON, (str(dev), tuple(fronts), tuple(backs)), make)
+
+
+def _index_on(torch, dev, members):
+    return cached_on_device(_INDEX_ON, (str(dev), tuple(members)),
+                            lambda: torch.as_tensor(members, dtype=torch.int64).to(dev))
 
 
 _MODEL_TABLES_ON = {}
