@@ -751,15 +751,17 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
             header, spans = _parse_resident(blob, heads[i], blob.numel(), max_elements)
             (qa, qb), (a, b) = spans.get("QPAR", (0, 0)), spans["DATA"]
             if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(heads[i]) and qb <= len(heads[i]):
-                schema.check_chunks(header, {"QPAR": heads[i][qa:qb], "DATA": heads[i][a:a + 64]}, data_len=b - a)
-                jobs.append((i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64]))
+                inner = schema.check_chunks(header, {"QPAR": heads[i][qa:qb], "DATA": heads[i][a:a + 64]},
+                                            data_len=b - a)  # the rANS header, checked as its decoder checks it
+                jobs.append((i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64], inner))
                 continue
         header, chunks = unpack(blob, max_elements)
         if on_gpu and header["quant"]["kind"] == "rd_shared_step":
             from .codecs import rans_cuda
 
             data = chunks["DATA"]
-            jobs.append((i, header, chunks["QPAR"], rans_cuda.pinned(data).to(device, non_blocking=True), data[:64]))
+            jobs.append((i, header, chunks["QPAR"], rans_cuda.pinned(data).to(device, non_blocking=True), data[:64],
+                         None))
         else:
             values = codec._decode_symbols_bf16(header, chunks)
             values = _to_output(codec.decode_values(header, chunks), header) if values is None else values
@@ -778,13 +780,14 @@ def _decode_symbols_cuda(codecs, jobs, out):
     from .rdquant import RDQuantizer
 
     quantizers = []
-    for i, header, qpar, payload, head in jobs:
+    for i, header, qpar, *_ in jobs:
         codecs[i]._check_basis(header)
         quantizers.append(RDQuantizer.from_bytes(qpar))  # its step checked against the header (schema)
     symbols, err = rans_cuda.decode_many_cuda([j[3] for j in jobs], [j[4] for j in jobs], check=False,
-                                              max_elements=[j[1]["shape"][0] * schema.components(j[1]) for j in jobs])
+                                              max_elements=[j[1]["shape"][0] * schema.components(j[1]) for j in jobs],
+                                              parsed=[j[5] for j in jobs])
     projs = []
-    for (i, header, _, payload, _), sym in zip(jobs, symbols):
+    for (i, header, _, payload, *_), sym in zip(jobs, symbols):
         proj = codecs[i]._projection(header["shape"][1], payload.device)
         if sym.shape[1] != proj.K or [sym.shape[0], proj.D] != header["shape"]:
             raise BitstreamError(f"payload holds [{sym.shape[0]}, {sym.shape[1]}] symbols; the header's shape "

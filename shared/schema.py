@@ -225,11 +225,12 @@ def components(header: dict) -> int:
     return header["basis"]["k"] if header["basis"] is not None else header["shape"][1]
 
 
-def check_chunks(header: dict, chunks: dict[str, bytes], data_len: int | None = None) -> None:
+def check_chunks(header: dict, chunks: dict[str, bytes], data_len: int | None = None):
     """Each chunk's size against what the (validated) header implies; the rANS payload's own header
     against the container's shape and K (so its decoder, CPU or GPU, sizes nothing beyond them).
     data_len: DATA's length when chunks["DATA"] holds only its first bytes (a container read in
-    place on a GPU)."""
+    place on a GPU). Returns the rANS payload's parsed header (rans.read_header, limited to the
+    container's T x K values) for a compute-codec container, else None."""
     K = components(header)
     qpar, data = chunks["QPAR"], chunks["DATA"]
     if header["quant"]["kind"] == "per_channel":
@@ -255,3 +256,4 @@ def check_chunks(header: dict, chunks: dict[str, bytes], data_len: int | None = 
     if (inner.T, inner.K) != (T, K):
         raise BitstreamError(f"chunk 'DATA' codes a {inner.T} x {inner.K} rANS matrix, the header's shape and basis "
                              f"say {T} x {K}; the bitstream is corrupt")
+    return inner

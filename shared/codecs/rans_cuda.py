@@ -478,14 +478,15 @@ def decode_cuda(payload, head: bytes | None = None, check: bool = True):
     return outs[0] if check else (outs[0], errs[0:1])
 
 
-def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None):
+def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None, parsed=None):
     """decode_cuda() of a list of payloads in one set of kernel launches, for payloads of one shape
     (T, K, lane tokens, group lanes, prob_bits: e.g. every layer's K of one step); payloads of
     other shapes go in their own launches. Returns (symbols list, error flags int32 [N]); with
     check=True the flags are read in one host synchronization and a corrupt payload raises
     BitstreamError naming its index. max_elements: the most values a payload may declare (one
     limit, or one per payload; default shared.schema.DEFAULT_MAX_ELEMENTS), checked before
-    anything is allocated, as the CPU decoder checks it."""
+    anything is allocated, as the CPU decoder checks it. parsed: rans.read_header() of each payload
+    where the caller has already checked it with these limits (None entries are parsed here)."""
     torch = _torch()
     limits = max_elements if isinstance(max_elements, (list, tuple)) else [max_elements] * len(payloads)
     for p in payloads:
@@ -499,10 +500,11 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
         host = torch.cat([p[:HEADER.size] for p in payloads]).cpu().numpy().tobytes()
         heads = [host[i * HEADER.size:(i + 1) * HEADER.size] for i in range(len(payloads))]
     hdrs = []
-    for p, h, limit in zip(payloads, heads, limits):
-        hdr = Parsed.__new__(Parsed)
-        _parse_header_only(hdr, bytes(h[:HEADER.size]), len(p), limit)
-        hdrs.append(hdr)
+    for p, h, limit, known in zip(payloads, heads, limits, parsed or [None] * len(payloads)):
+        if known is None:
+            known = Parsed.__new__(Parsed)
+            _parse_header_only(known, bytes(h[:HEADER.size]), len(p), limit)
+        hdrs.append(known)
     groups = {}
     for i, h in enumerate(hdrs):
         groups.setdefault((h.T, h.K, h.S, h.G, h.prob_bits), []).append(i)
