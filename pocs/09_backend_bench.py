@@ -35,6 +35,19 @@ Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of 
     nvcomp-zstd      default    2048 gpu_batch         1.444     0.897      8.71     14.03   1.10  matches
     nvcomp-ans       default       - gpu_planes        0.403     0.255    166.51    262.88   1.41  matches
 
+The compute codec through its API on a GPU (`--api`, about 2 min on an NVIDIA H200): the calls a
+user makes (`TensorCodec.encode` of a CUDA tensor, `decode(blob, device="cuda")`; `encode_many` /
+`decode_many` of 60 KV tensors of one step), wall clock, median of 10 after a warm-up, by tensor
+size from 0.25 to 512 MB, beside the pinned PCIe copy of the same bytes timed in the same run.
+Every round trip is checked for cos >= 0.999 first, and up to 16 MB the GPU decode is compared with
+the CPU decoder's. Repeated encodes of up to 64 MB replay a CUDA graph (column encode_graph).
+Sample output (an NVIDIA H200; GB/s of bf16):
+    path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
+    api S=def       4.00    10417   4.61  0.9990      6.31      2.32     48.74     48.05
+    api S=def      64.00   166667   4.64  0.9990     63.78     40.09     54.71     54.75
+    api S=def     512.00  1333333   4.58  0.9990    149.11    113.34     54.95     55.19
+    api_batched    23.59 60x1024 S=def    4.54  0.9990     12.42      5.12     50.68     53.84
+
 The compute codec's CPU path (`--api-cpu`, any machine; about 1 min on a 2-core CPU machine): a
 bf16 CPU tensor through TensorCodec on one core (torch, numba and BLAS one thread each), each way
 and stage by stage, in CPU time of the process (median of 15 calls), beside a memcpy of the same
