@@ -594,12 +594,12 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
         cs, xs = [codecs[i] for i in gpu], [tensors[i] for i in gpu]
         key = _graph_key(cs, xs) if sync else None
         plan = _GRAPHS.get(key)
-        if isinstance(plan, _EncodeGraph):  # a repeat: the key pins every codec's state and every shape
-            blobs = plan.run(xs)
-        elif (plan := _graph_plan(key, cs, xs, [c._cuda_prepare(x) for c, x in zip(cs, xs)])) is not None:
+        if not isinstance(plan, _EncodeGraph):  # a repeat skips the checks: the key pins every codec and shape
+            prepared = [c._cuda_prepare(x) for c, x in zip(cs, xs)]
+            plan = _graph_plan(key, cs, xs, prepared)
+        if plan is not None:
             blobs = plan.run(xs)
         else:
-            prepared = [c._cuda_prepare(x) for c, x in zip(cs, xs)]
             pending = _encode_launch(cs, xs, prepared, sync=sync)
             if not sync:
                 return pending

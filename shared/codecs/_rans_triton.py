@@ -522,19 +522,6 @@ def checksum_kernel(ptr, seg_ptr, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.co
 
 
 @triton.jit
-def scatter_kernel(src_ptr, rows_ptr, dst_ptr, BLOCK: tl.constexpr):
-    """Row s = program_id(0) of rows (src offset, dst offset, length): copy those bytes of src to dst."""
-    s = tl.program_id(0)
-    so = tl.load(rows_ptr + 3 * s)
-    do = tl.load(rows_ptr + 3 * s + 1)
-    n = tl.load(rows_ptr + 3 * s + 2)
-    for st in range(0, n, BLOCK):
-        offs = st + tl.arange(0, BLOCK)
-        m = offs < n
-        tl.store(dst_ptr + do + offs, tl.load(src_ptr + so + offs, mask=m), mask=m)
-
-
-@triton.jit
 def finish_checksum_kernel(sums_ptr, b32, seg_ptr, SEG_FIELDS: tl.constexpr):
     """Payload s = program_id(0): the checksum's two words (mod 2^32) into its header."""
     s = tl.program_id(0)

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
 from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, DEFAULT_PROB_BITS, ESCAPE_COST, HEADER, MAGIC,
                    MODEL_MIN_SHARE, MODEL_SEARCH, N_SHAPES, PARAM_BYTES, SHAPE_STEPS, TABLE_ENTRY_COST, VERSION,
-                   Layout, Parsed, _check_settings, _neg_log2_table, _parse_header_only, _widths, default_lane_tokens,
+                   Layout, Parsed, _check_settings, _neg_log2_table, _parse_header_only, default_lane_tokens,
                    hist_row_stride, max_alphabet, model_tables)
 
 # --------------------------------------------------------------------------------------------
@@ -320,10 +320,11 @@ class _EncodeBatch:
         self.P, self.length_field = lay.P, length_field
         self.front_src, self.front_off, self.front_len, self.back_len = _fronts_on(torch, dev, fronts, backs)
         self.room = max(len(f) for f in fronts) + max(backs) + 16
+        self.ecap = None  # escape room per lane group, set by code_lanes
 
     def code_lanes(self, ecap):
         torch, kern = self.torch, self.kern
-        if getattr(self, "ecap", None) is not None:  # coding again: the lanes add to these slots
+        if self.ecap is not None:  # coding again: the lanes add to these slots
             for f in ("stream_words", "n_escapes", "group_escapes_max"):
                 self.scal[:, kern["fields"].index(f)] = 0
         self.ecap = ecap
