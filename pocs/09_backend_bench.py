@@ -40,7 +40,7 @@ user makes (`TensorCodec.encode` of a CUDA tensor, `decode(blob, device="cuda")`
 `decode_many` of 60 KV tensors of one step), wall clock, median of 10 after a warm-up, by tensor
 size from 0.25 to 512 MB, beside the pinned PCIe copy of the same bytes timed in the same run.
 Every round trip is checked for cos >= 0.999 first, and up to 16 MB the GPU decode is compared with
-the CPU decoder's. Repeated encodes of up to 64 MB replay a CUDA graph (column encode_graph).
+the CPU decoder's. Repeated encodes and decodes of up to 64 MB replay a CUDA graph (columns encode_graph, decode_graph).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
     api S=def       4.00    10417   4.61  0.9990      6.31      2.32     48.74     48.05
@@ -430,7 +430,8 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         if q["cos_mean"] < API_TARGET_COS - 5e-4:
             raise SystemExit(f"round trip at {mb} MB gives cos {q['cos_mean']:.5f} < {API_TARGET_COS}")
         nbytes = x.numel() * 2
-        lanes = dict(lane_tokens=lane_tokens or "default", encode_graph=nbytes <= pipeline.GRAPH_MAX_BYTES)
+        graph = nbytes <= pipeline.GRAPH_MAX_BYTES
+        lanes = dict(lane_tokens=lane_tokens or "default", encode_graph=graph, decode_graph=graph)
         t_enc = wall(lambda: codec.encode(x))
         t_dec = wall(lambda: codec.decode(blob, device="cuda"))
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
@@ -481,7 +482,7 @@ def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
     t_h2d = wall(lambda: flat.copy_(pinned, non_blocking=True))
     ratio = nbytes / sum(b.numel() for b in blobs)
     kw = dict(tokens=API_BATCH_TOKENS, channels=D, tensors=API_BATCH, lane_tokens=lane_tokens or "default",
-              encode_graph=nbytes <= pipeline.GRAPH_MAX_BYTES)
+              encode_graph=nbytes <= pipeline.GRAPH_MAX_BYTES, decode_graph=nbytes <= pipeline.GRAPH_MAX_BYTES)
     add("api_batched", "encode_gbps", nbytes / t_enc / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "decode_gbps", nbytes / t_dec / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "encode_us_per_tensor", t_enc / API_BATCH * 1e6, "us", mb, **kw)

@@ -214,8 +214,8 @@ class TensorCodec:
         tensor this codec codes, kept for the tensors after it (one codec per layer). Guarantee:
         the target holds on the data the step was fitted on; `measure(x)` reports what a tensor gets.
         water_fill drops components whose variance is below step^2 / 12 (helps diffusion activations).
-        lane_tokens: tokens per rANS lane (default: shared.codecs.rans.default_lane_tokens, >= 1024
-        so the 4-byte lane states stay under ~1% of the payload); shorter lanes make small tensors
+        lane_tokens: tokens per rANS lane (default: shared.codecs.rans.default_lane_tokens, >= 512
+        so the 4-byte lane states stay near 1.5% of the payload); shorter lanes make small tensors
         code faster on a GPU (more lanes in parallel, shorter chains) for a slightly larger payload.
 
         min_cos: the frame path refuses (InvalidTensorError) a tensor whose 8-bit planes alone
@@ -686,14 +686,20 @@ class _EncodeGraph:
     def __init__(self, codecs, xs, prepared, key):
         import torch
 
+        from .codecs import rans_cuda
+
         self.key, self.groups = key, _encode_groups(xs, prepared)
         self.staged = [torch.empty((len(idx),) + tuple(xs[idx[0]].shape), dtype=xs[idx[0]].dtype,
                                    device=xs[idx[0]].device) for idx in self.groups]
         self.held = (codecs, prepared, [c._proj for c in codecs])  # keeps the key's ids unique
         self._stage(xs)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.pending = _encode_launch(codecs, xs, prepared, sync=True, staged=self.staged, retry=True)
+
+        def capture():
+            with torch.cuda.graph(self.graph):
+                return _encode_launch(codecs, xs, prepared, sync=True, staged=self.staged, retry=True)
+
+        self.pending = rans_cuda.holding_cached(self, capture)
 
     def _stage(self, xs):
         import torch
@@ -738,6 +744,13 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
     on_gpu = device is not None and str(device).startswith("cuda")
     if on_gpu:
         require_cuda(f"decode(device={str(device)!r})", device)
+    key = _decode_graph_key(codecs, blobs, device, max_elements) if on_gpu else None
+    plan = _DECODE_GRAPHS.get(key)
+    if isinstance(plan, _DecodeGraph) and plan.dec.fits(blobs):
+        values = plan.run(blobs)
+        if values is not None:
+            return values
+        _DECODE_GRAPHS.pop(key)  # a container differs from the one the graph checked, or is corrupt: the host path says which
     resident = [i for i, b in enumerate(blobs) if on_gpu and _is_tensor(b) and b.is_cuda]
     heads = {}
     if resident:  # every resident container's first bytes, in one device->host copy
@@ -753,7 +766,7 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
             if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(heads[i]) and qb <= len(heads[i]):
                 inner = schema.check_chunks(header, {"QPAR": heads[i][qa:qb], "DATA": heads[i][a:a + 64]},
                                             data_len=b - a)  # the rANS header, checked as its decoder checks it
-                jobs.append((i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64], inner))
+                jobs.append((i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64], inner, heads[i][:a]))
                 continue
         header, chunks = unpack(blob, max_elements)
         if on_gpu and header["quant"]["kind"] == "rd_shared_step":
@@ -761,13 +774,14 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
 
             data = chunks["DATA"]
             jobs.append((i, header, chunks["QPAR"], rans_cuda.pinned(data).to(device, non_blocking=True), data[:64],
-                         None))
+                         None, None))
         else:
             values = codec._decode_symbols_bf16(header, chunks)
             values = _to_output(codec.decode_values(header, chunks), header) if values is None else values
             out[i] = values if device is None else values.to(device)
     if jobs:
         _decode_symbols_cuda(codecs, jobs, out)
+        _decode_graph_plan(key, codecs, blobs, jobs)
     return out
 
 
@@ -796,11 +810,8 @@ def _decode_symbols_cuda(codecs, jobs, out):
     keys = [(tuple(s.shape), projs[j].D, str(s.device), jobs[j][1]["dtype"]) for j, s in enumerate(symbols)]
     for group in _same_shape_groups(keys):
         steps = [quantizers[j].step for j in group]
-        if jobs[group[0]][1]["dtype"] == "bfloat16":  # fused: symbols * step @ basis.T + mean, in bf16
-            proj = projs[group[0]] if len(group) == 1 else _stacked_projection([projs[j] for j in group])
-            sym = rans_cuda._stacked(torch, [symbols[j] for j in group])  # no copy: slices of one tensor
-            nonfinite = torch.zeros(len(group), dtype=torch.int32, device=sym.device)
-            values = proj.reconstruct_many(sym, steps, bad=nonfinite)  # flags non-finite outputs as it writes them
+        if jobs[group[0]][1]["dtype"] == "bfloat16":
+            values, nonfinite = _reconstruct_bf16([projs[j] for j in group], [symbols[j] for j in group], steps)
         else:
             values = [((symbols[j].float() * quantizers[j].step) @ projs[j].components_t.float() + projs[j].mean).to(
                 getattr(torch, jobs[j][1]["dtype"])) for j in group]
@@ -811,6 +822,107 @@ def _decode_symbols_cuda(codecs, jobs, out):
     bad = err.cpu()  # the one host synchronization
     if bool(bad.any()):
         raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])][0]} of the list)")
+
+
+def _reconstruct_bf16(projs, symbols, steps):
+    """Fused symbols * step @ basis.T + mean in bf16, for same-shape symbols (one launch); returns the
+    values and int32 flags of the tensors with a non-finite output (out-of-range parameters)."""
+    import torch
+
+    from .codecs import rans_cuda
+
+    proj = projs[0] if len(projs) == 1 else _stacked_projection(projs)
+    sym = rans_cuda._stacked(torch, symbols)  # no copy: slices of one tensor
+    nonfinite = torch.zeros(len(symbols), dtype=torch.int32, device=sym.device)
+    return proj.reconstruct_many(sym, steps, bad=nonfinite), nonfinite
+
+
+_DECODE_GRAPHS = {}  # key -> _DecodeGraph, or the number of eager calls seen with that key so far
+
+
+def _decode_graph_key(codecs, blobs, device, max_elements):
+    """What a CUDA graph of decode_many depends on: each codec (by identity) and its basis, each blob's
+    device (all of them GPU-resident), the output device, the limit, and the stream; the containers
+    themselves are held against the ones checked when the graph was made, on the GPU, every call."""
+    import torch
+
+    from .codecs import rans_cuda
+
+    if rans_cuda._interpreting() or not blobs or GRAPH_MAX_BYTES <= 0 or torch.cuda.is_current_stream_capturing() \
+            or not all(_is_tensor(b) and b.is_cuda for b in blobs):
+        return None
+    return (tuple((id(c), id(c.basis)) for c in codecs), tuple(b.device for b in blobs), str(device), max_elements,
+            torch.cuda.current_stream(blobs[0].device))
+
+
+def _decode_graph_plan(key, codecs, blobs, jobs):
+    """After an eager decode_many that checked every container on the host: count the call, and on
+    the second one with this key make its CUDA graph (GPU-resident compute-codec containers of one
+    shape, bf16 output of up to GRAPH_MAX_BYTES)."""
+    if key is None or len(jobs) != len(blobs) or any(j[6] is None or j[1]["dtype"] != "bfloat16" for j in jobs):
+        return
+    shapes = {(tuple(j[1]["shape"]), j[5].T, j[5].K, j[5].S, j[5].G, j[5].prob_bits) for j in jobs}
+    if len(shapes) != 1 or any(len(j[6]) % 16 for j in jobs):
+        return
+    T, D = next(iter(shapes))[0]
+    if len(jobs) * T * D * 2 > GRAPH_MAX_BYTES:
+        return
+    if not isinstance(_DECODE_GRAPHS.get(key, 0), int):
+        return
+    if _DECODE_GRAPHS.get(key, 0) == 0:
+        _DECODE_GRAPHS[key] = 1
+        if len(_DECODE_GRAPHS) > 4 * GRAPH_PLANS:
+            _DECODE_GRAPHS.pop(next(k for k, v in _DECODE_GRAPHS.items() if not isinstance(v, _DecodeGraph)))
+        return
+    plans = [k for k, v in _DECODE_GRAPHS.items() if isinstance(v, _DecodeGraph)]
+    if len(plans) >= GRAPH_PLANS:
+        _DECODE_GRAPHS.pop(plans[0])
+    _DECODE_GRAPHS[key] = _DecodeGraph(codecs, blobs, sorted(jobs, key=lambda j: j[0]), key)
+
+
+class _DecodeGraph:
+    """decode_many of one list of codecs as a CUDA graph: the containers staged into fixed slots and
+    held against the ones the host checked (rans_cuda.SlotDecoder), the decoder's kernels and the
+    fused reconstruction; one replay and one host synchronization per call."""
+
+    def __init__(self, codecs, blobs, jobs, key):
+        import torch
+
+        from .codecs import rans, rans_cuda
+        from .rdquant import RDQuantizer
+
+        dev = blobs[0].device
+        inner, D = jobs[0][5], jobs[0][1]["shape"][1]
+        empty = rans.Layout(inner.T, inner.K, inner.S, inner.G, 0, 0, 0, 0, 4, 2, 0).total
+        cap = -(-max(2 * max(b.numel() for b in blobs), max(len(j[6]) for j in jobs) + empty + 64) // 16) * 16
+        self.key, self.held = key, codecs
+        self.dec = rans_cuda.SlotDecoder([j[6] for j in jobs], [j[4] for j in jobs], inner, cap, dev)
+        self.projs = [codecs[j[0]]._projection(D, dev) for j in jobs]
+        self.steps = [RDQuantizer.from_bytes(j[2]).step for j in jobs]
+        self.dec.set_sources(blobs)
+        self._body()  # outside the capture: compiles, tunes and fills the caches the graph then reads
+        self.graph = torch.cuda.CUDAGraph()
+
+        def capture():
+            with torch.cuda.graph(self.graph):
+                return self._body()
+
+        self.values, self.err = rans_cuda.holding_cached(self, capture)
+
+    def _body(self):
+        symbols, err = self.dec.launch()
+        values, nonfinite = _reconstruct_bf16(self.projs, symbols, self.steps)
+        err |= nonfinite
+        return values, err
+
+    def run(self, blobs):
+        """The tensors, or None where a container differs from the checked one or is corrupt."""
+        self.dec.set_sources(blobs)
+        self.graph.replay()
+        values = self.values.clone()  # the next replay rewrites the graph's output
+        if bool(self.err.cpu().any()):  # the one host synchronization
+            return None
+        return list(values.unbind(0))
 
 
 def _parse_resident(blob, head: bytes, total: int, max_elements: int):

@@ -516,6 +516,48 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
         encode_many([TensorCodec(basis, backend="rans")], [first[0].cpu()], sync=False)
 
 
+@pytest.mark.gpu
+def test_decode_many_replays_a_graph_that_checks_each_container_on_the_gpu(monkeypatch):
+    """The third decode_many of one list of codecs replays a CUDA graph: the same tensors as the
+    eager path for new containers of the same codecs, earlier outputs untouched. A container with
+    another step (a front the graph did not check) is decoded by the host path; a corrupt one
+    still raises and names its index; a longer list or a host blob takes the host path."""
+    from shared import pipeline
+    from shared.pipeline import decode_many, encode_many
+    from shared.rdquant import calibrate_step
+
+    rows = torch.from_numpy(low_rank(4096, 64, seed=5)).to(torch.bfloat16)
+    basis = calibrate_step(fit_basis([rows[:1024]], k=48), [rows[:1024]], 0.999)
+    codecs = [TensorCodec(basis, backend="rans") for _ in range(6)]
+    calls = [[rows[1024 + 256 * i + 7 * c:1024 + 256 * (i + 1) + 7 * c].cuda() for i in range(6)] for c in range(4)]
+    blobs = [encode_many(codecs, xs) for xs in calls]
+    monkeypatch.setattr(pipeline, "GRAPH_MAX_BYTES", 0)  # no graphs: the host path's tensors
+    eager = [[c.decode(b, device="cuda") for c, b in zip(codecs, bs)] for bs in blobs]
+    monkeypatch.undo()
+    pipeline._DECODE_GRAPHS.clear()
+    got = [decode_many(codecs, bs, device="cuda") for bs in blobs]  # the second call makes the graph
+    assert any(isinstance(v, pipeline._DecodeGraph) for v in pipeline._DECODE_GRAPHS.values())
+    for a, b in zip(eager, got):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    again = decode_many(codecs, blobs[0], device="cuda")
+    assert all(torch.equal(x, y) for x, y in zip(again, eager[0])) and torch.equal(got[3][0], eager[3][0])
+    other = TensorCodec(basis, backend="rans", step=codecs[2].quantizer.step * 1.5)
+    swapped = list(blobs[1])
+    swapped[2] = other.encode(calls[1][2])
+    mixed = decode_many(codecs, swapped, device="cuda")
+    assert torch.equal(mixed[2], other.decode(swapped[2], device="cuda"))
+    assert all(torch.equal(mixed[i], eager[1][i]) for i in (0, 1, 3, 4, 5))
+    for _ in range(2):  # the graph is made again from the new list
+        decode_many(codecs, blobs[2], device="cuda")
+    assert any(isinstance(v, pipeline._DecodeGraph) for v in pipeline._DECODE_GRAPHS.values())
+    bad = blobs[3][4].clone()
+    bad[len(bad) // 2] ^= 0x20
+    with pytest.raises(BitstreamError, match="blob 4 of the list"):
+        decode_many(codecs, blobs[3][:4] + [bad] + blobs[3][5:], device="cuda")
+    host = decode_many(codecs, [bytes(b.cpu().numpy()) for b in blobs[3]], device="cuda")
+    assert all(torch.equal(x, y) for x, y in zip(host, eager[3]))
+
+
 def test_calibrated_step_lives_in_the_basis(tmp_path):
     """calibrate_step stores the step for a target in the basis file; a codec made from the loaded
     basis uses it without a search, and held-out tensors of the same source meet the target closely."""

@@ -314,6 +314,63 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
     """)
 
 
+def test_triton_interpreter_decodes_staged_containers_checked_on_the_device():
+    """SlotDecoder (the decode CUDA graph's body): containers copied into slots in one launch, each
+    held against the container the host checked (same bytes before the payload but its length, same
+    fixed payload fields) and its header checked on the device as the host parser checks it. Valid
+    containers of new payloads decode to the numpy decoder's output; a changed front, a header field
+    out of range, a wrong length or trailer flags that container alone (2) and decodes nothing
+    outside its slot; corrupt data is caught by the checksum (1)."""
+    run_interpreted("""
+        import torch
+        def box(front, p):
+            return front[:-8] + len(p).to_bytes(8, "little") + p + bytes(4)
+        def tensor(b):
+            return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+        first = [pca_like(200, 16, seed=s) for s in range(3)]
+        later = [pca_like(200, 16, seed=10 + s) for s in range(2)] + [cases()["heavy_tails"][:200]]
+        pay0 = [rans.encode(x, lane_tokens=64) for x in first]
+        pay1 = [rans.encode(np.ascontiguousarray(x), lane_tokens=64) for x in later]
+        fronts = [bytes(range(16 * (1 + i))) for i in range(3)]
+        hdr = rans.read_header(pay0[0])
+        dec = rans_cuda.SlotDecoder([box(f, p)[:len(f)] for f, p in zip(fronts, pay0)], pay0, hdr, 4096, "cpu")
+        for xs, pays in ((first, pay0), (later, pay1)):
+            blobs = [tensor(box(f, p)) for f, p in zip(fronts, pays)]
+            assert dec.fits(blobs)
+            dec.set_sources(blobs)
+            outs, err = dec.launch()
+            assert err.tolist() == [0, 0, 0]
+            for x, y in zip(xs, outs):
+                np.testing.assert_array_equal(y.numpy(), x)
+        def flags(i, edit):
+            raw = [bytearray(box(f, p)) for f, p in zip(fronts, pay1)]
+            edit(raw[i], len(fronts[i]))
+            blobs = [tensor(r) for r in raw]
+            dec.set_sources(blobs)
+            outs, err = dec.launch()
+            for j in range(3):
+                if j != i:
+                    np.testing.assert_array_equal(outs[j].numpy(), later[j])
+            return err.tolist()
+        def checked(i, edit):  # the device-side container and header check's flag (the kernels may add 1)
+            return [e & 2 for e in flags(i, edit)]
+        def poke(at, value):
+            def edit(r, a):
+                r[a + at if at >= 0 else len(r) + at] = value
+            return edit
+        assert checked(1, lambda r, a: r.__setitem__(3, r[3] ^ 1)) == [0, 2, 0]           # a front byte
+        assert checked(0, poke(8, 17)) == [2, 0, 0]                                         # T, a fixed field
+        assert checked(2, poke(36, 3)) == [0, 0, 2]                                         # lo_bytes = 3
+        assert checked(1, poke(38, 1)) == [0, 2, 0]                                         # reserved
+        assert checked(0, poke(27, 0x7F)) == [2, 0, 0]                                      # n_escapes
+        assert checked(2, poke(47, 0x80)) == [0, 0, 2]                                      # stream words
+        assert checked(1, poke(-1, 1)) == [0, 2, 0]                                         # trailer
+        assert flags(0, poke(-9, 0)) != [0, 0, 0]                                          # last payload byte
+        assert checked(2, lambda r, a: r.__setitem__(a - 8, r[a - 8] ^ 2)) == [0, 0, 2]     # length field
+        assert flags(1, lambda r, a: r.__setitem__(a + 300, r[a + 300] ^ 4)) == [0, 1, 0]  # data: checksum
+    """)
+
+
 def test_cuda_functions_need_a_cuda_tensor(monkeypatch):
     torch = pytest.importorskip("torch")
     from shared.errors import BackendUnavailable

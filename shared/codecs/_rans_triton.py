@@ -536,6 +536,60 @@ def _pad_to(n, a: tl.constexpr):
 
 
 @triton.jit
+def _sections(K, P, n_groups, lob, wb, n_table, k_coded, n_param, words, n_esc, HEADER_BYTES: tl.constexpr):
+    """rans.Layout's section offsets (bytes from the payload's start), from its header fields."""
+    lo = HEADER_BYTES + tl.zeros_like(n_table)
+    wflag = lo + lob * K + (lob * K) % wb
+    model = wflag + wb * K
+    mu16 = (model + K + 1) // 2 * 2
+    scale = mu16 + 2 * n_param
+    codes = _pad_to(scale + n_param, 4)
+    gw = _pad_to(codes + n_table, 4)
+    ge = gw + 4 * n_groups
+    esc = ge + 4 * n_groups
+    states = esc + 4 * n_esc
+    streams = states + 4 * P * k_coded
+    total = streams + 2 * words
+    return lo, wflag, model, mu16, scale, codes, gw, ge, esc, states, streams, total
+
+
+@triton.jit
+def _payload_bytes(K, P, n_groups, lob, wb, n_table, k_coded, n_param, words, n_esc, HEADER_BYTES: tl.constexpr):
+    lo, wflag, model, mu16, scale, codes, gw, ge, esc, states, streams, total = _sections(
+        K, P, n_groups, lob, wb, n_table, k_coded, n_param, words, n_esc, HEADER_BYTES)
+    return total
+
+
+@triton.jit
+def _store_segment_row(row, base, K, P, n_groups, lob, wb, n_table, k_coded, n_param, words, n_esc, m,
+                       HEADER_BYTES: tl.constexpr, CHECK_AT: tl.constexpr):
+    """A payload's row of the segment table (SEG_FIELDS) when it starts at byte `base` of the buffer."""
+    lo, wflag, model, mu16, scale, codes, gw, ge, esc, states, streams, total = _sections(
+        K, P, n_groups, lob, wb, n_table, k_coded, n_param, words, n_esc, HEADER_BYTES)
+    tl.store(row + SEG_BASE, base, mask=m)
+    tl.store(row + SEG_LEN, total, mask=m)
+    tl.store(row + SEG_LO, (base + lo) // lob, mask=m)
+    tl.store(row + SEG_WFLAG, (base + wflag) // wb, mask=m)
+    tl.store(row + SEG_MODEL, base + model, mask=m)
+    tl.store(row + SEG_MU16, (base + mu16) // 2, mask=m)
+    tl.store(row + SEG_SCALE, base + scale, mask=m)
+    tl.store(row + SEG_CODES, base + codes, mask=m)
+    tl.store(row + SEG_CHECK, (base + CHECK_AT) // 4, mask=m)
+    tl.store(row + SEG_GW, (base + gw) // 4, mask=m)
+    tl.store(row + SEG_GE, (base + ge) // 4, mask=m)
+    tl.store(row + SEG_ESC, (base + esc) // 4, mask=m)
+    tl.store(row + SEG_STATES, (base + states) // 4, mask=m)
+    tl.store(row + SEG_STREAMS, (base + streams) // 2, mask=m)
+    tl.store(row + SEG_N_TABLE, n_table, mask=m)
+    tl.store(row + SEG_K_CODED, k_coded, mask=m)
+    tl.store(row + SEG_N_PARAM, n_param, mask=m)
+    tl.store(row + SEG_N_WORDS, words, mask=m)
+    tl.store(row + SEG_N_ESC, n_esc, mask=m)
+    tl.store(row + SEG_LO_BYTES, lob, mask=m)
+    tl.store(row + SEG_W_BYTES, wb, mask=m)
+
+
+@triton.jit
 def layout_kernel(scal_ptr, front_ptr, back_ptr, seg_ptr, span_ptr, origin, N, K, P, n_groups,
                   BLOCK_N: tl.constexpr, SEG_FIELDS: tl.constexpr, HEADER_BYTES: tl.constexpr,
                   CHECK_AT: tl.constexpr):
@@ -558,44 +612,12 @@ def layout_kernel(scal_ptr, front_ptr, back_ptr, seg_ptr, span_ptr, origin, N, K
     back = tl.load(back_ptr + i, mask=m, other=0)
     lob = tl.where((lo_min >= -128) & (lo_max < 128), 1, tl.where((lo_min >= -32768) & (lo_max < 32768), 2, 4))
     wb = tl.where(w_max < 128, 1, 2)
-    lo = HEADER_BYTES + tl.zeros_like(n_table)
-    wflag = lo + lob * K + (lob * K) % wb
-    model = wflag + wb * K
-    mu16 = (model + K + 1) // 2 * 2
-    scale = mu16 + 2 * n_param
-    codes = _pad_to(scale + n_param, 4)
-    gw = _pad_to(codes + n_table, 4)
-    ge = gw + 4 * n_groups
-    esc = ge + 4 * n_groups
-    states = esc + 4 * n_esc
-    streams = states + 4 * P * k_coded
-    total = streams + 2 * words
+    total = _payload_bytes(K, P, n_groups, lob, wb, n_table, k_coded, n_param, words, n_esc, HEADER_BYTES)
     length = front + total + back
     slot = tl.where(m, _pad_to(length, 16), 0)
     start = origin + tl.cumsum(slot, 0) - slot
-    base = start + front
-    row = seg_ptr + i * SEG_FIELDS
-    tl.store(row + SEG_BASE, base, mask=m)
-    tl.store(row + SEG_LEN, total, mask=m)
-    tl.store(row + SEG_LO, (base + lo) // lob, mask=m)
-    tl.store(row + SEG_WFLAG, (base + wflag) // wb, mask=m)
-    tl.store(row + SEG_MODEL, base + model, mask=m)
-    tl.store(row + SEG_MU16, (base + mu16) // 2, mask=m)
-    tl.store(row + SEG_SCALE, base + scale, mask=m)
-    tl.store(row + SEG_CODES, base + codes, mask=m)
-    tl.store(row + SEG_CHECK, (base + CHECK_AT) // 4, mask=m)
-    tl.store(row + SEG_GW, (base + gw) // 4, mask=m)
-    tl.store(row + SEG_GE, (base + ge) // 4, mask=m)
-    tl.store(row + SEG_ESC, (base + esc) // 4, mask=m)
-    tl.store(row + SEG_STATES, (base + states) // 4, mask=m)
-    tl.store(row + SEG_STREAMS, (base + streams) // 2, mask=m)
-    tl.store(row + SEG_N_TABLE, n_table, mask=m)
-    tl.store(row + SEG_K_CODED, k_coded, mask=m)
-    tl.store(row + SEG_N_PARAM, n_param, mask=m)
-    tl.store(row + SEG_N_WORDS, words, mask=m)
-    tl.store(row + SEG_N_ESC, n_esc, mask=m)
-    tl.store(row + SEG_LO_BYTES, lob, mask=m)
-    tl.store(row + SEG_W_BYTES, wb, mask=m)
+    _store_segment_row(seg_ptr + i * SEG_FIELDS, start + front, K, P, n_groups, lob, wb, n_table, k_coded, n_param,
+                       words, n_esc, m, HEADER_BYTES, CHECK_AT)
     tl.store(span_ptr + 2 * i, start, mask=m)
     tl.store(span_ptr + 2 * i + 1, length, mask=m)
 
@@ -662,6 +684,72 @@ def fronts_kernel(src_ptr, src_off_ptr, front_ptr, back_ptr, seg_ptr, span_ptr, 
     tl.store(b8 + codes_end + k4, z, mask=codes_end + k4 < gw)
     end = base + total
     tl.store(b8 + end + j, tl.zeros([16], tl.int8), mask=j < back)
+
+
+@triton.jit
+def stage_kernel(src_ptr, dst_ptr, cap, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Container i = program_id(1) (src_ptr[2 i]: its address, src_ptr[2 i + 1]: its length, at
+    most cap) -> bytes [i cap, i cap + length) of dst: a list of GPU tensors staged in one launch."""
+    i = tl.program_id(1).to(tl.int64)
+    src = tl.load(src_ptr + 2 * i).to(tl.pointer_type(tl.uint8))
+    n = tl.minimum(tl.load(src_ptr + 2 * i + 1), cap)
+    start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+    for it in range(ITERS):
+        offs = start + it * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(dst_ptr + i * cap + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+@triton.jit
+def _le(p, NB: tl.constexpr):
+    """The little-endian unsigned integer in bytes p[0:NB] (NB <= 8; 8 bytes wrap past 2^63)."""
+    k = tl.arange(0, NB)
+    return tl.sum(tl.load(p + k).to(tl.int64) << (8 * k).to(tl.int64), 0)
+
+
+@triton.jit
+def check_fronts_kernel(buf, src_ptr, ref_ptr, ref_len_ptr, seg_ptr, err_ptr, cap, T, K, P, n_groups,
+                        BLOCK: tl.constexpr, SEG_FIELDS: tl.constexpr, HEADER_BYTES: tl.constexpr,
+                        CHECK_AT: tl.constexpr):
+    """Container i = program_id(0), staged at byte i cap of buf (its length: src_ptr[2 i + 1]), held
+    against the container the host last parsed and checked for that place of the list: ref_ptr row
+    i holds its ref_len_ptr[i] bytes before the payload (whose last 8, the payload's length, are
+    not compared) and the payload header's first 20 bytes (magic, version, prob_bits, G, T, K, S),
+    which must all be equal; then the payload length, the 4 zero bytes after it, and the header's
+    other fields are checked as rans._parse_header_only checks them, and its segment-table row is
+    written. Anything else sets err[i] = 2 and writes the row of an empty payload of this shape
+    (within the slot), so no later kernel reads outside it."""
+    i = tl.program_id(0).to(tl.int64)
+    p = buf + i * cap
+    n = tl.load(src_ptr + 2 * i + 1)
+    a = tl.load(ref_len_ptr + i)
+    j = tl.arange(0, BLOCK)
+    fixed = j < a + 20
+    got = tl.load(p + j, mask=fixed, other=0)
+    want = tl.load(ref_ptr + i * BLOCK + j, mask=fixed, other=0)
+    bad = tl.sum(tl.where(fixed & ((j < a - 8) | (j >= a)) & (got != want), 1, 0), 0) > 0
+    data_len = n - a - 4
+    bad = bad | (n > cap) | (data_len < HEADER_BYTES) | (_le(p + a - 8, 8) != data_len)
+    bad = bad | (_le(p + tl.maximum(n - 4, 0), 4) != 0)  # a self-checked chunk's CRC field is 0
+    h = p + a
+    n_table = _le(h + 20, 4)
+    n_esc = _le(h + 24, 4)
+    k_coded = _le(h + 28, 4)
+    n_param = _le(h + 32, 4)
+    lob = _le(h + 36, 1)
+    wb = _le(h + 37, 1)
+    words = _le(h + 40, 8)
+    bad = bad | (n_esc > T * K) | (k_coded > K) | (n_param > K) | ((lob != 1) & (lob != 2) & (lob != 4)) \
+        | ((wb != 1) & (wb != 2)) | (_le(h + 38, 2) != 0) | (words < 0) | (words >= (1 << 32))
+    total = _payload_bytes(K, P, n_groups, tl.where(bad, 4, lob), tl.where(bad, 2, wb), n_table, k_coded, n_param,
+                           words, n_esc, HEADER_BYTES)
+    bad = bad | (total != data_len)
+    zero = n_table * 0
+    _store_segment_row(seg_ptr + i * SEG_FIELDS, i * cap + a, K, P, n_groups, tl.where(bad, 4, lob),
+                       tl.where(bad, 2, wb), tl.where(bad, zero, n_table), tl.where(bad, zero, k_coded),
+                       tl.where(bad, zero, n_param), tl.where(bad, zero, words), tl.where(bad, zero, n_esc), i >= 0,
+                       HEADER_BYTES, CHECK_AT)
+    tl.store(err_ptr + i, tl.where(bad, 2, 0).to(tl.int32))
 
 
 @triton.jit

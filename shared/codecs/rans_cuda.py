@@ -44,7 +44,8 @@ def _kernels():
 
     _KERNELS = dict(fields=kt.SUMMARY_FIELDS, seg_fields=kt.SEG_FIELDS, hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
                     pack_meta=kt.pack_meta_kernel, gather=kt.gather_streams_kernel, checksum=kt.checksum_kernel,
-                    finish=kt.finish_checksum_kernel, layout=kt.layout_kernel, fronts=kt.fronts_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel)
+                    finish=kt.finish_checksum_kernel, layout=kt.layout_kernel, fronts=kt.fronts_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel,
+                    stage=kt.stage_kernel, check_fronts=kt.check_fronts_kernel)
     return _KERNELS
 
 
@@ -85,7 +86,7 @@ def _summary_start(torch, dev):
 GROUPS_PER_PROGRAM = 4  # lane groups per Triton program: 4 x 32 lanes = 128 threads
 HIST_TOKENS, HIST_BLOCK = 32, 128  # histogram: sampled tokens per thread, threads per program
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
-TABLE_WARPS, META_WARPS = 8, 8  # warps per component of the encoder's and the decoder's table kernels
+TABLE_WARPS, META_WARPS = 4, 2  # warps per component of the encoder's and the decoder's table kernels (fastest on an H200)
 TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed at once, symbols per step
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
@@ -376,14 +377,31 @@ MAGIC_WORD = int.from_bytes(MAGIC, "little")
 _FRONTS_ON, _INDEX_ON = {}, {}
 
 
+_HOLDS = None  # a list while a CUDA graph is captured: what cached_on_device handed out, for it to keep
+
+
 def cached_on_device(cache: dict, key, make, limit: int = 64):
     """make() once per key (tensors on a device, so they cross to it once), keeping the newest
-    `limit` entries of cache."""
+    `limit` entries of cache. During holding_cached() a graph being captured keeps what it was handed,
+    so an entry the cache drops later is not freed under the graph."""
     if key not in cache:
         if len(cache) >= limit:
             cache.pop(next(iter(cache)))
         cache[key] = make()
+    if _HOLDS is not None:
+        _HOLDS.append(cache[key])
     return cache[key]
+
+
+def holding_cached(graph, capture):
+    """Runs capture() (a CUDA-graph capture) and stores on graph.held_cached every cached device
+    tensor it was handed."""
+    global _HOLDS
+    _HOLDS = []
+    try:
+        return capture()
+    finally:
+        graph.held_cached, _HOLDS = _HOLDS, None
 
 
 def _fronts_on(torch, dev, fronts, backs):
@@ -525,13 +543,8 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
 def _decode_same_shape(payloads, hdrs):
     torch = _torch()
     dev = payloads[0].device
-    h0 = hdrs[0]
-    n, G, S, K, T = h0.prob_bits, h0.G, h0.S, h0.K, h0.T
-    M, HCAP, N = 1 << n, max_alphabet(n), len(payloads)
-    lay0 = h0.layout
-    NL, NG = lay0.n_lanes, lay0.n_groups
-    kern = _kernels()
-    fields = kern["seg_fields"]
+    h0, N = hdrs[0], len(payloads)
+    fields = _kernels()["seg_fields"]
     # one buffer holding every payload at a 16-byte aligned offset (a view when there is one)
     bases, total = [], 0
     for p in payloads:
@@ -545,8 +558,21 @@ def _decode_same_shape(payloads, hdrs):
     table = [_segment_row(fields, hdr.layout, base) for hdr, base in zip(hdrs, bases)]
     segs = _device_table(torch, table, dev)
     err = torch.zeros(N, dtype=torch.int32, device=dev)
+    return _decode_kernels(buf, segs, err, h0, max(h.layout.total for h in hdrs))
+
+
+def _decode_kernels(buf, segs, err, h0, max_len: int):
+    """The decoder's kernels over N payloads of h0's shape in buf, as the segment table segs places
+    them: checksum, tables and lookup, then the lanes. Returns (symbols [N] of int32 [T, K], err)."""
+    torch = _torch()
+    dev, N = buf.device, segs.shape[0]
+    n, G, S, K, T = h0.prob_bits, h0.G, h0.S, h0.K, h0.T
+    M, HCAP = 1 << n, max_alphabet(n)
+    NL, NG = h0.layout.n_lanes, h0.layout.n_groups
+    kern = _kernels()
+    fields = kern["seg_fields"]
     sums = torch.zeros((N, 2), dtype=torch.int64, device=dev)
-    _checksum_torch(torch, buf, segs, sums, max(h.layout.total for h in hdrs))
+    _checksum_torch(torch, buf, segs, sums, max_len)
     lo = torch.empty((N, K), dtype=torch.int64, device=dev)
     W, A, rank = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
     tab = torch.empty((N, K + 1, HCAP), dtype=torch.int32, device=dev)
@@ -569,6 +595,71 @@ def _decode_same_shape(payloads, hdrs):
         T, K, NL, NG, S, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM,
         WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields))
     return list(out.unbind(0)), err
+
+
+STAGE_BLOCK, STAGE_ITERS = 4096, 16  # staging copy: bytes per step, steps per program
+TRAILER_BYTES = 4  # after a payload in its container: the chunk's CRC field, 0 for a self-checked chunk
+
+
+class SlotDecoder:
+    """Decodes N payloads of one shape in containers the host has parsed and checked once, with no
+    host work per call: each call's containers are copied into fixed slots of one buffer (one
+    launch), a kernel holds each against the checked one (the same bytes before the payload but
+    its length, the same fixed payload header fields) and checks the rest of its header as the
+    host parser does, writing the segment table on the device; then the decoder's kernels run. Made
+    for CUDA-graph capture: launch() allocates nothing the next call needs to see.
+
+        dec = SlotDecoder(fronts, heads, hdr, cap, device)  # fronts[i]: container bytes before payload i
+        dec.set_sources(blobs)                               # host: addresses and lengths, one copy
+        symbols, err = dec.launch()                          # err[i] != 0: payload i differs or is corrupt
+
+    A container that fails the check (err 2) is decoded as an empty payload of this shape inside its
+    slot, so a hostile one never steers a read; the caller decodes such a list again on the host path."""
+
+    def __init__(self, fronts: list, heads: list, hdr, cap: int, device):
+        torch = _torch()
+        self.N, self.hdr, self.cap, self.device = len(fronts), hdr, cap, torch.device(device)
+        if cap % 16 or any(len(f) % 16 for f in fronts):
+            raise ValueError("slots and payloads must start 16-byte aligned")
+        empty = Layout(hdr.T, hdr.K, hdr.S, hdr.G, 0, 0, 0, 0, 4, 2, 0).total
+        if max(len(f) for f in fronts) + empty + TRAILER_BYTES > cap:
+            raise ValueError(f"slots of {cap} bytes cannot hold an empty payload of this shape")
+        self.block = _pow2(max(len(f) for f in fronts) + 20)
+        ref = np.zeros((self.N, self.block), np.uint8)
+        for i, (f, h) in enumerate(zip(fronts, heads)):
+            ref[i, :len(f) + 20] = np.frombuffer(bytes(f) + bytes(h[:20]), np.uint8)
+        self.ref = torch.from_numpy(ref).to(self.device)
+        self.ref_len = torch.tensor([len(f) for f in fronts], dtype=torch.int64, device=self.device)
+        self.buf = torch.zeros(self.N * cap, dtype=torch.uint8, device=self.device)
+        self.sources_host = torch.zeros((self.N, 2), dtype=torch.int64)
+        if self.device.type == "cuda":
+            self.sources_host = self.sources_host.pin_memory()
+        self.sources = torch.zeros((self.N, 2), dtype=torch.int64, device=self.device)
+        self.segs = torch.zeros((self.N, len(_kernels()["seg_fields"])), dtype=torch.int64, device=self.device)
+        self.err = torch.zeros(self.N, dtype=torch.int32, device=self.device)
+
+    def fits(self, blobs) -> bool:
+        torch = _torch()
+        return len(blobs) == self.N and all(
+            isinstance(b, torch.Tensor) and b.device == self.device and b.dtype == torch.uint8 and b.dim() == 1
+            and b.numel() <= self.cap for b in blobs)
+
+    def set_sources(self, blobs):
+        """Where this call's containers are (every one checked by fits()); one small copy to the device."""
+        host = self.sources_host.numpy()
+        for i, b in enumerate(blobs):
+            host[i, 0], host[i, 1] = b.data_ptr(), b.numel()
+        self.sources.copy_(self.sources_host, non_blocking=True)
+
+    def launch(self):
+        kern, lay = _kernels(), self.hdr.layout
+        kern["stage"][(triton_cdiv(self.cap, STAGE_BLOCK * STAGE_ITERS), self.N)](
+            self.sources, self.buf, self.cap, BLOCK=STAGE_BLOCK, ITERS=STAGE_ITERS)
+        kern["check_fronts"][(self.N,)](
+            self.buf, self.sources, self.ref, self.ref_len, self.segs, self.err, self.cap, self.hdr.T, self.hdr.K,
+            lay.P, lay.n_groups, BLOCK=self.block, SEG_FIELDS=self.segs.shape[1], HEADER_BYTES=HEADER.size,
+            CHECK_AT=CHECKED_HEADER_BYTES)
+        return _decode_kernels(self.buf, self.segs, self.err, self.hdr, self.cap)
 
 
 CORRUPT = "rANS payload is corrupt (checksum, tables or lane states do not check out)"
