@@ -7,7 +7,7 @@ import triton.language as tl
 
 @triton.jit
 def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr, sum_ptr, amax_ptr,
-                            T, D, K, inv_step_ptr,
+                            T, D, K, inv_step_ptr, SIZE_CLASS,
                             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
     """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K]; with bias = mean @ basis; for
     tensor s = program_id(2) of a batch of same-shape tensors, each with its own basis and step.
@@ -57,7 +57,7 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
 
 
 @triton.jit
-def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step_ptr, bad_ptr,
+def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step_ptr, bad_ptr, SIZE_CLASS,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
     """out = bf16((sym * step) @ basis_t + mean), [T, D]; basis_t is [K, D] bf16; for tensor
     s = program_id(2) of a batch of same-shape tensors, each with its own basis and step.
@@ -97,15 +97,17 @@ def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step_pt
         tl.atomic_max(bad_ptr + seg, 1)
 
 
-# Tile shapes tried once per (D, K) on a GPU; the fastest is kept (triton.autotune).
+# Tile shapes tried once per (D, K) and SIZE_CLASS (the bit length of T, which the kernels do not
+# read) on a GPU; the fastest is kept (triton.autotune). The tile that wins for a short tensor can
+# run a long one at half speed, so the size is part of the key.
 _MATMUL_CONFIGS = [
     triton.Config(dict(BM=bm, BN=bn, BD=bd), num_warps=w, num_stages=st)
     for bm, bn, bd, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
                               (64, 128, 64, 4, 4), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3), (64, 64, 64, 4, 3),
                               (256, 128, 64, 8, 3)]
 ]
-project_quantize_tuned = triton.autotune(_MATMUL_CONFIGS, key=["D", "K"], reset_to_zero=["sum_ptr"])(
+project_quantize_tuned = triton.autotune(_MATMUL_CONFIGS, key=["D", "K", "SIZE_CLASS"], reset_to_zero=["sum_ptr"])(
     project_quantize_kernel)
 _RECON_CONFIGS = [triton.Config(dict(BM=c.kwargs["BM"], BN=c.kwargs["BN"], BK=c.kwargs["BD"]),
                                 num_warps=c.num_warps, num_stages=c.num_stages) for c in _MATMUL_CONFIGS]
-reconstruct_tuned = triton.autotune(_RECON_CONFIGS, key=["D", "K"])(reconstruct_kernel)
+reconstruct_tuned = triton.autotune(_RECON_CONFIGS, key=["D", "K", "SIZE_CLASS"])(reconstruct_kernel)

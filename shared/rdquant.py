@@ -503,7 +503,7 @@ class CudaProjection:
         sm = torch.zeros((N, K), dtype=torch.int64, device=dev)
         amax = torch.zeros(N, dtype=torch.float32, device=dev)
         inv = _floats_on([1.0 / s for s in steps], dev)
-        args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv)
+        args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv, T.bit_length())
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
             kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]), N)](*args, UPCAST=True, **b)
@@ -531,7 +531,7 @@ class CudaProjection:
         st = _floats_on([float(v) for v in steps], dev)
         if bad is None:
             bad = torch.zeros(N, dtype=torch.int32, device=dev)
-        args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st, bad)
+        args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st, bad, T.bit_length())
         if _interpreting():
             b = self.BLOCK
             kt.reconstruct_kernel[(-(-T // b["BM"]), -(-self.D // b["BN"]), N)](
