@@ -43,10 +43,10 @@ Every round trip is checked for cos >= 0.999 first, and up to 16 MB the GPU deco
 the CPU decoder's. Repeated encodes and decodes of up to 64 MB replay a CUDA graph (columns encode_graph, decode_graph).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
-    api S=def       4.00    10417   4.61  0.9990      6.31      2.32     48.74     48.05
-    api S=def      64.00   166667   4.64  0.9990     63.78     40.09     54.71     54.75
-    api S=def     512.00  1333333   4.58  0.9990    149.11    113.34     54.95     55.19
-    api_batched    23.59 60x1024 S=def    4.54  0.9990     12.42      5.12     50.68     53.84
+    api S=def       4.00    10417   4.57  0.9990     11.14      9.52     48.24     48.49
+    api S=def      64.00   166667   4.60  0.9990     86.78    102.00     54.76     54.84
+    api S=def     512.00  1333333   4.58  0.9990    153.86    147.94     55.22     54.86
+    api_batched    23.59 60x1024 S=def    4.51  0.9990     17.28     21.22     53.04     53.78
 
 The compute codec's CPU path (`--api-cpu`, any machine; about 1 min on a 2-core CPU machine): a
 bf16 CPU tensor through TensorCodec on one core (torch, numba and BLAS one thread each), each way
@@ -575,12 +575,16 @@ def plot_api(df, name: str = "09_backend_bench_api"):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     for ax, direction, copy_metric in zip(axes, ("encode", "decode"), ("d2h_gbps", "h2d_gbps")):
         api = rows[(rows.path == "api") & (rows.metric == f"{direction}_gbps")].sort_values("tensor_mb")
+        api_lanes = api.lane_tokens.astype(str) if "lane_tokens" in api else None
         pcie = rows[(rows.path == "pcie_copy") & (rows.metric == copy_metric) & rows.batched.isna()] \
             if "batched" in rows else rows[(rows.path == "pcie_copy") & (rows.metric == copy_metric)]
         pcie = pcie.sort_values("tensor_mb")
         batch = rows[(rows.path == "api_batched") & (rows.metric == f"{direction}_gbps")]
         lanes = batch.lane_tokens.astype(str) if "lane_tokens" in batch else None
-        ax.plot(api.tensor_mb, api.value, "o-", color="#0072B2", label=f"TensorCodec.{direction} (one tensor a call)")
+        for lane, g in (api.groupby(api_lanes) if api_lanes is not None else [("default", api)]):
+            default = lane == "default"
+            ax.plot(g.tensor_mb, g.value, "o-" if default else "o:", color="#0072B2" if default else "#56B4E9",
+                    label=f"TensorCodec.{direction} (one tensor a call, lane tokens {lane})")
         ax.plot(pcie.tensor_mb, pcie.value, "s--", color="#D55E00",
                 label=f"pinned PCIe copy, {'device->host' if direction == 'encode' else 'host->device'}")
         for (lane, g), marker, color in zip(batch.groupby(lanes) if lanes is not None else [("default", batch)],
