@@ -736,7 +736,12 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
     decoded on the GPU, payloads of one shape together in one launch per kernel: containers
     already there are read in place (their headers reach the host in one copy for the whole
     list), containers on the host go over through pinned memory; one host synchronization checks
-    every payload at the end and names a corrupt one by its index."""
+    every payload at the end and names a corrupt one by its index.
+
+    A list of codecs decoded again (GPU-resident containers of one shape, bf16, up to
+    GRAPH_MAX_BYTES of output) replays one CUDA graph from its third call on, with no header read:
+    each container is held on the GPU against the one the host checked when the graph was made
+    (rans_cuda.SlotDecoder), and one that differs or is corrupt is decoded here again, on the host path."""
     import torch
 
     if len(codecs) != len(blobs):
