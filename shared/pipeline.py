@@ -528,7 +528,9 @@ _STACKED = {}  # stacked projections of codec lists coded together (a model's la
 
 
 def _stacked_projection(projs):
-    """One CudaProjection over several same-shape bases, kept while the same codecs code together."""
+    """One CudaProjection over several same-shape bases, kept while the same codecs code together
+    (and by a CUDA graph captured with it)."""
+    from .codecs.rans_cuda import held_by_capture
     from .rdquant import CudaProjection
 
     key = tuple(id(p) for p in projs)
@@ -536,7 +538,7 @@ def _stacked_projection(projs):
         if len(_STACKED) >= 16:
             _STACKED.pop(next(iter(_STACKED)))
         _STACKED[key] = (projs, CudaProjection.stack(projs))  # holding projs keeps their ids unique
-    return _STACKED[key][1]
+    return held_by_capture(_STACKED[key][1])
 
 
 def _same_shape_groups(keys) -> list[list[int]]:

@@ -371,6 +371,20 @@ def test_triton_interpreter_decodes_staged_containers_checked_on_the_device():
     """)
 
 
+def test_a_graph_keeps_the_cached_tensors_it_was_captured_with():
+    """A cache of device tensors drops its oldest entry when full; a CUDA graph captured with one
+    (under holding_cached) keeps it, so the graph never reads freed memory."""
+    class Graph:
+        pass
+
+    cache, graph = {}, Graph()
+    first = object()
+    got = rans_cuda.holding_cached(graph, lambda: rans_cuda.cached_on_device(cache, "a", lambda: first, limit=1))
+    assert got is first and graph.held_cached == [first]
+    rans_cuda.cached_on_device(cache, "b", object, limit=1)  # outside a capture: nothing is held
+    assert "a" not in cache and graph.held_cached == [first] and rans_cuda._HOLDS is None
+
+
 def test_cuda_functions_need_a_cuda_tensor(monkeypatch):
     torch = pytest.importorskip("torch")
     from shared.errors import BackendUnavailable

@@ -382,20 +382,25 @@ _HOLDS = None  # a list while a CUDA graph is captured: what cached_on_device ha
 
 def cached_on_device(cache: dict, key, make, limit: int = 64):
     """make() once per key (tensors on a device, so they cross to it once), keeping the newest
-    `limit` entries of cache. During holding_cached() a graph being captured keeps what it was handed,
-    so an entry the cache drops later is not freed under the graph."""
+    `limit` entries of cache; a graph being captured keeps what it was handed (held_by_capture)."""
     if key not in cache:
         if len(cache) >= limit:
             cache.pop(next(iter(cache)))
         cache[key] = make()
+    return held_by_capture(cache[key])
+
+
+def held_by_capture(value):
+    """value, kept alive by the CUDA graph being captured (if one is, under holding_cached()): for
+    device tensors from a cache that may drop them while the graph still reads them."""
     if _HOLDS is not None:
-        _HOLDS.append(cache[key])
-    return cache[key]
+        _HOLDS.append(value)
+    return value
 
 
 def holding_cached(graph, capture):
     """Runs capture() (a CUDA-graph capture) and stores on graph.held_cached every cached device
-    tensor it was handed."""
+    tensor it was handed (held_by_capture)."""
     global _HOLDS
     _HOLDS = []
     try:
