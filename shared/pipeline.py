@@ -668,17 +668,26 @@ def _graph_plan(key, codecs, xs, prepared):
     while it runs eagerly (first call, no key, water-filled)."""
     if key is None or any(p[1].keep is not None and not p[1].keep.all() for p in prepared):
         return None
-    seen = _GRAPHS.get(key, 0)
-    if seen == 0:  # the first call runs eagerly: it compiles the kernels and fills the caches
-        _GRAPHS[key] = 1
-        if len(_GRAPHS) > 4 * GRAPH_PLANS:
-            _GRAPHS.pop(next(k for k, v in _GRAPHS.items() if not isinstance(v, _EncodeGraph)))
+    return _second_call_graph(_GRAPHS, key, lambda: _EncodeGraph(codecs, xs, prepared, key))
+
+
+def _second_call_graph(graphs: dict, key, make):
+    """The graph kept for key in graphs (encode's or decode's), made by make() on the second eager
+    call with that key; None on the first, which compiles the kernels and fills the caches. Keeps
+    at most GRAPH_PLANS graphs and 4 x GRAPH_PLANS keys, dropping the oldest."""
+    seen = graphs.get(key, 0)
+    if not isinstance(seen, int):
+        return seen
+    if seen == 0:
+        graphs[key] = 1
+        if len(graphs) > 4 * GRAPH_PLANS:
+            graphs.pop(next(k for k, v in graphs.items() if isinstance(v, int)))
         return None
-    plans = [k for k, v in _GRAPHS.items() if isinstance(v, _EncodeGraph)]
+    plans = [k for k, v in graphs.items() if not isinstance(v, int)]
     if len(plans) >= GRAPH_PLANS:
-        _GRAPHS.pop(plans[0])
-    _GRAPHS[key] = _EncodeGraph(codecs, xs, prepared, key)
-    return _GRAPHS[key]
+        graphs.pop(plans[0])
+    graphs[key] = make()
+    return graphs[key]
 
 
 class _EncodeGraph:
@@ -874,17 +883,7 @@ def _decode_graph_plan(key, codecs, blobs, jobs):
     T, D = next(iter(shapes))[0]
     if len(jobs) * T * D * 2 > GRAPH_MAX_BYTES:
         return
-    if not isinstance(_DECODE_GRAPHS.get(key, 0), int):
-        return
-    if _DECODE_GRAPHS.get(key, 0) == 0:
-        _DECODE_GRAPHS[key] = 1
-        if len(_DECODE_GRAPHS) > 4 * GRAPH_PLANS:
-            _DECODE_GRAPHS.pop(next(k for k, v in _DECODE_GRAPHS.items() if not isinstance(v, _DecodeGraph)))
-        return
-    plans = [k for k, v in _DECODE_GRAPHS.items() if isinstance(v, _DecodeGraph)]
-    if len(plans) >= GRAPH_PLANS:
-        _DECODE_GRAPHS.pop(plans[0])
-    _DECODE_GRAPHS[key] = _DecodeGraph(codecs, blobs, sorted(jobs, key=lambda j: j[0]), key)
+    _second_call_graph(_DECODE_GRAPHS, key, lambda: _DecodeGraph(codecs, blobs, jobs))  # jobs in blob order
 
 
 class _DecodeGraph:
@@ -892,18 +891,18 @@ class _DecodeGraph:
     held against the ones the host checked (rans_cuda.SlotDecoder), the decoder's kernels and the
     fused reconstruction; one replay and one host synchronization per call."""
 
-    def __init__(self, codecs, blobs, jobs, key):
+    def __init__(self, codecs, blobs, jobs):
         import torch
 
-        from .codecs import rans, rans_cuda
+        from .codecs import rans_cuda
         from .rdquant import RDQuantizer
 
         dev = blobs[0].device
         inner, D = jobs[0][5], jobs[0][1]["shape"][1]
-        empty = rans.Layout(inner.T, inner.K, inner.S, inner.G, 0, 0, 0, 0, 4, 2, 0).total
-        cap = -(-max(2 * max(b.numel() for b in blobs), max(len(j[6]) for j in jobs) + empty + 64) // 16) * 16
-        self.key, self.held = key, codecs
-        self.dec = rans_cuda.SlotDecoder([j[6] for j in jobs], [j[4] for j in jobs], inner, cap, dev)
+        fronts = [j[6] for j in jobs]
+        self.held = codecs  # keeps the key's ids unique
+        self.dec = rans_cuda.SlotDecoder(fronts, [j[4] for j in jobs], inner,
+                                         rans_cuda.slot_bytes(fronts, inner, max(b.numel() for b in blobs)), dev)
         self.projs = [codecs[j[0]]._projection(D, dev) for j in jobs]
         self.steps = [RDQuantizer.from_bytes(j[2]).step for j in jobs]
         self.dec.set_sources(blobs)

@@ -606,6 +606,18 @@ STAGE_BLOCK, STAGE_ITERS = 4096, 16  # staging copy: bytes per step, steps per p
 TRAILER_BYTES = 4  # after a payload in its container: the chunk's CRC field, 0 for a self-checked chunk
 
 
+def _empty_container_bytes(fronts, hdr) -> int:
+    """The longest front, then an empty payload of hdr's shape (what a container failing the
+    device-side check is decoded as), then its trailer."""
+    return max(len(f) for f in fronts) + Layout(hdr.T, hdr.K, hdr.S, hdr.G, 0, 0, 0, 0, 4, 2, 0).total + TRAILER_BYTES
+
+
+def slot_bytes(fronts, hdr, longest: int) -> int:
+    """A SlotDecoder slot size: room for containers up to twice the longest one seen (their payload
+    sizes vary call to call), and always for an empty payload of this shape."""
+    return (max(2 * longest, _empty_container_bytes(fronts, hdr) + 64) + 15) // 16 * 16
+
+
 class SlotDecoder:
     """Decodes N payloads of one shape in containers the host has parsed and checked once, with no
     host work per call: each call's containers are copied into fixed slots of one buffer (one
@@ -626,8 +638,7 @@ class SlotDecoder:
         self.N, self.hdr, self.cap, self.device = len(fronts), hdr, cap, torch.device(device)
         if cap % 16 or any(len(f) % 16 for f in fronts):
             raise ValueError("slots and payloads must start 16-byte aligned")
-        empty = Layout(hdr.T, hdr.K, hdr.S, hdr.G, 0, 0, 0, 0, 4, 2, 0).total
-        if max(len(f) for f in fronts) + empty + TRAILER_BYTES > cap:
+        if _empty_container_bytes(fronts, hdr) > cap:
             raise ValueError(f"slots of {cap} bytes cannot hold an empty payload of this shape")
         self.block = _pow2(max(len(f) for f in fronts) + 20)
         ref = np.zeros((self.N, self.block), np.uint8)
