@@ -40,7 +40,9 @@ user makes (`TensorCodec.encode` of a CUDA tensor, `decode(blob, device="cuda")`
 `decode_many` of 60 KV tensors of one step), wall clock, median of 10 after a warm-up, by tensor
 size from 0.25 to 512 MB, beside the pinned PCIe copy of the same bytes timed in the same run.
 Every round trip is checked for cos >= 0.999 first, and up to 16 MB the GPU decode is compared with
-the CPU decoder's. Repeated encodes and decodes of up to 64 MB replay a CUDA graph (columns encode_graph, decode_graph).
+the CPU decoder's. Repeated encodes and decodes of up to pipeline.GRAPH_MAX_BYTES (1 GiB) replay a CUDA graph
+(columns encode_graph, decode_graph; metrics encode_graph_held / decode_graph_held: the GPU memory each graph keeps,
+per input byte).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
     api S=def       4.00    10417   4.57  0.9990     11.14      9.52     48.24     48.49
@@ -432,8 +434,12 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         nbytes = x.numel() * 2
         graph = nbytes <= pipeline.GRAPH_MAX_BYTES
         lanes = dict(lane_tokens=lane_tokens or "default", encode_graph=graph, decode_graph=graph)
+        pipeline.drop_graphs()  # so the memory a graph holds is this size's alone
+        m0 = torch.cuda.memory_allocated()
         t_enc = wall(lambda: codec.encode(x))
+        m1 = torch.cuda.memory_allocated()
         t_dec = wall(lambda: codec.decode(blob, device="cuda"))
+        m2 = torch.cuda.memory_allocated()
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         flat = x.view(-1).view(torch.uint8)
         t_d2h = wall(lambda: pinned.copy_(flat, non_blocking=True))
@@ -445,6 +451,11 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
         add("api", "decode_ms", t_dec * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
         add("api", "ratio", ratio, "x vs bf16", mb, tokens=T, channels=D, **lanes)
         add("api", "cos_mean", q["cos_mean"], "cos", mb, tokens=T, channels=D, **lanes)
+        if graph:
+            add("api", "encode_graph_held", (m1 - m0) / nbytes, "GPU bytes per input byte", mb, tokens=T, channels=D,
+                **lanes)
+            add("api", "decode_graph_held", (m2 - m1) / nbytes, "GPU bytes per input byte", mb, tokens=T, channels=D,
+                **lanes)
         if same is not None:
             add("api", "gpu_decode_equals_cpu_decode", float(same), "bool", mb, tokens=T, channels=D, **lanes)
             add("api", "gpu_cpu_decode_equal_fraction", same_share, "fraction of values", mb, tokens=T, channels=D,
@@ -474,8 +485,12 @@ def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
         raise SystemExit(f"batched round trip gives cos {cos:.5f} < {API_TARGET_COS}")
     nbytes = sum(a.numel() * 2 for a in xs)
     mb = nbytes / 1e6
+    pipeline.drop_graphs()
+    m0 = torch.cuda.memory_allocated()
     t_enc = wall(lambda: encode_many(codecs, xs))
+    m1 = torch.cuda.memory_allocated()
     t_dec = wall(lambda: decode_many(codecs, blobs, device="cuda"))
+    m2 = torch.cuda.memory_allocated()
     flat = torch.cat([a.view(-1) for a in xs]).view(torch.uint8)
     pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     t_d2h = wall(lambda: pinned.copy_(flat, non_blocking=True))
@@ -488,6 +503,9 @@ def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
     add("api_batched", "decode_gbps", nbytes / t_dec / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "encode_us_per_tensor", t_enc / API_BATCH * 1e6, "us", mb, **kw)
     add("api_batched", "decode_us_per_tensor", t_dec / API_BATCH * 1e6, "us", mb, **kw)
+    if graph:
+        add("api_batched", "encode_graph_held", (m1 - m0) / nbytes, "GPU bytes per input byte", mb, **kw)
+        add("api_batched", "decode_graph_held", (m2 - m1) / nbytes, "GPU bytes per input byte", mb, **kw)
     add("api_batched", "ratio", ratio, "x vs bf16", mb, **kw)
     add("api_batched", "cos_min", cos, "cos", mb, **kw)
     add("pcie_copy", "d2h_gbps", nbytes / t_d2h / 1e9, "GB/s", mb, batched=API_BATCH, **kw)

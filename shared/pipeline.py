@@ -548,9 +548,16 @@ def _same_shape_groups(keys) -> list[list[int]]:
     return list(groups.values())
 
 
-GRAPH_MAX_BYTES = 64 << 20  # calls moving up to this many input bytes replay a CUDA graph (0: never)
+GRAPH_MAX_BYTES = 1 << 30  # calls moving up to this many input bytes replay a CUDA graph (0: never); a graph
+# keeps its buffers on the GPU (see README, "CUDA graphs", for what each direction holds per input byte)
 GRAPH_PLANS = 4  # CUDA graphs kept, one per repeated list of codecs and shapes (each holds its buffers)
 _GRAPHS = {}  # key -> _EncodeGraph, or the number of eager calls seen with that key so far
+
+
+def drop_graphs() -> None:
+    """Drop every CUDA graph encode_many and decode_many keep, and with them their GPU buffers."""
+    _GRAPHS.clear()
+    _DECODE_GRAPHS.clear()
 
 
 def _on_stream(stream):
@@ -837,20 +844,23 @@ def _decode_symbols_cuda(codecs, jobs, out):
             out[jobs[j][0]] = v
     bad = err.cpu()  # the one host synchronization
     if bool(bad.any()):
+        rans_cuda.check_lane_map(bad)
         raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])][0]} of the list)")
 
 
-def _reconstruct_bf16(projs, symbols, steps):
+def _reconstruct_bf16(projs, symbols, steps, bad=None):
     """Fused symbols * step @ basis.T + mean in bf16, for same-shape symbols (one launch); returns the
-    values and int32 flags of the tensors with a non-finite output (out-of-range parameters)."""
+    values and int32 flags (bad, or new zeros) set to 1 for the tensors with a non-finite output
+    (out-of-range parameters)."""
     import torch
 
     from .codecs import rans_cuda
 
     proj = projs[0] if len(projs) == 1 else _stacked_projection(projs)
     sym = rans_cuda._stacked(torch, symbols)  # no copy: slices of one tensor
-    nonfinite = torch.zeros(len(symbols), dtype=torch.int32, device=sym.device)
-    return proj.reconstruct_many(sym, steps, bad=nonfinite), nonfinite
+    if bad is None:
+        bad = torch.zeros(len(symbols), dtype=torch.int32, device=sym.device)
+    return proj.reconstruct_many(sym, steps, bad=bad), bad
 
 
 _DECODE_GRAPHS = {}  # key -> _DecodeGraph, or the number of eager calls seen with that key so far
@@ -888,8 +898,9 @@ def _decode_graph_plan(key, codecs, blobs, jobs):
 
 class _DecodeGraph:
     """decode_many of one list of codecs as a CUDA graph: the containers staged into fixed slots and
-    held against the ones the host checked (rans_cuda.SlotDecoder), the decoder's kernels and the
-    fused reconstruction; one replay and one host synchronization per call."""
+    held against the ones the host checked (rans_cuda.SlotDecoder) and the decoder's kernels; then the
+    fused reconstruction, launched after the replay into new tensors (the graph's own output would
+    need a copy per call, 122 us at 256 MB on an NVIDIA H200); one host synchronization per call."""
 
     def __init__(self, codecs, blobs, jobs):
         import torch
@@ -906,26 +917,21 @@ class _DecodeGraph:
         self.projs = [codecs[j[0]]._projection(D, dev) for j in jobs]
         self.steps = [RDQuantizer.from_bytes(j[2]).step for j in jobs]
         self.dec.set_sources(blobs)
-        self._body()  # outside the capture: compiles, tunes and fills the caches the graph then reads
+        _reconstruct_bf16(self.projs, self.dec.launch()[0], self.steps)  # outside the capture: compiles,
+        # tunes and fills the caches the graph and the reconstruction then read
         self.graph = torch.cuda.CUDAGraph()
 
         def capture():
             with torch.cuda.graph(self.graph):
-                return self._body()
+                return self.dec.launch()
 
-        self.values, self.err = rans_cuda.holding_cached(self, capture)
-
-    def _body(self):
-        symbols, err = self.dec.launch()
-        values, nonfinite = _reconstruct_bf16(self.projs, symbols, self.steps)
-        err |= nonfinite
-        return values, err
+        self.symbols, self.err = rans_cuda.holding_cached(self, capture)
 
     def run(self, blobs):
         """The tensors, or None where a container differs from the checked one or is corrupt."""
         self.dec.set_sources(blobs)
         self.graph.replay()
-        values = self.values.clone()  # the next replay rewrites the graph's output
+        values, _ = _reconstruct_bf16(self.projs, self.symbols, self.steps, bad=self.err)  # the replay set err
         if bool(self.err.cpu().any()):  # the one host synchronization
             return None
         return list(values.unbind(0))

@@ -365,6 +365,10 @@ def api_speed() -> str | None:
             sel = sel.head(1)
         return float(sel.value.iloc[0]) if len(sel) else float("nan")
 
+    def held(path, mb, lanes):
+        enc, dec = val(path, "encode_graph_held", mb, lanes), val(path, "decode_graph_held", mb, lanes)
+        return "-" if enc != enc else f"{enc:.1f}x / {dec:.1f}x"
+
     rows = []
     api = df[df.path == "api"]
     lane_values = sorted(set(api.lane_tokens.astype(str)), key=lambda s: (s != "default", s)) \
@@ -375,7 +379,8 @@ def api_speed() -> str | None:
             enc, dec = val("api", "encode_gbps", mb, lanes), val("api", "decode_gbps", mb, lanes)
             d2h, h2d = val("pcie_copy", "d2h_gbps", mb), val("pcie_copy", "h2d_gbps", mb)
             rows.append([f"{mb:g}", f"one tensor, lane tokens {lanes}", f"{val('api', 'ratio', mb, lanes):.2f}x",
-                         f"{enc:.2f}", f"{dec:.2f}", f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x"])
+                         f"{enc:.2f}", f"{dec:.2f}", f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x",
+                         held("api", mb, lanes)])
     batched = df[(df.path == "api_batched") & (df.metric == "encode_gbps")]
     for r in batched.itertuples():
         lanes = str(getattr(r, "lane_tokens", "default"))
@@ -384,14 +389,15 @@ def api_speed() -> str | None:
         d2h, h2d = val("pcie_copy", "d2h_gbps", mb, lanes), val("pcie_copy", "h2d_gbps", mb, lanes)
         rows.append([f"{mb:.1f}", f"{int(r.tensors)} x [{int(r.tokens)}, {int(r.channels)}] in one call, lane tokens "
                      f"{lanes}", f"{val('api_batched', 'ratio', mb, lanes):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
-                     f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x"])
+                     f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x", held("api_batched", mb, lanes)])
     source = df.source.dropna().iloc[0] if "source" in df else ""
     return (_table(rows, ["MB of bf16", "call", "ratio", "encode GB/s", "decode GB/s", "pinned PCIe D2H / H2D GB/s",
-                          "codec / PCIe (enc / dec)"])
+                          "codec / PCIe (enc / dec)", "GPU memory a graph keeps (enc / dec, x input)"])
             + f"\n\nTensor: {source}; step calibrated for cos >= 0.999 (every row checked before timing). "
             + "Encode: `TensorCodec.encode(x_cuda)` -> the container in GPU memory; decode: "
             + "`TensorCodec.decode(blob, device=\"cuda\")` of it; batched: `encode_many` / `decode_many`. "
-            + "Wall clock of the call a user makes, median of 10. " + _source(df, "09_backend_bench"))
+            + "Wall clock of the call a user makes, median of 10; repeated calls replay a CUDA graph, whose "
+            + "buffers stay on the GPU (last column; - : no graph). " + _source(df, "09_backend_bench"))
 
 
 def api_cpu_speed() -> str | None:

@@ -58,7 +58,7 @@ def test_round_trip(name):
 
 
 @pytest.mark.parametrize("settings", [dict(lane_tokens=1), dict(lane_tokens=100), dict(group_lanes=1),
-                                      dict(group_lanes=128), dict(prob_bits=10), dict(prob_bits=15)])
+                                      dict(group_lanes=128), dict(prob_bits=9), dict(prob_bits=10), dict(prob_bits=15)])
 def test_round_trip_settings(settings):
     x = pca_like(1000, 40)
     np.testing.assert_array_equal(rans.decode(rans.encode(x, **settings)), x)
@@ -70,6 +70,14 @@ def test_round_trip_with_sampled_tables(name, monkeypatch):
     monkeypatch.setattr(rans, "HIST_SAMPLE_ROWS", 10)
     x = cases()[name]
     np.testing.assert_array_equal(rans.decode(rans.encode(x)), x)
+
+
+def test_default_precision_follows_the_tensor_length():
+    short, long = pca_like(rans.SHORT_TOKENS, 8), pca_like(rans.SHORT_TOKENS + 1, 8)
+    assert rans.read_header(rans.encode(short)).prob_bits == rans.SHORT_PROB_BITS == 9
+    assert rans.read_header(rans.encode(long)).prob_bits == rans.DEFAULT_PROB_BITS == 10
+    with pytest.raises(InvalidTensorError, match="9..15"):
+        rans.encode(short, prob_bits=8)
 
 
 def test_sampled_tables_cost_little():
@@ -249,7 +257,7 @@ def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
             y = rans_cuda.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             np.testing.assert_array_equal(y.numpy(), x, err_msg=name)
         x = all_cases["heavy_tails"][:300]
-        for prob_bits in (11, 12, 15):  # beside the default 10; the kernels' int32 arithmetic is for n <= 11, int64 above
+        for prob_bits in (10, 11, 12, 15):  # beside the default 9 of short tensors; int32 arithmetic for n <= 11, int64 above
             payload = rans.encode(x, lane_tokens=64, prob_bits=prob_bits)
             assert bytes(rans_cuda.encode_cuda(torch.from_numpy(x), lane_tokens=64, prob_bits=prob_bits).numpy()) \
                 == payload, prob_bits
@@ -311,6 +319,26 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
         bad[len(bad) // 2] ^= 0x10
         with pytest.raises(BitstreamError, match="payload 3 of the list"):
             rans_cuda.decode_many_cuda(tensors[:3] + [torch.frombuffer(bad, dtype=torch.uint8)] + tensors[4:])
+    """)
+
+
+@needs_triton
+def test_triton_interpreter_stages_aligned_and_unaligned_containers():
+    """The decode graph's staging copy: a container at an 8-byte aligned address goes over in words
+    and its tail in bytes, any other byte by byte; each slot gets its container's bytes, nothing past."""
+    run_interpreted("""
+        import torch
+        cap = 4096
+        store = torch.arange(3 * cap, dtype=torch.int64).to(torch.uint8)
+        assert store.data_ptr() % 8 == 0
+        srcs = [store[a:a + n] for a, n in ((0, 1003), (8 * 300 + 3, 4093), (5016, 7))]
+        table = torch.tensor([[s.data_ptr(), s.numel()] for s in srcs], dtype=torch.int64)
+        buf = torch.full((3 * cap,), 0xAB, dtype=torch.uint8)
+        rans_cuda._kernels()["stage"][(rans_cuda.triton_cdiv(cap, 256 * 4), 3)](
+            table, buf, buf.view(torch.int64), cap, BLOCK=256, ITERS=4)
+        for i, s in enumerate(srcs):
+            assert torch.equal(buf[i * cap:i * cap + s.numel()], s), i
+            assert bool((buf[i * cap + s.numel():(i + 1) * cap] == 0xAB).all()), i
     """)
 
 
@@ -385,6 +413,14 @@ def test_a_graph_keeps_the_cached_tensors_it_was_captured_with():
     assert "a" not in cache and graph.held_cached == [first] and rans_cuda._HOLDS is None
 
 
+def test_a_lane_off_its_warp_lane_is_reported_as_a_fault_of_the_coder():
+    import torch
+
+    rans_cuda.check_lane_map(torch.tensor([0, 1, 2, 1], dtype=torch.int32))  # corruption and mismatches: not this fault
+    with pytest.raises(RuntimeError, match="USE_WARP_VOTE"):
+        rans_cuda.check_lane_map(torch.tensor([0, 5], dtype=torch.int32))
+
+
 def test_cuda_functions_need_a_cuda_tensor(monkeypatch):
     torch = pytest.importorskip("torch")
     from shared.errors import BackendUnavailable
@@ -417,10 +453,13 @@ def test_cuda_and_cpu_cross_decode(name, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_large_round_trip(monkeypatch):
+@pytest.mark.parametrize("vote", [True, False])
+def test_cuda_large_round_trip(vote, monkeypatch):
+    """Both ways of ranking a group's lanes (warp vote, Triton's scan) write the CPU coder's bytes."""
     import torch
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(rans_cuda, "USE_WARP_VOTE", vote)
     g = torch.Generator(device="cuda").manual_seed(0)
     sigma = 40 * torch.arange(1, 257, device="cuda", dtype=torch.float32) ** -0.7
     t = torch.round(torch.randn((65536, 256), device="cuda", generator=g) * sigma).to(torch.int32)

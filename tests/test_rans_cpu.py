@@ -40,7 +40,7 @@ def test_shapes_identical(shape):
     assert_same_coder(pca_like(*shape, seed=shape[0] + shape[1]))
 
 
-@pytest.mark.parametrize("prob_bits", range(10, 16))
+@pytest.mark.parametrize("prob_bits", range(9, 16))
 def test_every_prob_bits_identical(prob_bits):
     x = np.concatenate([pca_like(700, 12, seed=prob_bits), wide_windows(700)], 1)
     assert_same_coder(x, prob_bits=prob_bits)

@@ -308,14 +308,35 @@ def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask):
 
 
 @triton.jit
+def lanes_before(flag, jg, VOTE: tl.constexpr):
+    """For 0/1 int32 flags [GPP, G] of lane groups: how many lanes before each one in its group are
+    flagged (an exclusive prefix count, the rank at which a lane writes or reads a shared stream),
+    and 1 where that count cannot be trusted. VOTE (G = 32, one group per warp): one warp vote and
+    a population count, where Triton's scan takes five shuffle rounds; it holds only while element
+    j of the group sits on lane j of the warp, which every call checks (the second result)."""
+    if VOTE:
+        rank, wrong = tl.inline_asm_elementwise(
+            asm="""{ .reg .pred p, q; .reg .b32 b, m, l;
+            setp.ne.b32 p, $2, 0; vote.sync.ballot.b32 b, p, 0xffffffff;
+            mov.u32 m, %lanemask_lt; and.b32 b, b, m; popc.b32 $0, b;
+            mov.u32 l, %laneid; setp.ne.u32 q, l, $3; selp.u32 $1, 1, 0, q; }""",
+            constraints="=r,=r,r,r", args=[flag, jg], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        rank = tl.cumsum(flag, 1) - flag
+        wrong = tl.zeros_like(flag)
+    return rank, wrong
+
+
+@triton.jit
 def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr, ebuf_ptr, gesc_ptr,
                   scal_ptr, T, K, n_lanes, n_groups, S, cap, ecap,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  WIDE_INDEX: tl.constexpr):
+                  WIDE_INDEX: tl.constexpr, VOTE: tl.constexpr):
     """One thread per lane, G lanes per shared word stream, GPP streams per program. Walks its
     tokens last to first. Escaped values go to their group's escape buffer (ecap slots; the
     count is kept either way) in the order the stored format wants; programs none of whose
-    components has an escape symbol skip that bookkeeping."""
+    components has an escape symbol skip that bookkeeping. VOTE: see lanes_before; a lane found
+    off its warp lane sets the overflow slot to 2, and the host refuses the result."""
     M: tl.constexpr = 1 << PROB_BITS
     s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
     sym_ptr += s * T * K
@@ -349,6 +370,8 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     row0 = p * S
     out_row = buf_ptr + grp.to(tl.int64)[:, None] * cap
     esc_row = ebuf_ptr + grp.to(tl.int64)[:, None] * ecap
+    jg = tl.zeros([GPP, G], tl.int32) + tl.arange(0, G)[None, :]
+    wrong = tl.zeros([GPP, G], tl.int32)
     # Software pipeline: step jj codes the symbol and table entry loaded during step jj - 1 and
     # loads the next step's entry and the symbol after that, so no load waits on the state chain.
     row = row0 + (S - 1)
@@ -373,14 +396,17 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
         if may_escape:
             esc_now = active & outside
             ee = esc_now.to(tl.int32)
-            epos = eptr[:, None] + (tl.cumsum(ee, 1) - ee)
+            erank, ewrong = lanes_before(ee, jg, VOTE)
+            wrong |= ewrong
+            epos = eptr[:, None] + erank
             tl.store(esc_row + epos, v, mask=esc_now & (epos < ecap))
             eptr += tl.sum(ee, 1)
         f = (e & 0xFFFF).to(tl.uint32)
         c = (e >> 16).to(tl.uint32)
         emit = (x >> (32 - PROB_BITS)) >= f
         em = emit.to(tl.int32)
-        rank = tl.cumsum(em, 1) - em
+        rank, rwrong = lanes_before(em, jg, VOTE)
+        wrong |= rwrong
         tl.store(out_row + (ptr[:, None] + rank), (x & 0xFFFF).to(tl.int32).to(tl.int16), mask=emit)
         ptr += tl.sum(em, 1)
         x = tl.where(emit, x >> 16, x)
@@ -392,6 +418,8 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     tl.atomic_add(scal_ptr + SCAL_WORDS, tl.sum(ptr.to(tl.int64), 0))
     tl.atomic_add(scal_ptr + SCAL_ESCAPES, tl.sum(eptr.to(tl.int64), 0))
     tl.atomic_max(scal_ptr + SCAL_GROUP_ESC_MAX, tl.max(eptr, 0).to(tl.int64))
+    if VOTE:
+        tl.atomic_max(scal_ptr + SCAL_OVERFLOW, 2 * tl.max(tl.max(wrong, 1), 0).to(tl.int64))
 
 
 @triton.jit
@@ -687,17 +715,31 @@ def fronts_kernel(src_ptr, src_off_ptr, front_ptr, back_ptr, seg_ptr, span_ptr, 
 
 
 @triton.jit
-def stage_kernel(src_ptr, dst_ptr, cap, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def stage_kernel(src_ptr, dst_ptr, dst64_ptr, cap, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """Container i = program_id(1) (src_ptr[2 i]: its address, src_ptr[2 i + 1]: its length, at
-    most cap) -> bytes [i cap, i cap + length) of dst: a list of GPU tensors staged in one launch."""
+    most cap) -> bytes [i cap, i cap + length) of dst (dst64: the same buffer as int64, cap a
+    multiple of 16): a list of GPU tensors staged in one launch. An 8-byte aligned container is
+    copied in 8-byte words (eight times fewer loads), then its last length % 8 bytes."""
     i = tl.program_id(1).to(tl.int64)
-    src = tl.load(src_ptr + 2 * i).to(tl.pointer_type(tl.uint8))
+    addr = tl.load(src_ptr + 2 * i)
+    src = addr.to(tl.pointer_type(tl.uint8))
     n = tl.minimum(tl.load(src_ptr + 2 * i + 1), cap)
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
-    for it in range(ITERS):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
+    if addr % 8 == 0:
+        src64 = addr.to(tl.pointer_type(tl.int64))
+        n_words = n // 8
+        for it in range(ITERS):
+            w = start // 8 + it * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+            m = w < n_words
+            tl.store(dst64_ptr + i * (cap // 8) + w, tl.load(src64 + w, mask=m), mask=m)
+        offs = n_words * 8 + tl.arange(0, 8)
+        m = (offs < n) & (offs >= start) & (offs < start + BLOCK * ITERS)
         tl.store(dst_ptr + i * cap + offs, tl.load(src + offs, mask=m), mask=m)
+    else:
+        for it in range(ITERS):
+            offs = start + it * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(dst_ptr + i * cap + offs, tl.load(src + offs, mask=m), mask=m)
 
 
 @triton.jit
@@ -866,12 +908,13 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
 def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, rank_ptr, lut_ptr, tab_ptr,
                   out_ptr, gesc_ptr, geend_ptr, err_ptr, T, K, n_lanes, n_groups, S,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr):
+                  WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr):
     """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
     first to last, reading each group's words from the end of its stream. PACKED: lut holds
     symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol and tab the
     (cum << 16 | f) entry. Escaped values are read from the end of each group's escapes, as its
-    words. Any inconsistency sets the payload's error flag."""
+    words. Any inconsistency sets the payload's error flag (bit 0); a lane found off its warp lane
+    (VOTE, see lanes_before) sets bit 2, which the host reports as a fault of its own, not corruption."""
     sg = tl.program_id(1)
     seg = seg_ptr + sg * SEG_FIELDS
     words_ptr = b16 + tl.load(seg + SEG_STREAMS)
@@ -924,7 +967,12 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         off = row0.to(tl.int64) * K + k
     else:
         off = row0 * K + k
-    jg = tl.arange(0, G)[None, :]
+        # word offsets then fit int32 (a stream holds at most T * K words); a hostile base only wraps,
+        # and the window's clamp to [0, last_word] still bounds every read
+        base = base.to(tl.int32)
+        last_word = tl.minimum(last_word, 2147483647).to(tl.int32)
+    jg = tl.zeros([GPP, G], tl.int32) + tl.arange(0, G)[None, :]
+    wrong = tl.zeros([GPP, G], tl.int32)
     has_words = grp_ok[:, None] & (n_words > 0)
     window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
     for i in range(0, S):
@@ -945,7 +993,8 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             x = f * (x >> PROB_BITS) + (slot.to(tl.uint32) - c)
         need = x < 65536
         nd = need.to(tl.int32)
-        rank_w = tl.cumsum(nd, 1) - nd
+        rank_w, rwrong = lanes_before(nd, jg, VOTE)
+        wrong |= rwrong
         tot = tl.sum(nd, 1)
         ptr -= tot
         bad |= (ptr < 0).to(tl.int32)[:, None]
@@ -961,10 +1010,13 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             ee = esc_now.to(tl.int32)
             eptr -= tl.sum(ee, 1)
             bad |= (eptr < 0).to(tl.int32)[:, None]
-            ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr[:, None] + (tl.cumsum(ee, 1) - ee)), 0), last_esc)
+            erank, ewrong = lanes_before(ee, jg, VOTE)
+            wrong |= ewrong
+            ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr[:, None] + erank), 0), last_esc)
             val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
         tl.store(out_ptr + off, val, mask=active)
         off += K
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)[:, None]
+    bad |= 4 * wrong
     tl.atomic_or(err_ptr, tl.max(tl.max(tl.where(lane_ok, bad, 0), 1), 0))

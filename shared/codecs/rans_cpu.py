@@ -586,13 +586,14 @@ def checksum(*parts) -> tuple[int, int]:
     return int(c0) & 0xFFFFFFFF, int(c1) & 0xFFFFFFFF
 
 
-def encode(symbols: np.ndarray, prob_bits: int = rans.DEFAULT_PROB_BITS, group_lanes: int = rans.DEFAULT_GROUP_LANES,
+def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int = rans.DEFAULT_GROUP_LANES,
            lane_tokens: int | None = None, stats=None) -> bytes:
     """rans.encode, compiled: the identical payload. stats: each column's (min, max, sum) of the
     symbols, when the caller has them (RDQuantizer.quantize_with_stats makes them in its pass)."""
     _require()
     sym = rans._validate_symbols(symbols)
     T, K = sym.shape
+    prob_bits = rans.default_prob_bits(T) if prob_bits is None else prob_bits
     S = rans._check_settings(prob_bits, group_lanes, lane_tokens or rans.default_lane_tokens(T, K), T)
     G = group_lanes
     if stats is None:

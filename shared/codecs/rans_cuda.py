@@ -14,10 +14,10 @@ import os
 import numpy as np
 
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
-from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, DEFAULT_PROB_BITS, ESCAPE_COST, HEADER, MAGIC,
+from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, ESCAPE_COST, HEADER, MAGIC,
                    MODEL_MIN_SHARE, MODEL_SEARCH, N_SHAPES, PARAM_BYTES, SHAPE_STEPS, TABLE_ENTRY_COST, VERSION,
                    Layout, Parsed, _check_settings, _neg_log2_table, _parse_header_only, default_lane_tokens,
-                   hist_row_stride, max_alphabet, model_tables)
+                   default_prob_bits, hist_row_stride, max_alphabet, model_tables)
 
 # --------------------------------------------------------------------------------------------
 # Kernels are loaded on first use, so importing this module needs neither Triton nor a GPU. With TRITON_INTERPRET=1 they also run on CPU tensors
@@ -83,7 +83,10 @@ def _summary_start(torch, dev):
     return _SUMMARY_START[key]
 
 
-GROUPS_PER_PROGRAM = 4  # lane groups per Triton program: 4 x 32 lanes = 128 threads
+GROUPS_PER_PROGRAM = 1  # lane groups per Triton program on a GPU: one warp (with more, Triton moves each step's
+# values between layouts through shared memory, two barriers each: 183 instructions a step instead of 117)
+INTERPRETER_GROUPS_PER_PROGRAM = 4  # under Triton's CPU interpreter (tests): the same lanes in a quarter of the programs
+USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by warp vote (see _rans_triton.lanes_before)
 HIST_TOKENS, HIST_BLOCK = 32, 128  # histogram: sampled tokens per thread, threads per program
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 TABLE_WARPS, META_WARPS = 4, 2  # warps per component of the encoder's and the decoder's table kernels (fastest on an H200)
@@ -91,7 +94,7 @@ TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed 
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
 
-def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
+def encode_cuda(t, prob_bits: int | None = None, group_lanes: int = DEFAULT_GROUP_LANES,
                 lane_tokens: int | None = None, stats=None, guard=None):
     """encode() on the GPU: int32 CUDA tensor [T, K] -> uint8 CUDA tensor holding the same bytes.
 
@@ -105,7 +108,7 @@ def encode_cuda(t, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAUL
     return encode_many_cuda([t], prob_bits, group_lanes, lane_tokens, [stats], [guard])[0]
 
 
-def encode_many_cuda(ts, prob_bits: int = DEFAULT_PROB_BITS, group_lanes: int = DEFAULT_GROUP_LANES,
+def encode_many_cuda(ts, prob_bits: int | None = None, group_lanes: int = DEFAULT_GROUP_LANES,
                      lane_tokens: int | None = None, stats=None, guards=None, fronts=None, backs=None,
                      length_field: bool = False, sync: bool = True, retry: bool | None = None):
     """encode_cuda() of each tensor of a list: tensors of one shape share every kernel launch (a
@@ -197,6 +200,8 @@ class PendingEncode:
         for job in self.jobs:
             per_job.append(rows[at:at + job.N])
             at += job.N
+        if any(r[overflow] == 2 for r in rows):
+            raise RuntimeError(LANE_MAP_FAULT)
         if any(r[overflow] for r in rows):
             raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
                                      "use a larger step or fix the producer")
@@ -271,6 +276,7 @@ class _EncodeBatch:
         torch = _torch()
         N = len(ts)
         T, K = ts[0].shape
+        prob_bits = default_prob_bits(T) if prob_bits is None else prob_bits
         S = _check_settings(prob_bits, group_lanes, lane_tokens or default_lane_tokens(T, K), T)
         n, G, HCAP = prob_bits, group_lanes, max_alphabet(prob_bits)
         kern = _kernels()
@@ -330,11 +336,11 @@ class _EncodeBatch:
                 self.scal[:, kern["fields"].index(f)] = 0
         self.ecap = ecap
         self.ebuf = torch.empty((self.N, self.NG * ecap), dtype=torch.int32, device=self.dev)
-        kern["encode"][(triton_cdiv(self.NG, GROUPS_PER_PROGRAM), self.N)](
+        kern["encode"][(triton_cdiv(self.NG, _groups_per_program()), self.N)](
             self.t, self.lo, self.W, self.A, self.tab, self.buf, self.states, self.glen, self.ebuf, self.gesc,
             self.scal, self.T, self.K, self.NL, self.NG, self.S, self.cap, ecap,
-            HCAP=self.HCAP, PROB_BITS=self.n, G=self.G, GPP=GROUPS_PER_PROGRAM, WIDE_INDEX=self.wide_index,
-            num_warps=_warps(self.G))
+            HCAP=self.HCAP, PROB_BITS=self.n, G=self.G, GPP=_groups_per_program(), WIDE_INDEX=self.wide_index,
+            VOTE=_vote(self.G), num_warps=_warps(self.G))
         self.gend, self.geend = torch.cumsum(torch.stack([self.glen, self.gesc]), 2, dtype=torch.int64)
 
     def capacity(self) -> int:
@@ -453,8 +459,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _groups_per_program() -> int:
+    return INTERPRETER_GROUPS_PER_PROGRAM if _interpreting() else GROUPS_PER_PROGRAM
+
+
 def _warps(G: int) -> int:
-    return max(1, min(16, GROUPS_PER_PROGRAM * G // 32))
+    return max(1, min(16, _groups_per_program() * G // 32))
+
+
+def _vote(G: int) -> bool:
+    """Whether the lanes kernels count ranks by warp vote: one group of 32 lanes per warp, on a GPU."""
+    return USE_WARP_VOTE and G == 32 and _groups_per_program() == 1 and not _interpreting()
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -541,6 +556,7 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
     if check:
         bad = err.cpu()  # the one host synchronization after the headers
         if bool(bad.any()):
+            check_lane_map(bad)
             raise BitstreamError(CORRUPT + (f" (payload {int(bad.nonzero()[0])} of the list)" if len(bad) > 1 else ""))
     return outs, err
 
@@ -595,10 +611,10 @@ def _decode_kernels(buf, segs, err, h0, max_len: int):
     gesc = b32[segs[:, col["ge_el"]:col["ge_el"] + 1] + ar]
     gend, geend = torch.cumsum(torch.stack([glen, gesc]), 2, dtype=torch.int64)
     out = torch.empty((N, T, K), dtype=torch.int32, device=dev)
-    kern["decode"][(triton_cdiv(NG, GROUPS_PER_PROGRAM), N)](
+    kern["decode"][(triton_cdiv(NG, _groups_per_program()), N)](
         b16, b32, segs, gend, glen.contiguous(), lo, W, A, rank, lut, tab, out, gesc.contiguous(), geend, err,
-        T, K, NL, NG, S, HCAP=HCAP, PROB_BITS=n, G=G, GPP=GROUPS_PER_PROGRAM,
-        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields))
+        T, K, NL, NG, S, HCAP=HCAP, PROB_BITS=n, G=G, GPP=_groups_per_program(),
+        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields), VOTE=_vote(G))
     return list(out.unbind(0)), err
 
 
@@ -670,7 +686,7 @@ class SlotDecoder:
     def launch(self):
         kern, lay = _kernels(), self.hdr.layout
         kern["stage"][(triton_cdiv(self.cap, STAGE_BLOCK * STAGE_ITERS), self.N)](
-            self.sources, self.buf, self.cap, BLOCK=STAGE_BLOCK, ITERS=STAGE_ITERS)
+            self.sources, self.buf, self.buf.view(_torch().int64), self.cap, BLOCK=STAGE_BLOCK, ITERS=STAGE_ITERS)
         kern["check_fronts"][(self.N,)](
             self.buf, self.sources, self.ref, self.ref_len, self.segs, self.err, self.cap, self.hdr.T, self.hdr.K,
             lay.P, lay.n_groups, BLOCK=self.block, SEG_FIELDS=self.segs.shape[1], HEADER_BYTES=HEADER.size,
@@ -679,5 +695,16 @@ class SlotDecoder:
 
 
 CORRUPT = "rANS payload is corrupt (checksum, tables or lane states do not check out)"
+LANE_MAP_FAULT = ("the GPU lanes kernels found a lane group not laid out one lane per warp lane, so their warp "
+                  "vote cannot be trusted (a Triton version that lays tensors out differently); set "
+                  "shared.codecs.rans_cuda.USE_WARP_VOTE = False")
+
+
+def check_lane_map(flags) -> None:
+    """Raise RuntimeError(LANE_MAP_FAULT) where a decode's error flags (on the host) have bit 2 set: the
+    warp vote met a lane off its warp lane, a fault of this code, not of the data. (The encoder reports
+    the same fault as 2 in its overflow slot.)"""
+    if bool((flags & 4).any()):
+        raise RuntimeError(LANE_MAP_FAULT)
 
 
