@@ -45,10 +45,10 @@ the CPU decoder's. Repeated encodes and decodes of up to pipeline.GRAPH_MAX_BYTE
 per input byte).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
-    api S=def       4.00    10417   4.57  0.9990     11.14      9.52     48.24     48.49
-    api S=def      64.00   166667   4.60  0.9990     86.78    102.00     54.76     54.84
-    api S=def     512.00  1333333   4.58  0.9990    153.86    147.94     55.22     54.86
-    api_batched    23.59 60x1024 S=def    4.51  0.9990     17.28     21.22     53.04     53.78
+    api S=def       4.00    10417   4.57  0.9990     12.56     14.13     47.67     46.44
+    api S=def      64.00   166667   4.60  0.9990     83.93    122.33     54.23     54.38
+    api S=def     256.00   666667   4.61  0.9990    156.81    209.59     54.47     55.09
+    api_batched    23.59 60x1024 S=def    4.51  0.9990     14.32     24.87     51.90     51.31
 
 The compute codec's CPU path (`--api-cpu`, any machine; about 1 min on a 2-core CPU machine): a
 bf16 CPU tensor through TensorCodec on one core (torch, numba and BLAS one thread each), each way

@@ -103,7 +103,7 @@ def max_alphabet(prob_bits: int) -> int:
 def default_prob_bits(T: int) -> int:
     """The precision n when the caller names none. Short tensors (one layer's K or V of a KV step)
     are decoded many to a launch, whose slot -> symbol lookups (K x 2^n entries each) then share
-    the GPU's L2: 9 bits halve them (60 x [1024, 192] on an NVIDIA H200: decoder lanes 613 -> 474
+    the GPU's L2: 9 bits halve them (60 x [1024, 192] on an NVIDIA H200: decoder lanes 365 -> 240
     us) for 0.04% more bytes on the real K (0.09% at 4096 tokens, where they would no longer pay)."""
     return SHORT_PROB_BITS if T <= SHORT_TOKENS else DEFAULT_PROB_BITS
 
