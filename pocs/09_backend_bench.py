@@ -603,20 +603,20 @@ def plot_api(df, name: str = "09_backend_bench_api"):
         for lane, g in (api.groupby(api_lanes) if api_lanes is not None else [("default", api)]):
             default = lane == "default"
             ax.plot(g.tensor_mb, g.value, "o-" if default else "o:", color="#0072B2" if default else "#56B4E9",
-                    label=f"TensorCodec.{direction} (one tensor a call, lane tokens {lane})")
+                    label=f"TensorCodec.encode / .decode (one tensor a call, lane tokens {lane})")
         ax.plot(pcie.tensor_mb, pcie.value, "s--", color="#D55E00",
-                label=f"pinned PCIe copy, {'device->host' if direction == 'encode' else 'host->device'}")
+                label="pinned PCIe copy (device->host beside encode, host->device beside decode)")
         for (lane, g), marker, color in zip(batch.groupby(lanes) if lanes is not None else [("default", batch)],
                                             "D^v", ("#009E73", "#CC79A7", "#56B4E9")):
             ax.plot(g.tensor_mb, g.value, marker, color=color, ms=9,
-                    label=f"{direction}_many: 60 tensors of 1024x192 in one call (lane tokens {lane})")
+                    label=f"encode_many / decode_many: 60 tensors of 1024x192 in one call (lane tokens {lane})")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("tensor size (MB of bf16)")
         ax.set_title(direction)
     axes[0].set_ylabel("GB/s of original bf16 bytes (log)")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9)
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=9)
     device = rows.device.iloc[0]
     fig.suptitle(f"PoC 09: the compute codec through its API on {device} vs the PCIe copy it must beat "
                  f"(cos >= {API_TARGET_COS}, ratio {rows[rows.metric == 'ratio'].value.median():.2f}x)", fontsize=11)

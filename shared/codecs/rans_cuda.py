@@ -150,11 +150,12 @@ class PendingEncode:
 
     buffer: one uint8 CUDA tensor holding every container at its final place; spans: int64 CUDA
     [N, 2], each container's (start, length) in it; flags: int64 CUDA [N], nonzero where a tensor
-    could not be coded (NaN/Inf or coefficients beyond int32). All three are valid once the queued
+    could not be coded (1: NaN/Inf or coefficients beyond int32; 2: the lanes kernel's warp vote
+    met a lane off its warp lane, see LANE_MAP_FAULT). All three are valid once the queued
     work has run, so a caller can send buffer and spans (torch.distributed, a copy to the host)
     without waiting. Without a retry (sync=False) the escape buffers are sized for the worst case.
     result() synchronizes once and returns the blobs as views into a compact copy, raising
-    InvalidTensorError where a tensor could not be coded."""
+    InvalidTensorError where a tensor could not be coded (RuntimeError for flag 2)."""
 
     def __init__(self, torch, jobs, members, n_t, retry: bool):
         self.torch, self.jobs, self.members, self.n_t, self.retry = torch, jobs, members, n_t, retry
