@@ -18,7 +18,7 @@ Importing this module needs neither a GPU nor Triton.
 
 Bitstream (all little-endian; offsets follow from the header):
 
-    header, 56 bytes: magic b"TRNS", u8 version=3, u8 prob_bits n, u16 group_lanes G,
+    header, 56 bytes: magic b"TRNS", u8 version=3, u8 prob_bits n (9..15), u16 group_lanes G,
         u32 T, u32 K, u32 lane_tokens S, u32 n_table, u32 n_escapes, u32 k_coded, u32 n_param,
         u8 lo_bytes, u8 w_bytes, u16 reserved=0, u64 stream_words, u32 check0, u32 check1
     lo        int{8,16,32}[K]  first symbol value of each component's window (lo_bytes wide)
