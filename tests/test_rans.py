@@ -6,6 +6,7 @@ CPU tests run the numpy coder. The Triton kernels run on the CPU through Triton'
 compiled kernels on a CUDA GPU and cross-decode with the CPU coder.
 """
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -320,6 +321,56 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
         with pytest.raises(BitstreamError, match="payload 3 of the list"):
             rans_cuda.decode_many_cuda(tensors[:3] + [torch.frombuffer(bad, dtype=torch.uint8)] + tensors[4:])
     """)
+
+
+LANES_LOOP_BUDGET = {"encode": 110, "decode": 100}  # SASS instructions a step on sm_90 (94 and 86 when written)
+
+
+@needs_triton
+def test_lanes_kernels_compile_to_lean_loops_for_hopper():
+    """The lanes kernels compiled for sm_90 on this (GPU-less) machine, with the settings a GPU
+    run uses: their per-step loop holds no barrier (values moved between layouts through shared
+    memory cost the 4-group programs 17 a step) and stays within its instruction budget."""
+    code = textwrap.dedent(r"""
+        import json, os, re, subprocess, sys, tempfile
+        sys.path[:0] = ['.']
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from shared.codecs import _rans_triton as kt, rans_cuda
+        G, GPP = 32, rans_cuda.GROUPS_PER_PROGRAM
+        types = {"buf_ptr": "*i16", "b16": "*i16", "b32": "*i32", "state_ptr": "*i32", "scal_ptr": "*i64",
+                 "lo_ptr": "*i64", "w_ptr": "*i64", "a_ptr": "*i64", "rank_ptr": "*i64", "seg_ptr": "*i64",
+                 "gend_ptr": "*i64", "geend_ptr": "*i64"}
+        common = dict(HCAP=256, PROB_BITS=10, G=G, GPP=GPP, WIDE_INDEX=False, VOTE=True)
+        out = {}
+        for name, fn, consts in (("encode", kt.encode_kernel, common),
+                                 ("decode", kt.decode_kernel, dict(common, PACKED=True, SEG_FIELDS=24))):
+            sig = {a: "constexpr" if a in consts else types.get(a, "*i32" if a.endswith("_ptr") else "i32")
+                   for a in fn.arg_names}
+            src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=GPP * G // 32))
+            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                f.write(k.asm["cubin"])
+            tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+            lines = [(int(m.group(1), 16), l) for l in sass.splitlines() if (m := re.search(r"/\*([0-9a-f]{4,})\*/", l))]
+            loops = [(int(b.group(1), 16), a) for a, l in lines if (b := re.search(r"BRA (0x[0-9a-f]+)", l))
+                     and int(b.group(1), 16) < a]
+            lo, hi = max(loops, key=lambda r: r[1] - r[0])  # the longest backward branch: the per-step loop
+            body = [l for a, l in lines if lo <= a <= hi]
+            out[name] = dict(instructions=len(body), barriers=sum("BAR.SYNC" in l for l in body))
+        print(json.dumps(out))
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
+        pytest.skip(f"Triton's CUDA tools are not usable here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    loops = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, stats in loops.items():
+        assert stats["barriers"] == 0, (name, stats)
+        assert stats["instructions"] <= LANES_LOOP_BUDGET[name], (name, stats)
 
 
 @needs_triton
