@@ -469,8 +469,10 @@ def _warps(G: int) -> int:
 
 
 def _vote(G: int) -> bool:
-    """Whether the lanes kernels count ranks by warp vote: one group of 32 lanes per warp, on a GPU."""
-    return USE_WARP_VOTE and G == 32 and _groups_per_program() == 1 and not _interpreting()
+    """Whether the lanes kernels count ranks by warp vote (inline PTX): one group of 32 lanes per
+    warp, on an NVIDIA GPU (not under the interpreter, not on ROCm, whose warps are 64 wide)."""
+    return USE_WARP_VOTE and G == 32 and _groups_per_program() == 1 and not _interpreting() \
+        and not getattr(_torch().version, "hip", None)
 
 
 def triton_cdiv(a: int, b: int) -> int:
