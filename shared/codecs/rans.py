@@ -87,6 +87,7 @@ CHECKED_HEADER_BYTES = 48  # the header bytes before check0
 STATE_LOW = 1 << 16  # rANS state lower bound L; states live in [L, 2^32)
 
 DEFAULT_PROB_BITS = 10  # frequency precision n: tables sum to 2^n (<= 11: one-load GPU decode; 10 keeps a batch's lookup tables in L2 for <0.1% more bytes than 11)
+MIN_PROB_BITS, MAX_PROB_BITS = 9, 15  # the precisions the format allows (both coders' checks read these)
 SHORT_TOKENS, SHORT_PROB_BITS = 2048, 9  # and for tensors of at most SHORT_TOKENS tokens (see default_prob_bits)
 DEFAULT_GROUP_LANES = 32  # lanes sharing one word stream (a GPU warp)
 ESCAPE_COST = 5  # bytes an escaped value costs (4 raw + its escape code), for window trimming
@@ -415,8 +416,8 @@ def table_budget_ok(T: int, K: int, prob_bits: int) -> bool:
 
 
 def _check_settings(prob_bits, group_lanes, lane_tokens, T):
-    if not 9 <= prob_bits <= 15:
-        raise InvalidTensorError(f"prob_bits must be 9..15, got {prob_bits}")
+    if not MIN_PROB_BITS <= prob_bits <= MAX_PROB_BITS:
+        raise InvalidTensorError(f"prob_bits must be {MIN_PROB_BITS}..{MAX_PROB_BITS}, got {prob_bits}")
     if group_lanes < 1 or group_lanes > 1024 or group_lanes & (group_lanes - 1):
         raise InvalidTensorError(f"group_lanes must be a power of two up to 1024, got {group_lanes}")
     if lane_tokens < 1:
@@ -738,7 +739,7 @@ def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int, max_elements:
         raise BitstreamError(f"rANS payload version {version}; this build reads version {VERSION}"
                              + (": written by a newer build, upgrade the reader" if newer
                                 else ": the payload is corrupt or not ours"))
-    fields = dict(prob_bits=(n, 9 <= n <= 15), group_lanes=(G, 1 <= G <= 1024 and G & (G - 1) == 0),
+    fields = dict(prob_bits=(n, MIN_PROB_BITS <= n <= MAX_PROB_BITS), group_lanes=(G, 1 <= G <= 1024 and G & (G - 1) == 0),
                   T=(T, T >= 1), K=(K, K >= 1), lane_tokens=(S, 1 <= S <= min(T, MAX_LANE_TOKENS)), reserved=(reserved, reserved == 0),
                   n_escapes=(n_esc, n_esc <= T * K), k_coded=(k_coded, k_coded <= K), n_param=(n_param, n_param <= K),
                   lo_bytes=(lo_bytes, lo_bytes in (1, 2, 4)), w_bytes=(w_bytes, w_bytes in (1, 2)))
