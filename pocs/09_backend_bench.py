@@ -45,10 +45,10 @@ the CPU decoder's. Repeated encodes and decodes of up to pipeline.GRAPH_MAX_BYTE
 per input byte).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
-    api S=def       4.00    10417   4.57  0.9990     12.56     14.13     47.67     46.44
-    api S=def      64.00   166667   4.60  0.9990     83.93    122.33     54.23     54.38
-    api S=def     256.00   666667   4.61  0.9990    156.81    209.59     54.47     55.09
-    api_batched    23.59 60x1024 S=def    4.51  0.9990     14.32     24.87     51.90     51.31
+    api S=def       4.00    10417   4.57  0.9990      8.44     11.14     45.64     46.49
+    api S=def      64.00   166667   4.60  0.9990     87.79    147.03     54.08     54.17
+    api S=def     256.00   666667   4.61  0.9990    153.43    210.56     54.52     54.92
+    api_batched    23.59 60x1024 S=def    4.51  0.9990     19.76     40.00     53.55     53.55
 
 The compute codec's CPU path (`--api-cpu`, any machine; about 1 min on a 2-core CPU machine): a
 bf16 CPU tensor through TensorCodec on one core (torch, numba and BLAS one thread each), each way
@@ -369,8 +369,8 @@ API_TARGET_COS = 0.999        # the step is calibrated for this on held-out-free
 API_BATCH = 60                # tensors in one batched call: one 30-layer model's K and V of one step
 API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one layer's K of a 1K chunk)
 API_REPEATS = 10              # timed calls per point (median)
-API_BATCH_LANES = [None, 256]
-API_SHORT_LANES_MB = (4, 128)  # single tensors of these sizes also run with 256-token lanes  # lane tokens of the batched rows: the default (1024 here), and shorter lanes
+API_BATCH_LANES = [None, 256]  # lane tokens of the batched rows: the default (1024 here), and shorter lanes
+API_SHORT_LANES_MB = (4, 128)  # single tensors of these sizes also run with 256-token lanes
 
 
 def api_source():

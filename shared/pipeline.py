@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import struct
 import zlib
 
@@ -663,11 +664,16 @@ def _graph_key(codecs, xs):
 
     from .codecs import rans_cuda
 
-    if rans_cuda._interpreting() or sum(x.numel() * x.element_size() for x in xs) > GRAPH_MAX_BYTES \
-            or torch.cuda.is_current_stream_capturing():
+    if rans_cuda._interpreting() or sum(map(_NBYTES, xs)) > GRAPH_MAX_BYTES or torch.cuda.is_current_stream_capturing():
         return None
-    return (tuple((id(c), id(c.quantizer), id(c._proj), c.lane_tokens) for c in codecs),
-            tuple((x.shape, x.dtype, x.device) for x in xs), torch.cuda.current_stream(xs[0].device))
+    # maps, not Python loops: this runs on every call (a loop over 60 tensors costs ~100 us on an H200's host)
+    return (tuple(map(id, codecs)), tuple(map(id, map(_QUANTIZER, codecs))), tuple(map(id, map(_PROJ, codecs))),
+            tuple(map(_LANE_TOKENS, codecs)), tuple(map(torch.Tensor.size, xs)), tuple(map(_DTYPE, xs)),
+            tuple(map(torch.Tensor.get_device, xs)), torch.cuda.current_stream(xs[0].device))
+
+
+_NBYTES, _DTYPE = operator.attrgetter("nbytes"), operator.attrgetter("dtype")
+_QUANTIZER, _PROJ, _LANE_TOKENS = (operator.attrgetter(a) for a in ("quantizer", "_proj", "lane_tokens"))
 
 
 def _graph_plan(key, codecs, xs, prepared):
@@ -769,11 +775,12 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
         require_cuda(f"decode(device={str(device)!r})", device)
     key = _decode_graph_key(codecs, blobs, device, max_elements) if on_gpu else None
     plan = _DECODE_GRAPHS.get(key)
-    if isinstance(plan, _DecodeGraph) and plan.dec.fits(blobs):
+    if isinstance(plan, _DecodeGraph):
         values = plan.run(blobs)
-        if values is not None:
+        if values is None:
+            _DECODE_GRAPHS.pop(key)  # a container differs from the one the graph checked, or is corrupt: the host path says which
+        elif values is not NOT_PLACED:
             return values
-        _DECODE_GRAPHS.pop(key)  # a container differs from the one the graph checked, or is corrupt: the host path says which
     resident = [i for i, b in enumerate(blobs) if on_gpu and _is_tensor(b) and b.is_cuda]
     heads = {}
     if resident:  # every resident container's first bytes, in one device->host copy
@@ -867,18 +874,29 @@ _DECODE_GRAPHS = {}  # key -> _DecodeGraph, or the number of eager calls seen wi
 
 
 def _decode_graph_key(codecs, blobs, device, max_elements):
-    """What a CUDA graph of decode_many depends on: each codec (by identity) and its basis, each blob's
-    device (all of them GPU-resident), the output device, the limit, and the stream; the containers
-    themselves are held against the ones checked when the graph was made, on the GPU, every call."""
+    """What a CUDA graph of decode_many depends on: each codec (by identity) and its basis, the one
+    GPU holding every blob, the output device, the limit, and the stream; the containers
+    themselves are held against the ones checked when the graph was made, on the GPU, every call.
+    None where no graph applies (a blob on the host or on another GPU, under Triton's interpreter).
+    This runs on every call, so it maps over the lists instead of looping in Python."""
     import torch
 
     from .codecs import rans_cuda
 
-    if rans_cuda._interpreting() or not blobs or GRAPH_MAX_BYTES <= 0 or torch.cuda.is_current_stream_capturing() \
-            or not all(_is_tensor(b) and b.is_cuda for b in blobs):
+    if rans_cuda._interpreting() or not blobs or GRAPH_MAX_BYTES <= 0:
         return None
-    return (tuple((id(c), id(c.basis)) for c in codecs), tuple(b.device for b in blobs), str(device), max_elements,
-            torch.cuda.current_stream(blobs[0].device))
+    try:
+        gpus = set(map(torch.Tensor.get_device, blobs))
+    except TypeError:  # a blob that is not a tensor
+        return None
+    if len(gpus) != 1 or -1 in gpus or torch.cuda.is_current_stream_capturing():
+        return None
+    gpu = gpus.pop()
+    return (tuple(map(id, codecs)), tuple(map(id, map(_BASIS, codecs))), gpu, str(device), max_elements,
+            torch.cuda.current_stream(gpu))
+
+
+_BASIS = operator.attrgetter("basis")
 
 
 def _decode_graph_plan(key, codecs, blobs, jobs):
@@ -925,16 +943,31 @@ class _DecodeGraph:
             with torch.cuda.graph(self.graph):
                 return self.dec.launch()
 
-        self.symbols, self.err = rans_cuda.holding_cached(self, capture)
+        symbols, self.err = rans_cuda.holding_cached(self, capture)
+        stacked = rans_cuda._stacked(torch, symbols)  # [N, T, K], refilled by every replay
+        proj = self.projs[0] if len(self.projs) == 1 else _stacked_projection(self.projs)
+        self.out_shape = (len(jobs), stacked.shape[1], proj.D)
+        self.reconstruct = proj.reconstruct_launcher(stacked, self.steps, self.err)  # the replay sets err first
 
     def run(self, blobs):
-        """The tensors, or None where a container differs from the checked one or is corrupt."""
-        self.dec.set_sources(blobs)
+        """The tensors, or None where a container differs from the checked one or is corrupt
+        (NOT_PLACED where one is not a 1-D uint8 tensor that fits the graph's slots). The host
+        work is bounded: a few maps over the list, the replay, one launch, one synchronization."""
+        import torch
+
+        sources = self.dec.placed(blobs)
+        if sources is None:
+            return NOT_PLACED
+        self.dec.set_sources(blobs, sources)
         self.graph.replay()
-        values, _ = _reconstruct_bf16(self.projs, self.symbols, self.steps, bad=self.err)  # the replay set err
+        out = self.reconstruct(torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.err.device))
+        values = out.unbind(0)  # before the synchronization, while the GPU works
         if bool(self.err.cpu().any()):  # the one host synchronization
             return None
-        return list(values.unbind(0))
+        return list(values)
+
+
+NOT_PLACED = "not placed"  # _DecodeGraph.run: a container the graph's slots cannot take; the host path decodes it
 
 
 def _parse_resident(blob, head: bytes, total: int, max_elements: int):

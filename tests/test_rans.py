@@ -450,6 +450,47 @@ def test_triton_interpreter_decodes_staged_containers_checked_on_the_device():
     """)
 
 
+@needs_triton
+def test_slot_decoder_places_only_what_fits_and_uploads_addresses_only_when_they_move():
+    """A decode graph's per-call host work: placed() accepts 1-D uint8 tensors of at most a slot on
+    the decoder's device and nothing else; set_sources() copies the address table to the device
+    only when an address or a length changed since the last call."""
+    import torch
+
+    pays = [rans.encode(pca_like(200, 16, seed=s), lane_tokens=64) for s in range(2)]
+    fronts = [bytes(16), bytes(32)]
+    dec = rans_cuda.SlotDecoder(fronts, pays, rans.read_header(pays[0]), 4096, "cpu")
+    blobs = [torch.zeros(1000, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)]
+    ptrs, lens = dec.placed(blobs)
+    assert ptrs == [b.data_ptr() for b in blobs] and lens == [1000, 4096]
+    for wrong in ([blobs[0]], blobs + blobs[:1], [blobs[0], torch.zeros(4097, dtype=torch.uint8)],
+                  [blobs[0], torch.zeros(64, dtype=torch.int16)], [blobs[0], torch.zeros((2, 8), dtype=torch.uint8)],
+                  [blobs[0], bytes(64)], [blobs[0], np.zeros(64, np.uint8)]):
+        assert dec.placed(wrong) is None and not dec.fits(wrong)
+    with pytest.raises(ValueError, match="slot size"):
+        dec.set_sources([blobs[0], bytes(64)])
+    dec.set_sources(blobs)
+    assert dec.sources.tolist() == [[p, n] for p, n in zip(ptrs, lens)]
+    dec.sources.zero_()  # a second call with the containers where they were: no copy
+    dec.set_sources(blobs)
+    assert dec.sources.tolist() == [[0, 0], [0, 0]]
+    moved = [blobs[0], torch.ones(4000, dtype=torch.uint8)]
+    dec.set_sources(moved)
+    assert dec.sources.tolist() == [[blobs[0].data_ptr(), 1000], [moved[1].data_ptr(), 4000]]
+
+
+def test_decode_graphs_are_keyed_only_for_containers_on_one_gpu():
+    """decode_many's graph key (computed on every call): none for host tensors, bytes or an empty
+    list, so those lists always take the host path."""
+    import torch
+
+    from shared import pipeline
+
+    codecs = [object(), object()]
+    for blobs in ([torch.zeros(64, dtype=torch.uint8)] * 2, [bytes(64)] * 2, [np.zeros(64, np.uint8)] * 2, []):
+        assert pipeline._decode_graph_key(codecs, blobs, "cuda", 1 << 20) is None
+
+
 def test_a_graph_keeps_the_cached_tensors_it_was_captured_with():
     """A cache of device tensors drops its oldest entry when full; a CUDA graph captured with one
     (under holding_cached) keeps it, so the graph never reads freed memory."""

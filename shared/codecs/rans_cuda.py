@@ -9,6 +9,7 @@ host code that sizes buffers and launches the kernels of _rans_triton.py.
 """
 from __future__ import annotations
 
+import operator
 import os
 
 import numpy as np
@@ -18,6 +19,8 @@ from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, ESCAPE_COST, HEADE
                    MODEL_MIN_SHARE, MODEL_SEARCH, N_SHAPES, PARAM_BYTES, SHAPE_STEPS, TABLE_ENTRY_COST, VERSION,
                    Layout, Parsed, _check_settings, _neg_log2_table, _parse_header_only, default_lane_tokens,
                    default_prob_bits, hist_row_stride, max_alphabet, model_tables)
+
+_DTYPE = operator.attrgetter("dtype")
 
 # --------------------------------------------------------------------------------------------
 # Kernels are loaded on first use, so importing this module needs neither Triton nor a GPU. With TRITON_INTERPRET=1 they also run on CPU tensors
@@ -186,9 +189,11 @@ class PendingEncode:
                 idx = _index_on(torch, self.buffer.device, members)
                 self.spans[idx] = job.span
                 self.flags[idx] = job.scal[:, col]
+        # each tensor's summary and span, in the jobs' order: what result() reads in its one copy
+        self.summary = torch.cat([torch.cat([job.scal, job.span], 1) for job in self.jobs])
 
     def _rows(self):
-        return self.torch.cat([self.torch.cat([job.scal, job.span], 1) for job in self.jobs]).cpu().tolist()
+        return self.summary.cpu().tolist()
 
     def result(self, copy: bool = True) -> list:
         """The blobs (one host synchronization; a second only when a lane group escaped more
@@ -234,7 +239,21 @@ class PendingEncode:
         for members, d in zip(self.members, shift):
             for i in members:
                 shifted[i] = (spans[i][0] + d, spans[i][1])
-        return [buf[a:a + n] for a, n in shifted]
+        if self.n_t == 1:
+            a, n = shifted[0]
+            return [buf[a:a + n]]
+        # one split into blobs and the gaps between them (one call, not a slice per blob)
+        order = sorted(range(self.n_t), key=lambda i: shifted[i][0])
+        sizes, at = [], 0
+        for i in order:
+            a, n = shifted[i]
+            sizes += [a - at, n]
+            at = a + n
+        pieces = buf.split(sizes + [buf.numel() - at])
+        out = [None] * self.n_t
+        for j, i in enumerate(order):
+            out[i] = pieces[2 * j + 1]
+        return out
 
 
 def _stacked(torch, ts):
@@ -646,7 +665,7 @@ class SlotDecoder:
     for CUDA-graph capture: launch() allocates nothing the next call needs to see.
 
         dec = SlotDecoder(fronts, heads, hdr, cap, device)  # fronts[i]: container bytes before payload i
-        dec.set_sources(blobs)                               # host: addresses and lengths, one copy
+        dec.set_sources(blobs)                               # host: addresses and lengths, one copy (if moved)
         symbols, err = dec.launch()                          # err[i] != 0: payload i differs or is corrupt
 
     A container that fails the check (err 2) is decoded as an empty payload of this shape inside its
@@ -670,21 +689,45 @@ class SlotDecoder:
         if self.device.type == "cuda":
             self.sources_host = self.sources_host.pin_memory()
         self.sources = torch.zeros((self.N, 2), dtype=torch.int64, device=self.device)
+        self.device_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if self.device.type == "cuda" else -1
+        self._last_sources = None
         self.segs = torch.zeros((self.N, len(_kernels()["seg_fields"])), dtype=torch.int64, device=self.device)
         self.err = torch.zeros(self.N, dtype=torch.int32, device=self.device)
 
-    def fits(self, blobs) -> bool:
+    def placed(self, blobs):
+        """(addresses, lengths) of this call's containers, or None where one is not a 1-D uint8
+        tensor of at most cap bytes on this device. Runs before every graph replay, so each check
+        is one C-level map over the list rather than Python code per container."""
         torch = _torch()
-        return len(blobs) == self.N and all(
-            isinstance(b, torch.Tensor) and b.device == self.device and b.dtype == torch.uint8 and b.dim() == 1
-            and b.numel() <= self.cap for b in blobs)
+        if len(blobs) != self.N:
+            return None
+        try:
+            if set(map(torch.Tensor.get_device, blobs)) != {self.device_index} \
+                    or set(map(_DTYPE, blobs)) != {torch.uint8} or set(map(torch.Tensor.dim, blobs)) != {1}:
+                return None
+            lens = list(map(torch.Tensor.numel, blobs))
+            if max(lens) > self.cap:
+                return None
+            return list(map(torch.Tensor.data_ptr, blobs)), lens
+        except TypeError:  # not a tensor
+            return None
 
-    def set_sources(self, blobs):
-        """Where this call's containers are (every one checked by fits()); one small copy to the device."""
+    def fits(self, blobs) -> bool:
+        return self.placed(blobs) is not None
+
+    def set_sources(self, blobs, sources=None):
+        """Where this call's containers are (sources: what placed(blobs) returned, every one
+        checked); one small copy to the device, none when they are where the last call's were."""
+        sources = sources or self.placed(blobs)
+        if sources is None:
+            raise ValueError("a container is not a 1-D uint8 tensor of at most this decoder's slot size on its device")
+        if sources == self._last_sources:
+            return
         host = self.sources_host.numpy()
-        for i, b in enumerate(blobs):
-            host[i, 0], host[i, 1] = b.data_ptr(), b.numel()
+        host[:, 0], host[:, 1] = sources
         self.sources.copy_(self.sources_host, non_blocking=True)
+        self._last_sources = sources
 
     def launch(self):
         kern, lay = _kernels(), self.hdr.layout
