@@ -18,6 +18,7 @@ their mean square instead (at least the largest one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
 from typing import Callable
@@ -412,6 +413,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(dev) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
 _FLOATS_ON = {}  # small float32 tensors by (values, device): a codec's steps repeat call after call
 
 
@@ -508,7 +516,7 @@ class CudaProjection:
             b = self.BLOCK
             kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]), N)](*args, UPCAST=True, **b)
         else:
-            kt.project_quantize_tuned[lambda m: (-(-T // m["BM"]), -(-K // m["BN"]), N)](*args, UPCAST=False)
+            kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False)
         return sym, (mn, mx, sm), amax
 
     def reconstruct(self, symbols, step: float):
