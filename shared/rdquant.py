@@ -536,10 +536,7 @@ class CudaProjection:
         self.reconstruct_many(symbols, steps, bad=bad)
         cfg = getattr(kt.reconstruct_tuned, "best_config", None)
         if _interpreting() or cfg is None:  # no tuned tile to bind (Triton's CPU interpreter)
-            def launch(out):
-                out.copy_(self.reconstruct_many(symbols, steps, bad=bad))
-                return out
-            return launch
+            return lambda out: self.reconstruct_many(symbols, steps, bad=bad, out=out)
         st = _floats_on([float(v) for v in steps], symbols.device)
         grid = (-(-T // cfg.kwargs["BM"]), -(-self.D // cfg.kwargs["BN"]), N)
         args = (symbols, self.components_t, self.mean)
@@ -552,9 +549,10 @@ class CudaProjection:
             return out
         return launch
 
-    def reconstruct_many(self, symbols, steps, bad=None):
+    def reconstruct_many(self, symbols, steps, bad=None, out=None):
         """int32 [N, T, K] -> bf16 [N, T, D], tensor i with its basis and steps[i]; one launch.
-        bad: optional int32 [N] on the device, set to 1 where tensor i's output is not finite."""
+        bad: optional int32 [N] on the device, set to 1 where tensor i's output is not finite.
+        out: optional bf16 [N, T, D] on the device to write into (else a new tensor)."""
         import torch
 
         from . import _rdquant_triton as kt
@@ -563,7 +561,8 @@ class CudaProjection:
         if K != self.K:
             raise InvalidTensorError(f"symbols must be [N, T, {self.K}], got {tuple(symbols.shape)}")
         dev = symbols.device
-        out = torch.empty((N, T, self.D), dtype=torch.bfloat16, device=dev)
+        if out is None:
+            out = torch.empty((N, T, self.D), dtype=torch.bfloat16, device=dev)
         st = _floats_on([float(v) for v in steps], dev)
         if bad is None:
             bad = torch.zeros(N, dtype=torch.int32, device=dev)

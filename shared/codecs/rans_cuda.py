@@ -239,9 +239,6 @@ class PendingEncode:
         for members, d in zip(self.members, shift):
             for i in members:
                 shifted[i] = (spans[i][0] + d, spans[i][1])
-        if self.n_t == 1:
-            a, n = shifted[0]
-            return [buf[a:a + n]]
         # one split into blobs and the gaps between them (one call, not a slice per blob)
         order = sorted(range(self.n_t), key=lambda i: shifted[i][0])
         sizes, at = [], 0
