@@ -9,7 +9,8 @@ import triton.language as tl
 def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr, sum_ptr, amax_ptr,
                             T, D, K, inv_step_ptr, SIZE_CLASS,
                             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr,
-                            ROW_WAVES: tl.constexpr = 0):
+                            ROW_WAVES: tl.constexpr = 0, X_TABLE: tl.constexpr = False,
+                            X_DTYPE: tl.constexpr = tl.bfloat16):
     """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K]; with bias = mean @ basis; for
     tensor s = program_id(2) of a batch of same-shape tensors, each with its own basis and step.
 
@@ -19,12 +20,17 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     launch grid only: that many programs per SM, 0 for a program per tile) and keeps its columns'
     statistics in registers until the end: one atomic per column and program, where a program per
     tile of a long tensor queues thousands on each column's address (256 MB on an NVIDIA H200:
-    644 -> 532 us)."""
+    644 -> 532 us). X_TABLE: x_ptr holds int64 addresses instead, one contiguous [T, D] tensor of
+    X_DTYPE at each, 16-byte aligned, rounded to bf16 as it is read (a CUDA graph then reads new
+    tensors where they are: no copy into its own)."""
     pid_m = tl.program_id(0)
     n_m = tl.num_programs(0)
     pid_n = tl.program_id(1)
     seg = tl.program_id(2).to(tl.int64)
-    x_ptr += seg * T * D
+    if X_TABLE:
+        x_ptr = tl.multiple_of(tl.load(x_ptr + seg).to(tl.pointer_type(X_DTYPE)), 16)
+    else:
+        x_ptr += seg * T * D
     basis_ptr += seg * D * K
     bias_ptr += seg * K
     sym_ptr += seg * T * K
@@ -50,6 +56,8 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
             dmask = dd < D
             a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + dd[None, :], mask=rmask[:, None] & dmask[None, :],
                         other=0.0)
+            if X_TABLE:
+                a = a.to(tl.bfloat16)  # round to nearest even, as torch's .to(torch.bfloat16) on the other path
             b = tl.load(basis_ptr + dd.to(tl.int64)[:, None] * K + cols[None, :],
                         mask=dmask[:, None] & cmask[None, :], other=0.0)
             if UPCAST:  # Triton's CPU interpreter cannot multiply bf16 tiles
@@ -129,6 +137,13 @@ _PROJECT_CONFIGS = _MATMUL_CONFIGS + [
     triton.Config(dict(BM=bm, BN=bn, BD=bd, ROW_WAVES=waves), num_warps=w, num_stages=st)
     for bm, bn, bd, w, st, waves in [(128, 64, 64, 4, 3, 2), (256, 64, 64, 8, 3, 1)]
 ]
+
+
+def tl_dtype(torch_dtype):
+    """The Triton type of an input the projection reads in place (X_TABLE)."""
+    import torch
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[torch_dtype]
 
 
 def project_grid(T: int, K: int, N: int, sms: int):

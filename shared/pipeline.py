@@ -606,10 +606,13 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
         plan = _GRAPHS.get(key)
         if not isinstance(plan, _EncodeGraph):  # a repeat skips the checks: the key pins every codec and shape
             prepared = [c._cuda_prepare(x) for c, x in zip(cs, xs)]
+            if key is not None:  # a first call makes the codecs' projections (and quantizers): part of the key
+                key = _graph_key(cs, xs)
             plan = _graph_plan(key, cs, xs, prepared)
-        if plan is not None:
-            blobs = plan.run(xs)
-        else:
+        blobs = plan.run(xs) if plan is not None else None
+        if blobs is None:
+            if isinstance(plan, _EncodeGraph):  # an input the graph cannot read in place
+                prepared = [c._cuda_prepare(x) for c, x in zip(cs, xs)]
             pending = _encode_launch(cs, xs, prepared, sync=sync)
             if not sync:
                 return pending
@@ -624,9 +627,10 @@ def _encode_groups(xs, prepared):
     return _same_shape_groups([(tuple(x.shape), x.dtype, str(x.device), p[0].K) for x, p in zip(xs, prepared)])
 
 
-def _encode_launch(codecs, xs, prepared, sync: bool, staged=None, retry=None):
+def _encode_launch(codecs, xs, prepared, sync: bool, addresses=None, retry=None):
     """Queue the projection and the coder of every tensor; returns the coder's PendingEncode.
-    staged: one stacked input tensor per group of _encode_groups, instead of stacking xs."""
+    addresses: per group of _encode_groups, int64 CUDA [n] where the projection reads the group's
+    inputs (rdquant.CudaProjection.quantize_many), instead of stacking xs."""
     import torch
 
     from .codecs import rans_cuda
@@ -636,12 +640,13 @@ def _encode_launch(codecs, xs, prepared, sync: bool, staged=None, retry=None):
     for g, idx in enumerate(_encode_groups(xs, prepared)):
         projs = [prepared[i][0] for i in idx]
         proj = projs[0] if len(idx) == 1 else _stacked_projection(projs)
-        if staged is not None:
-            stack = staged[g]
+        if addresses is not None:  # the shape alone: the kernel reads each input at its address
+            stack = xs[idx[0]].unsqueeze(0).expand(len(idx), -1, -1)
         else:
             stack = xs[idx[0]].unsqueeze(0) if len(idx) == 1 else torch.stack([xs[i] for i in idx])
         # amax is inf where a tensor holds NaN/Inf: the coder's guard refuses it in its one sync
-        sym, (mn, mx, sm), amax = proj.quantize_many(stack, [prepared[i][1].step for i in idx])
+        sym, (mn, mx, sm), amax = proj.quantize_many(stack, [prepared[i][1].step for i in idx],
+                                                     addresses=None if addresses is None else addresses[g])
         for j, i in enumerate(idx):
             symbols[i], stats[i], guards[i] = sym[j], (mn[j], mx[j], sm[j]), amax[j:j + 1]
             keep = prepared[i][1].keep
@@ -679,7 +684,10 @@ _QUANTIZER, _PROJ, _LANE_TOKENS = (operator.attrgetter(a) for a in ("quantizer",
 def _graph_plan(key, codecs, xs, prepared):
     """The CUDA graph of this list of codecs and shapes, captured on its second eager call; None
     while it runs eagerly (first call, no key, water-filled)."""
-    if key is None or any(p[1].keep is not None and not p[1].keep.all() for p in prepared):
+    from .rdquant import IN_PLACE_DTYPES
+
+    if key is None or any(p[1].keep is not None and not p[1].keep.all() for p in prepared) \
+            or any(_dtype_name(x) not in IN_PLACE_DTYPES for x in xs) or not _EncodeGraph.readable(xs):
         return None
     return _second_call_graph(_GRAPHS, key, lambda: _EncodeGraph(codecs, xs, prepared, key))
 
@@ -704,8 +712,10 @@ def _second_call_graph(graphs: dict, key, make):
 
 
 class _EncodeGraph:
-    """encode_many of one list of codecs and shapes as a CUDA graph: static input buffers, every
-    kernel of the projection and the coder, and the containers in a buffer of worst-case room."""
+    """encode_many of one list of codecs and shapes as a CUDA graph: every kernel of the projection
+    and the coder, the containers in a buffer of worst-case room. The projection reads each call's
+    inputs where they are, through a table of their addresses (copied to the GPU only when they
+    moved): no input is copied into the graph (at 256 MB that copy cost 155 us on an NVIDIA H200)."""
 
     def __init__(self, codecs, xs, prepared, key):
         import torch
@@ -713,29 +723,53 @@ class _EncodeGraph:
         from .codecs import rans_cuda
 
         self.key, self.groups = key, _encode_groups(xs, prepared)
-        self.staged = [torch.empty((len(idx),) + tuple(xs[idx[0]].shape), dtype=xs[idx[0]].dtype,
-                                   device=xs[idx[0]].device) for idx in self.groups]
+        dev = xs[0].device
+        self.order = [i for idx in self.groups for i in idx]  # the address table's order: group by group
+        self.addr_host = torch.zeros(len(xs), dtype=torch.int64).pin_memory()
+        self.addr = torch.zeros(len(xs), dtype=torch.int64, device=dev)
+        at = np.cumsum([0] + [len(idx) for idx in self.groups])
+        self.addresses = [self.addr[a:b] for a, b in zip(at[:-1], at[1:])]
         self.held = (codecs, prepared, [c._proj for c in codecs])  # keeps the key's ids unique
-        self._stage(xs)
+        self._last = None
+        self.place(xs)  # readable(xs) was checked
+        # compiles the in-place variant of the projection outside the capture
+        _encode_launch(codecs, xs, prepared, sync=True, addresses=self.addresses, retry=True)
         self.graph = torch.cuda.CUDAGraph()
 
         def capture():
             with torch.cuda.graph(self.graph):
-                return _encode_launch(codecs, xs, prepared, sync=True, staged=self.staged, retry=True)
+                return _encode_launch(codecs, xs, prepared, sync=True, addresses=self.addresses, retry=True)
 
         self.pending = rans_cuda.holding_cached(self, capture)
+        self.pending.stream = None  # a replay runs on the caller's current stream
 
-    def _stage(self, xs):
+    @staticmethod
+    def readable(xs, ptrs=None) -> bool:
+        """Whether the projection can read every input in place: contiguous and 16-byte aligned."""
         import torch
 
-        for buf, idx in zip(self.staged, self.groups):
-            if len(idx) == 1:
-                buf[0].copy_(xs[idx[0]])
-            else:
-                torch.stack([xs[i] for i in idx], out=buf)
+        ptrs = ptrs or list(map(torch.Tensor.data_ptr, xs))
+        return all(map(torch.Tensor.is_contiguous, xs)) and not any(p % 16 for p in ptrs)
 
-    def run(self, xs) -> list:
-        self._stage(xs)
+    def place(self, xs) -> bool:
+        """Points the address table at xs (one small copy, none when they are where the last call's
+        were); False where one cannot be read in place."""
+        import torch
+
+        ptrs = list(map(torch.Tensor.data_ptr, xs))
+        if not self.readable(xs, ptrs):
+            return False
+        if ptrs == self._last:
+            return True
+        self.addr_host.numpy()[:] = [ptrs[i] for i in self.order]
+        self.addr.copy_(self.addr_host, non_blocking=True)
+        self._last = ptrs
+        return True
+
+    def run(self, xs) -> list | None:
+        """The blobs, or None where an input cannot be read in place (the caller codes it eagerly)."""
+        if not self.place(xs):
+            return None
         self.graph.replay()
         blobs = self.pending.result(copy=True)  # copied out: the next replay rewrites the buffer
         if self.pending.retried:  # the lanes were coded again outside the graph: capture afresh later
@@ -849,7 +883,7 @@ def _decode_symbols_cuda(codecs, jobs, out):
         err[group] |= nonfinite.to(err.dtype)  # non-finite output (out-of-range parameters) is corruption too
         for j, v in zip(group, values):
             out[jobs[j][0]] = v
-    bad = err.cpu()  # the one host synchronization
+    bad = rans_cuda.read_on_host(err)  # the one host synchronization
     if bool(bad.any()):
         rans_cuda.check_lane_map(bad)
         raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])][0]} of the list)")
@@ -930,13 +964,20 @@ class _DecodeGraph:
         inner, D = jobs[0][5], jobs[0][1]["shape"][1]
         fronts = [j[6] for j in jobs]
         self.held = codecs  # keeps the key's ids unique
-        self.dec = rans_cuda.SlotDecoder(fronts, [j[4] for j in jobs], inner,
-                                         rans_cuda.slot_bytes(fronts, inner, max(b.numel() for b in blobs)), dev)
+        cap = rans_cuda.slot_bytes(fronts, inner, max(b.numel() for b in blobs))
         self.projs = [codecs[j[0]]._projection(D, dev) for j in jobs]
         self.steps = [RDQuantizer.from_bytes(j[2]).step for j in jobs]
-        self.dec.set_sources(blobs)
-        _reconstruct_bf16(self.projs, self.dec.launch()[0], self.steps)  # outside the capture: compiles,
-        # tunes and fills the caches the graph and the reconstruction then read
+        # int16 symbols (at 256 MB the decoder's stores 0.57 -> 0.45 ms on an NVIDIA H200) unless
+        # these containers hold a value beyond int16; a later one that does fails the replay's
+        # check, goes to the host path, and the graph is made again from it
+        for narrow in (True, False):
+            self.dec = rans_cuda.SlotDecoder(fronts, [j[4] for j in jobs], inner, cap, dev, narrow=narrow)
+            self.dec.set_sources(blobs)
+            symbols, err = self.dec.launch()  # outside the capture: compiles, and (below) tunes and fills
+            # the caches the graph and the reconstruction then read
+            if not (rans_cuda.read_on_host(err) & rans_cuda.NARROW_OVERFLOW).any():
+                break
+        _reconstruct_bf16(self.projs, symbols, self.steps)
         self.graph = torch.cuda.CUDAGraph()
 
         def capture():
@@ -948,12 +989,15 @@ class _DecodeGraph:
         proj = self.projs[0] if len(self.projs) == 1 else _stacked_projection(self.projs)
         self.out_shape = (len(jobs), stacked.shape[1], proj.D)
         self.reconstruct = proj.reconstruct_launcher(stacked, self.steps, self.err)  # the replay sets err first
+        self.err_host = None
 
     def run(self, blobs):
         """The tensors, or None where a container differs from the checked one or is corrupt
         (NOT_PLACED where one is not a 1-D uint8 tensor that fits the graph's slots). The host
         work is bounded: a few maps over the list, the replay, one launch, one synchronization."""
         import torch
+
+        from .codecs import rans_cuda
 
         sources = self.dec.placed(blobs)
         if sources is None:
@@ -962,7 +1006,8 @@ class _DecodeGraph:
         self.graph.replay()
         out = self.reconstruct(torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.err.device))
         values = out.unbind(0)  # before the synchronization, while the GPU works
-        if bool(self.err.cpu().any()):  # the one host synchronization
+        self.err_host = rans_cuda.read_on_host(self.err, self.err_host)  # the one host synchronization
+        if bool(self.err_host.any()):
             return None
         return list(values)
 

@@ -28,6 +28,7 @@ import numpy as np
 from .errors import BackendUnavailable, BitstreamError, InvalidTensorError
 
 INT32_MAX = 2**31 - 1
+IN_PLACE_DTYPES = ("bfloat16", "float16", "float32")  # inputs CudaProjection.quantize_many can read by address
 _MAGIC = b"RDQ1"
 _HEAD = struct.Struct("<4sdIB")  # magic, step, K, has_keep_mask
 
@@ -493,9 +494,13 @@ class CudaProjection:
         sym, (mn, mx, sm), amax = self.quantize_many(x.unsqueeze(0), [step])
         return sym[0], (mn[0], mx[0], sm[0]), amax
 
-    def quantize_many(self, xs, steps):
+    def quantize_many(self, xs, steps, addresses=None):
         """bf16 CUDA [N, T, D] (a stacked projection's N tensors) -> symbols [N, T, K], their
-        (min, max, sum) [N, K] each, and the largest |scaled value| of each [N]; one launch."""
+        (min, max, sum) [N, K] each, and the largest |scaled value| of each [N]; one launch.
+        addresses: optional int64 CUDA [N], where each tensor is (contiguous [T, D] of xs's dtype,
+        one of IN_PLACE_DTYPES, 16-byte aligned), read by the kernel instead of xs's data, which
+        then only give the shape (a CUDA graph replays this with new tensors by rewriting the
+        addresses, copying no input)."""
         import torch
 
         from . import _rdquant_triton as kt
@@ -503,7 +508,10 @@ class CudaProjection:
         N, T = xs.shape[0], xs.shape[1]
         if xs.dim() != 3 or xs.shape[2] != self.D or (self.components.dim() == 3 and self.components.shape[0] != N):
             raise InvalidTensorError(f"tensors must be [N, T, {self.D}] for this projection, got {tuple(xs.shape)}")
-        x = xs.to(torch.bfloat16).contiguous()
+        if addresses is not None and (addresses.dtype != torch.int64 or addresses.shape != (N,)):
+            raise ValueError(f"addresses must be int64 [{N}], got {addresses.dtype} {tuple(addresses.shape)}")
+        x = xs.to(torch.bfloat16).contiguous() if addresses is None else addresses
+        in_place = {} if addresses is None else dict(X_TABLE=True, X_DTYPE=kt.tl_dtype(xs.dtype))
         K, dev = self.K, x.device
         sym = torch.empty((N, T, K), dtype=torch.int32, device=dev)
         mn = torch.full((N, K), 2**31 - 1, dtype=torch.int32, device=dev)
@@ -514,9 +522,11 @@ class CudaProjection:
         args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv, T.bit_length())
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
-            kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]), N)](*args, UPCAST=True, **b)
+            kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]), N)](*args, UPCAST=True, **in_place,
+                                                                               **b)
         else:
-            kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False)
+            kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False,
+                                                                                 **in_place)
         return sym, (mn, mx, sm), amax
 
     def reconstruct(self, symbols, step: float):
@@ -550,7 +560,7 @@ class CudaProjection:
         return launch
 
     def reconstruct_many(self, symbols, steps, bad=None, out=None):
-        """int32 [N, T, K] -> bf16 [N, T, D], tensor i with its basis and steps[i]; one launch.
+        """int32 (or int16) [N, T, K] -> bf16 [N, T, D], tensor i with its basis and steps[i]; one launch.
         bad: optional int32 [N] on the device, set to 1 where tensor i's output is not finite.
         out: optional bf16 [N, T, D] on the device to write into (else a new tensor)."""
         import torch

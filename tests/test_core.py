@@ -514,6 +514,19 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     assert not pending.flags.any()
     with pytest.raises(ConfigurationError, match="sync=False"):
         encode_many([TensorCodec(basis, backend="rans")], [first[0].cpu()], sync=False)
+    # the graph reads inputs in place: ones it cannot (a transposed view, an address off 16 bytes)
+    # are coded eagerly, to the same bytes
+    strided = [x.t().contiguous().t() for x in first]
+    flat = torch.cat([first[0].reshape(-1)[:1]] + [x.reshape(-1) for x in first])  # each at 2 bytes past 16
+    shifted = [flat[1 + i * x.numel():1 + (i + 1) * x.numel()].view(x.shape) for i, x in enumerate(first)]
+    for xs in (strided, shifted):
+        assert not pipeline._EncodeGraph.readable(xs)
+        assert all(torch.equal(x, y) for x, y in zip(encode_many(codecs, xs), eager[0]))
+    # float16 inputs are rounded to bf16 as the graph reads them: the bytes of their eager calls
+    halves = [x.half() for x in first]
+    eager_half = [encode_many(codecs, halves) for _ in range(2)]
+    assert all(torch.equal(x, y) for x, y in zip(encode_many(codecs, halves), eager_half[0]))
+    assert sum(isinstance(v, pipeline._EncodeGraph) for v in pipeline._GRAPHS.values()) >= 2
 
 
 @pytest.mark.gpu

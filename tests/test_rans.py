@@ -451,6 +451,32 @@ def test_triton_interpreter_decodes_staged_containers_checked_on_the_device():
 
 
 @needs_triton
+def test_triton_interpreter_slot_decoder_narrow_symbols_flag_values_beyond_int16():
+    """The decode graph's int16 symbols: the int32 decoder's values where every value fits; a
+    payload with an escaped value beyond int16, or a window reaching past it, flags 8, alone."""
+    run_interpreted("""
+        import torch
+        rng = np.random.default_rng(0)
+        xs = [rng.integers(-40, 40, (128, 16)).astype(np.int32) for _ in range(3)]
+        xs[1][7, 3] = 100000  # an escape beyond int16
+        xs[2] += 32760  # a window [32720, 32799]
+        pays = [rans.encode(x, lane_tokens=64) for x in xs]
+        blobs = [bytes(8) + len(p).to_bytes(8, "little") + p + bytes(4) for p in pays]
+        hdr = rans.read_header(pays[0])
+        cap = rans_cuda.slot_bytes([b[:16] for b in blobs], hdr, max(map(len, blobs)))
+        sources, got = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs], {}
+        for narrow in (False, True):
+            dec = rans_cuda.SlotDecoder([b[:16] for b in blobs], pays, hdr, cap, "cpu", narrow=narrow)
+            dec.set_sources(sources)
+            outs, err = dec.launch()
+            got[narrow] = [o.numpy().copy() for o in outs], err.tolist()
+        assert got[False][1] == [0, 0, 0] and all((y == x).all() for y, x in zip(got[False][0], xs))
+        assert got[True][1] == [0, rans_cuda.NARROW_OVERFLOW, rans_cuda.NARROW_OVERFLOW]
+        assert got[True][0][0].dtype == np.int16 and (got[True][0][0] == xs[0]).all()
+    """)
+
+
+@needs_triton
 def test_slot_decoder_places_only_what_fits_and_uploads_addresses_only_when_they_move():
     """A decode graph's per-call host work: placed() accepts 1-D uint8 tensors of at most a slot on
     the decoder's device and nothing else; set_sources() copies the address table to the device

@@ -128,6 +128,13 @@ def test_fused_projection_in_triton_interpreter():
         assert (sm.numpy() == s.astype(np.int64).sum(0)).all()
         payload = rans_cuda.encode_cuda(sym, stats=(mn, mx, sm))
         assert bytes(payload.numpy()) == rans.encode(s)
+        # inputs read in place through an address table (a CUDA graph's way): the same symbols, also
+        # from float16, which is rounded to bf16 as it is read
+        for xin in (xt, xt.half()):
+            got = proj.quantize_many(xin.unsqueeze(0), [step], addresses=torch.tensor([xin.data_ptr()]))
+            assert torch.equal(got[0][0], sym) and torch.equal(got[1][0][0], mn)
+        # int16 symbols (a decode graph's) reconstruct exactly as int32 ones
+        assert torch.equal(proj.reconstruct(sym.to(torch.int16), step), proj.reconstruct(sym, step))
         x_hat = proj.reconstruct(rans_cuda.decode_cuda(payload), step).float().numpy()
         assert quality(x.astype(np.float64), x_hat.astype(np.float64), "cos") > 0.999
         # NaN or Inf in the input makes the largest |scaled value| infinite (the coder's guard refuses it)

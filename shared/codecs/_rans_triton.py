@@ -519,34 +519,56 @@ def gather_streams_kernel(buf_ptr, glen_ptr, gend_ptr, cap, ebuf_ptr, gesc_ptr, 
 
 
 @triton.jit
+def _checksum_step(pay, offs, local, n, base, start, SKIP_LO: tl.constexpr, SKIP_HI: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """One block's bytes and their weights (position mod 65521, + 1) for checksum_kernel."""
+    D: tl.constexpr = SKIP_HI - SKIP_LO
+    if MASKED:
+        b = tl.load(pay + offs, mask=offs < n, other=0).to(tl.uint32)
+    else:
+        b = tl.load(pay + offs).to(tl.uint32)
+    b = tl.where((offs >= SKIP_LO) & (offs < SKIP_HI), 0, b)
+    adj = tl.where((start < SKIP_HI) & (offs >= SKIP_HI), D, 0)  # only the first program straddles them
+    w = base + local - adj  # < 2 * 65521: BLOCK * ITERS <= 65521
+    w = tl.where(w >= 65521, w - 65521, w) + 1
+    return b, b * w.to(tl.uint32)
+
+
+@triton.jit
 def checksum_kernel(ptr, seg_ptr, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.constexpr, BLOCK: tl.constexpr,
                     ITERS: tl.constexpr, SEG_FIELDS: tl.constexpr):
     """Partial sums of rans.checksum over ITERS blocks of payload s = program_id(1), which lies at
     bytes [base, base + n) of ptr (seg_ptr[s]: base, n); its bytes [SKIP_LO, SKIP_HI) (the check
-    fields themselves) are left out and do not count as positions. Sums go to out_ptr[2 s: 2 s + 2]."""
+    fields themselves) are left out and do not count as positions. Sums go to out_ptr[2 s: 2 s + 2].
+    Only the sums mod 2^32 are kept, so they run in wrapping uint32. A payload starts 16-byte
+    aligned, so a program inside it loads 16 bytes a thread at once (unmasked; the program that
+    holds the payload's end loads bytewise, masked); byte loads everywhere ran at a fifth of the speed."""
     tl.static_assert(BLOCK * ITERS <= 65521)
     D: tl.constexpr = SKIP_HI - SKIP_LO
     s = tl.program_id(1)
-    pay = ptr + tl.load(seg_ptr + s * SEG_FIELDS + SEG_BASE)
+    pay = tl.multiple_of(ptr + tl.load(seg_ptr + s * SEG_FIELDS + SEG_BASE), 16)
     n = tl.load(seg_ptr + s * SEG_FIELDS + SEG_LEN)
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
     if start >= n:  # the grid covers the longest payload a batch can hold
         return
     base = ((start - tl.where(start >= SKIP_HI, D, 0)) % 65521).to(tl.int32)  # first byte's position mod 65521
-    s0 = tl.zeros([BLOCK], tl.int64)
-    s1 = tl.zeros([BLOCK], tl.int64)
-    for it in range(ITERS):
-        local = it * BLOCK + tl.arange(0, BLOCK)
-        offs = start + local
-        b = tl.load(pay + offs, mask=offs < n, other=0).to(tl.int32)
-        b = tl.where((offs >= SKIP_LO) & (offs < SKIP_HI), 0, b)
-        adj = tl.where((start < SKIP_HI) & (offs >= SKIP_HI), D, 0)  # only the first program straddles them
-        w = base + local - adj  # < 2 * 65521: BLOCK * ITERS <= 65521
-        w = tl.where(w >= 65521, w - 65521, w) + 1
-        s0 += b.to(tl.int64)
-        s1 += (b * w).to(tl.int64)
-    tl.atomic_add(out_ptr + 2 * s, tl.sum(s0, 0))
-    tl.atomic_add(out_ptr + 2 * s + 1, tl.sum(s1, 0))
+    s0 = tl.zeros([BLOCK], tl.uint32)
+    s1 = tl.zeros([BLOCK], tl.uint32)
+    if start + BLOCK * ITERS <= n:
+        for it in range(ITERS):
+            local = it * BLOCK + tl.arange(0, BLOCK)
+            b, bw = _checksum_step(pay, tl.multiple_of(start, 16) + local, local, n, base, start, SKIP_LO, SKIP_HI,
+                                   MASKED=False)
+            s0 += b
+            s1 += bw
+    else:
+        for it in range(ITERS):
+            local = it * BLOCK + tl.arange(0, BLOCK)
+            b, bw = _checksum_step(pay, start + local, local, n, base, start, SKIP_LO, SKIP_HI, MASKED=True)
+            s0 += b
+            s1 += bw
+    tl.atomic_add(out_ptr + 2 * s, tl.sum(s0, 0).to(tl.int64))
+    tl.atomic_add(out_ptr + 2 * s + 1, tl.sum(s1, 0).to(tl.int64))
 
 
 @triton.jit
@@ -908,13 +930,17 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
 def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, rank_ptr, lut_ptr, tab_ptr,
                   out_ptr, gesc_ptr, geend_ptr, err_ptr, T, K, n_lanes, n_groups, S,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr):
+                  WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr,
+                  NARROW: tl.constexpr = False):
     """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
     first to last, reading each group's words from the end of its stream. PACKED: lut holds
     symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol and tab the
     (cum << 16 | f) entry. Escaped values are read from the end of each group's escapes, as its
     words. Any inconsistency sets the payload's error flag (bit 0); a lane found off its warp lane
-    (VOTE, see lanes_before) sets bit 2, which the host reports as a fault of its own, not corruption."""
+    (VOTE, see lanes_before) sets bit 2, which the host reports as a fault of its own, not corruption.
+    NARROW: out is int16 (half the bytes to write, and for the reconstruction to read); a value
+    beyond it (a window reaching past int16, or an escaped value) sets bit 3, and the caller
+    decodes that payload into int32 instead."""
     sg = tl.program_id(1)
     seg = seg_ptr + sg * SEG_FIELDS
     words_ptr = b16 + tl.load(seg + SEG_STREAMS)
@@ -951,6 +977,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     may_escape = tl.max(tl.max((A > W).to(tl.int32), 1), 0) > 0
     x = tl.load(states_in + p.to(tl.int64) * k_coded + rank, mask=coded, other=65536).to(tl.uint32, bitcast=True)
     bad = (x < 65536).to(tl.int32)
+    wide = ((lo < -32768) | (lo + tl.maximum(W, 1) - 1 > 32767)) & lane_ok  # NARROW: a window past int16
     glen = tl.load(glen_ptr + grp, mask=grp_ok, other=0)
     ptr = glen
     base = tl.load(gend_ptr + grp, mask=grp_ok, other=0) - glen
@@ -1014,9 +1041,13 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             wrong |= ewrong
             ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr[:, None] + erank), 0), last_esc)
             val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
+            if NARROW:
+                wide |= esc_now & ((val < -32768) | (val > 32767))
         tl.store(out_ptr + off, val, mask=active)
         off += K
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)[:, None]
     bad |= 4 * wrong
+    if NARROW:
+        bad |= 8 * wide.to(tl.int32)
     tl.atomic_or(err_ptr, tl.max(tl.max(tl.where(lane_ok, bad, 0), 1), 0))
