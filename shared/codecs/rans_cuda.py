@@ -191,6 +191,7 @@ class PendingEncode:
         # the stream the work is queued on, which result() waits for (None: the caller's current one)
         self.stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
         self._host = None
+        self._caller = np.concatenate([np.asarray(m, np.int64) for m in members])
         self.spans = torch.empty((n_t, 2), dtype=torch.int64, device=dev)
         self.flags = torch.empty(n_t, dtype=torch.int64, device=dev)
         for job in jobs:
@@ -219,28 +220,28 @@ class PendingEncode:
         # each tensor's summary and span, in the jobs' order: what result() reads in its one copy
         self.summary = torch.cat([torch.cat([job.scal, job.span], 1) for job in self.jobs])
 
-    def _rows(self):
+    def _table(self):
+        """Each tensor's summary and span, in the jobs' order, as int64 numpy [N, fields + 2] (a view
+        of pinned memory, valid until the next call reads it back)."""
         self._host = read_on_host(self.summary, self._host, self.stream)
-        return self._host.tolist()
+        return self._host.numpy()
 
     def result(self, copy: bool = True) -> list:
         """The blobs (one host synchronization; a second only when a lane group escaped more
         values than its first buffer held). copy: views into a compact copy of the buffer, else
-        into the buffer itself (which holds every container's worst-case room)."""
+        into the buffer itself (which holds every container's worst-case room). The bookkeeping
+        over the list is numpy on the summary table: a Python loop over 60 tensors' rows cost
+        ~70 us of host time a call on an NVIDIA H200's host."""
         fields = self.jobs[0].kern["fields"]
         overflow, esc_max = fields.index("overflow"), fields.index("group_escapes_max")
-        rows = self._rows()  # the host synchronization
-        per_job, at = [], 0
-        for job in self.jobs:
-            per_job.append(rows[at:at + job.N])
-            at += job.N
-        if any(r[overflow] == 2 for r in rows):
+        rows = self._table()  # the host synchronization
+        bounds = np.cumsum([0] + [job.N for job in self.jobs])
+        if (rows[:, overflow] == 2).any():
             raise RuntimeError(LANE_MAP_FAULT)
-        if any(r[overflow] for r in rows):
+        if rows[:, overflow].any():
             raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
                                      "use a larger step or fix the producer")
-        again = [j for j, (job, mine) in enumerate(zip(self.jobs, per_job))
-                 if max(r[esc_max] for r in mine) > job.ecap]
+        again = [j for j, job in enumerate(self.jobs) if rows[bounds[j]:bounds[j + 1], esc_max].max() > job.ecap]
         if again:
             if not self.retry:
                 raise RuntimeError("a lane group escaped more values than its buffer holds with retry off")
@@ -249,36 +250,33 @@ class PendingEncode:
             self._assemble()
             self.retried = True
             return self.result(copy)
-        spans = [None] * self.n_t
-        for members, mine in zip(self.members, per_job):
-            for i, r in zip(members, mine):
-                spans[i] = (r[-2], r[-1])
+        caller = self._caller  # row r (jobs' order) is the blob of tensor caller[r]
+        starts, lengths = rows[:, -2], rows[:, -1]
         if not copy:
-            return [self.buffer[a:a + n] for a, n in spans]
+            out = [None] * self.n_t
+            for i, a, n in zip(caller.tolist(), starts.tolist(), lengths.tolist()):
+                out[i] = self.buffer[a:a + n]
+            return out
         parts, shift, new = [], [], 0
-        for off, mine in zip(self.offsets, per_job):
-            end = max(r[-2] + r[-1] for r in mine)
+        for j, off in enumerate(self.offsets):
+            end = int((starts[bounds[j]:bounds[j + 1]] + lengths[bounds[j]:bounds[j + 1]]).max())
             parts.append(self.buffer[off:end])
             shift.append(new - off)
             new += (end - off + 15) // 16 * 16
         buf = parts[0].clone() if len(parts) == 1 else self.torch.cat(
             [t for p in parts for t in (p, self.buffer.new_zeros((-len(p)) % 16))])
-        shifted = [None] * self.n_t
-        for members, d in zip(self.members, shift):
-            for i in members:
-                shifted[i] = (spans[i][0] + d, spans[i][1])
         # one split into blobs and the gaps between them (one call, not a slice per blob)
-        order = sorted(range(self.n_t), key=lambda i: shifted[i][0])
-        sizes, at = [], 0
-        for i in order:
-            a, n = shifted[i]
-            sizes += [a - at, n]
-            at = a + n
-        pieces = buf.split(sizes + [buf.numel() - at])
-        out = [None] * self.n_t
-        for j, i in enumerate(order):
-            out[i] = pieces[2 * j + 1]
-        return out
+        moved = starts + np.repeat(shift, np.diff(bounds))
+        order = np.argsort(moved, kind="stable")
+        a, n = moved[order], lengths[order]
+        sizes = np.empty(2 * self.n_t + 1, np.int64)
+        sizes[0:-1:2] = a - np.concatenate([[0], (a + n)[:-1]])
+        sizes[1:-1:2] = n
+        sizes[-1] = buf.numel() - (a[-1] + n[-1])
+        pieces = buf.split(sizes.tolist())
+        piece = np.empty(self.n_t, np.int64)
+        piece[caller[order]] = 2 * np.arange(self.n_t) + 1
+        return [pieces[k] for k in piece.tolist()]
 
 
 def _stacked(torch, ts):
