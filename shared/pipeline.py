@@ -609,10 +609,9 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
             if key is not None:  # a first call makes the codecs' projections (and quantizers): part of the key
                 key = _graph_key(cs, xs)
             plan = _graph_plan(key, cs, xs, prepared)
-        blobs = plan.run(xs) if plan is not None else None
-        if blobs is None:
-            if isinstance(plan, _EncodeGraph):  # an input the graph cannot read in place
-                prepared = [c._cuda_prepare(x) for c, x in zip(cs, xs)]
+        if plan is not None:
+            blobs = plan.run(xs)
+        else:
             pending = _encode_launch(cs, xs, prepared, sync=sync)
             if not sync:
                 return pending
@@ -687,7 +686,7 @@ def _graph_plan(key, codecs, xs, prepared):
     from .rdquant import IN_PLACE_DTYPES
 
     if key is None or any(p[1].keep is not None and not p[1].keep.all() for p in prepared) \
-            or any(_dtype_name(x) not in IN_PLACE_DTYPES for x in xs) or not _EncodeGraph.readable(xs):
+            or any(_dtype_name(x) not in IN_PLACE_DTYPES for x in xs):
         return None
     return _second_call_graph(_GRAPHS, key, lambda: _EncodeGraph(codecs, xs, prepared, key))
 
@@ -715,7 +714,9 @@ class _EncodeGraph:
     """encode_many of one list of codecs and shapes as a CUDA graph: every kernel of the projection
     and the coder, the containers in a buffer of worst-case room. The projection reads each call's
     inputs where they are, through a table of their addresses (copied to the GPU only when they
-    moved): no input is copied into the graph (at 256 MB that copy cost 155 us on an NVIDIA H200)."""
+    moved): no input is copied into the graph (at 256 MB that copy cost 155 us on an NVIDIA H200),
+    but one the kernel cannot read in place (not contiguous, or not 16-byte aligned), which is
+    copied into a buffer the graph keeps for it."""
 
     def __init__(self, codecs, xs, prepared, key):
         import torch
@@ -730,8 +731,8 @@ class _EncodeGraph:
         at = np.cumsum([0] + [len(idx) for idx in self.groups])
         self.addresses = [self.addr[a:b] for a, b in zip(at[:-1], at[1:])]
         self.held = (codecs, prepared, [c._proj for c in codecs])  # keeps the key's ids unique
-        self._last = None
-        self.place(xs)  # readable(xs) was checked
+        self._last, self.staging = None, {}
+        self.place(xs)
         # compiles the in-place variant of the projection outside the capture
         _encode_launch(codecs, xs, prepared, sync=True, addresses=self.addresses, retry=True)
         self.graph = torch.cuda.CUDAGraph()
@@ -751,25 +752,30 @@ class _EncodeGraph:
         ptrs = ptrs or list(map(torch.Tensor.data_ptr, xs))
         return all(map(torch.Tensor.is_contiguous, xs)) and not any(p % 16 for p in ptrs)
 
-    def place(self, xs) -> bool:
+    def place(self, xs):
         """Points the address table at xs (one small copy, none when they are where the last call's
-        were); False where one cannot be read in place."""
+        were), each input the kernel cannot read in place first copied into its staging buffer."""
         import torch
 
         ptrs = list(map(torch.Tensor.data_ptr, xs))
         if not self.readable(xs, ptrs):
-            return False
+            ptrs = [p if x.is_contiguous() and p % 16 == 0 else self._staged(i, x)
+                    for i, (x, p) in enumerate(zip(xs, ptrs))]
         if ptrs == self._last:
-            return True
+            return
         self.addr_host.numpy()[:] = [ptrs[i] for i in self.order]
         self.addr.copy_(self.addr_host, non_blocking=True)
         self._last = ptrs
-        return True
 
-    def run(self, xs) -> list | None:
-        """The blobs, or None where an input cannot be read in place (the caller codes it eagerly)."""
-        if not self.place(xs):
-            return None
+    def _staged(self, i, x) -> int:
+        import torch
+
+        if i not in self.staging:
+            self.staging[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return self.staging[i].copy_(x).data_ptr()
+
+    def run(self, xs) -> list:
+        self.place(xs)
         self.graph.replay()
         blobs = self.pending.result(copy=True)  # copied out: the next replay rewrites the buffer
         if self.pending.retried:  # the lanes were coded again outside the graph: capture afresh later

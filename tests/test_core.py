@@ -515,7 +515,7 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     with pytest.raises(ConfigurationError, match="sync=False"):
         encode_many([TensorCodec(basis, backend="rans")], [first[0].cpu()], sync=False)
     # the graph reads inputs in place: ones it cannot (a transposed view, an address off 16 bytes)
-    # are coded eagerly, to the same bytes
+    # are copied into buffers it keeps for them, to the same bytes
     strided = [x.t().contiguous().t() for x in first]
     flat = torch.cat([first[0].reshape(-1)[:1]] + [x.reshape(-1) for x in first])  # each at 2 bytes past 16
     shifted = [flat[1 + i * x.numel():1 + (i + 1) * x.numel()].view(x.shape) for i, x in enumerate(first)]
