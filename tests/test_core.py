@@ -563,6 +563,14 @@ def test_decode_many_replays_a_graph_that_checks_each_container_on_the_gpu(monke
     for _ in range(2):  # the graph is made again from the new list
         decode_many(codecs, blobs[2], device="cuda")
     assert any(isinstance(v, pipeline._DecodeGraph) for v in pipeline._DECODE_GRAPHS.values())
+    # containers holding values beyond int16 (the graph's symbols): the int16 graph refuses them (the
+    # host path decodes them), then the graph made from them decodes into int32
+    loud = encode_many(codecs, [x * 1000 for x in calls[0]])
+    want = [c.decode(b, device="cuda") for c, b in zip(codecs, loud)]
+    for _ in range(3):
+        assert all(torch.equal(x, y) for x, y in zip(decode_many(codecs, loud, device="cuda"), want))
+    graphs = [v for v in pipeline._DECODE_GRAPHS.values() if isinstance(v, pipeline._DecodeGraph)]
+    assert len(graphs) == 1 and not graphs[0].dec.narrow
     bad = blobs[3][4].clone()
     bad[len(bad) // 2] ^= 0x20
     with pytest.raises(BitstreamError, match="blob 4 of the list"):
