@@ -139,13 +139,6 @@ _PROJECT_CONFIGS = _MATMUL_CONFIGS + [
 ]
 
 
-def tl_dtype(torch_dtype):
-    """The Triton type of an input the projection reads in place (X_TABLE)."""
-    import torch
-
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[torch_dtype]
-
-
 def project_grid(T: int, K: int, N: int, sms: int):
     """The projection's launch grid for a config's BM, BN and ROW_WAVES (0: a program per row tile)."""
     def grid(meta):

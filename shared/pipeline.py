@@ -759,8 +759,7 @@ class _EncodeGraph:
 
         ptrs = list(map(torch.Tensor.data_ptr, xs))
         if not self.readable(xs, ptrs):
-            ptrs = [p if x.is_contiguous() and p % 16 == 0 else self._staged(i, x)
-                    for i, (x, p) in enumerate(zip(xs, ptrs))]
+            ptrs = [p if self.readable([x], [p]) else self._staged(i, x) for i, (x, p) in enumerate(zip(xs, ptrs))]
         if ptrs == self._last:
             return
         self.addr_host.numpy()[:] = [ptrs[i] for i in self.order]
@@ -979,11 +978,9 @@ class _DecodeGraph:
         for narrow in (True, False):
             self.dec = rans_cuda.SlotDecoder(fronts, [j[4] for j in jobs], inner, cap, dev, narrow=narrow)
             self.dec.set_sources(blobs)
-            symbols, err = self.dec.launch()  # outside the capture: compiles, and (below) tunes and fills
-            # the caches the graph and the reconstruction then read
+            _, err = self.dec.launch()  # outside the capture: compiles and fills the caches the graph reads
             if not (rans_cuda.read_on_host(err) & rans_cuda.NARROW_OVERFLOW).any():
                 break
-        _reconstruct_bf16(self.projs, symbols, self.steps)
         self.graph = torch.cuda.CUDAGraph()
 
         def capture():
@@ -994,6 +991,7 @@ class _DecodeGraph:
         stacked = rans_cuda._stacked(torch, symbols)  # [N, T, K], refilled by every replay
         proj = self.projs[0] if len(self.projs) == 1 else _stacked_projection(self.projs)
         self.out_shape = (len(jobs), stacked.shape[1], proj.D)
+        # compiles and tunes the reconstruction (after the capture: the graph holds only the decoder)
         self.reconstruct = proj.reconstruct_launcher(stacked, self.steps, self.err)  # the replay sets err first
         self.err_host = None
 

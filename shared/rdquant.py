@@ -511,7 +511,12 @@ class CudaProjection:
         if addresses is not None and (addresses.dtype != torch.int64 or addresses.shape != (N,)):
             raise ValueError(f"addresses must be int64 [{N}], got {addresses.dtype} {tuple(addresses.shape)}")
         x = xs.to(torch.bfloat16).contiguous() if addresses is None else addresses
-        in_place = {} if addresses is None else dict(X_TABLE=True, X_DTYPE=kt.tl_dtype(xs.dtype))
+        in_place = {}
+        if addresses is not None:
+            name = str(xs.dtype).removeprefix("torch.")
+            if name not in IN_PLACE_DTYPES:
+                raise ValueError(f"inputs read by address must be one of {IN_PLACE_DTYPES}, got {name}")
+            in_place = dict(X_TABLE=True, X_DTYPE=getattr(kt.tl, name))  # Triton's types carry torch's names
         K, dev = self.K, x.device
         sym = torch.empty((N, T, K), dtype=torch.int32, device=dev)
         mn = torch.full((N, K), 2**31 - 1, dtype=torch.int32, device=dev)
