@@ -35,7 +35,8 @@ Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of 
     nvcomp-zstd      default    2048 gpu_batch         1.444     0.897      8.71     14.03   1.10  matches
     nvcomp-ans       default       - gpu_planes        0.403     0.255    166.51    262.88   1.41  matches
 
-The compute codec through its API on a GPU (`--api`, about 2 min on an NVIDIA H200): the calls a
+The compute codec through its API on a GPU (`--api`, more than 6 min on an NVIDIA H200: give it 8; the CSV
+is written after every point, so a run cut short keeps what it measured): the calls a
 user makes (`TensorCodec.encode` of a CUDA tensor, `decode(blob, device="cuda")`; `encode_many` /
 `decode_many` of 60 KV tensors of one step), wall clock, median of 10 after a warm-up, by tensor
 size from 0.25 to 512 MB, beside the pinned PCIe copy of the same bytes timed in the same run.
@@ -45,10 +46,10 @@ the CPU decoder's. Repeated encodes and decodes of up to pipeline.GRAPH_MAX_BYTE
 per input byte).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
-    api S=def       4.00    10417   4.57  0.9990      8.44     11.14     45.64     46.49
-    api S=def      64.00   166667   4.60  0.9990     87.79    147.03     54.08     54.17
-    api S=def     256.00   666667   4.61  0.9990    153.43    210.56     54.52     54.92
-    api_batched    23.59 60x1024 S=def    4.51  0.9990     19.76     40.00     53.55     53.55
+    api S=def       4.00    10417   4.57  0.9990     10.82     10.46     47.51     45.04
+    api S=def      64.00   166667   4.60  0.9990     75.13    148.24     53.32     53.02
+    api S=def     256.00   666667   4.61  0.9990    181.50    258.58     55.01     55.11
+    api_batched    23.59 60x1024 S=def    4.51  0.9990     19.76     40.00     53.55     53.55   (an earlier run)
 
 The compute codec's CPU path (`--api-cpu`, any machine; about 1 min on a 2-core CPU machine): a
 bf16 CPU tensor through TensorCodec on one core (torch, numba and BLAS one thread each), each way
@@ -82,6 +83,7 @@ from shared.codecs import all_backends, get_backend  # noqa: E402
 from shared.errors import TensorCodecError  # noqa: E402
 from shared.sources import real_planes, synthetic_planes  # noqa: E402
 from shared.timing import cuda_ms, wall_ms  # noqa: E402
+from shared.report import earlier_run  # noqa: E402
 from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
 
 FRAME_SIZES = [256, 512, 1024, 2048]  # frame side, pixels
@@ -387,8 +389,9 @@ def api_source():
     return x[:4096], x[4096:], "synthetic PCA-like [T, 192] (no exported captures; run make planes)"
 
 
-def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
-    """Round trip checked first (quality, and GPU decode == CPU decode of the same container), then timed."""
+def bench_api(res: ResultsWriter, torch, sizes_mb, repeats, saved=lambda: None):
+    """Round trip checked first (quality, and GPU decode == CPU decode of the same container), then timed.
+    saved() runs after each point (the CSV so far survives a run cut short)."""
     import time
 
     from shared import pipeline
@@ -474,9 +477,11 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats):
             add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, tokens=T, channels=D)
         print(f"{'api S=' + str(lane_tokens or 'def'):12s} {mb:7.2f} {T:8d} {ratio:6.2f} {q['cos_mean']:7.4f} {nbytes / t_enc / 1e9:9.2f} "
               f"{nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} {nbytes / t_h2d / 1e9:9.2f}")
+        saved()
 
     for lane_tokens in API_BATCH_LANES:
         bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens)
+        saved()
 
 
 def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
@@ -617,8 +622,10 @@ def plot_api(df, name: str = "09_backend_bench_api"):
                 label="pinned PCIe copy (device->host beside encode, host->device beside decode)")
         for (lane, g), marker, color in zip(batch.groupby(lanes) if lanes is not None else [("default", batch)],
                                             "D^v", ("#009E73", "#CC79A7", "#56B4E9")):
+            earlier = earlier_run(g, api)
             ax.plot(g.tensor_mb, g.value, marker, color=color, ms=9,
-                    label=f"encode_many / decode_many: 60 tensors of 1024x192 in one call (lane tokens {lane})")
+                    label=f"encode_many / decode_many: 60 tensors of 1024x192 in one call (lane tokens {lane})"
+                          + (f" [{earlier}]" if earlier else ""))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("tensor size (MB of bf16)")
@@ -711,13 +718,15 @@ if __name__ == "__main__":
         if not torch.cuda.is_available():
             raise SystemExit("--api times the GPU path of the compute codec: it needs a CUDA GPU")
         res = ResultsWriter("09", "backend_bench", gpu=True)
-        bench_api(res, torch, [float(s) for s in args.api_sizes.split(",")], API_REPEATS)
-        new, path = res.frame(), res.path
-        if path.exists():
-            old = pd.read_csv(path, dtype={"poc": str})
-            new = pd.concat([old[~old.get("path", pd.Series(index=old.index)).isin(
-                ["api", "api_batched", "pcie_copy"])], new])
-        new.to_csv(path, index=False)
+        path = res.path
+        old = pd.read_csv(path, dtype={"poc": str}) if path.exists() else None
+        if old is not None:  # the other backends' rows stay; this run's API rows replace the earlier run's
+            old = old[~old.get("path", pd.Series(index=old.index)).isin(["api", "api_batched", "pcie_copy"])]
+
+        def saved():
+            pd.concat([old, res.frame()]).to_csv(path, index=False)
+
+        bench_api(res, torch, [float(s) for s in args.api_sizes.split(",")], API_REPEATS, saved)
         print(f"merged {len(res.rows)} API rows into {path}")
         args.plot_only = True
     if args.api_cpu and not args.plot_only:

@@ -816,10 +816,11 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
     plan = _DECODE_GRAPHS.get(key)
     if isinstance(plan, _DecodeGraph):
         values = plan.run(blobs)
-        if values is None:
-            _DECODE_GRAPHS.pop(key)  # a container differs from the one the graph checked, or is corrupt: the host path says which
-        elif values is not NOT_PLACED:
+        if values is not None:
             return values
+        # a container differs from the one the graph checked, is corrupt, or does not fit its slots:
+        # the host path decodes the list (and names a corrupt one), and a graph is made again from it
+        _DECODE_GRAPHS.pop(key)
     resident = [i for i, b in enumerate(blobs) if on_gpu and _is_tensor(b) and b.is_cuda]
     heads = {}
     if resident:  # every resident container's first bytes, in one device->host copy
@@ -996,16 +997,16 @@ class _DecodeGraph:
         self.err_host = None
 
     def run(self, blobs):
-        """The tensors, or None where a container differs from the checked one or is corrupt
-        (NOT_PLACED where one is not a 1-D uint8 tensor that fits the graph's slots). The host
-        work is bounded: a few maps over the list, the replay, one launch, one synchronization."""
+        """The tensors, or None where a container differs from the checked one, is corrupt, or is
+        not a 1-D uint8 tensor that fits the graph's slots. The host work is bounded: a few maps
+        over the list, the replay, one launch, one synchronization."""
         import torch
 
         from .codecs import rans_cuda
 
         sources = self.dec.placed(blobs)
         if sources is None:
-            return NOT_PLACED
+            return None
         self.dec.set_sources(blobs, sources)
         self.graph.replay()
         out = self.reconstruct(torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.err.device))
@@ -1014,9 +1015,6 @@ class _DecodeGraph:
         if bool(self.err_host.any()):
             return None
         return list(values)
-
-
-NOT_PLACED = "not placed"  # _DecodeGraph.run: a container the graph's slots cannot take; the host path decodes it
 
 
 def _parse_resident(blob, head: bytes, total: int, max_elements: int):

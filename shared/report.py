@@ -346,6 +346,16 @@ def gpu_speed() -> str | None:
     return "\n\n".join(parts) if parts else None
 
 
+def earlier_run(rows, singles) -> str:
+    """'' where rows come from the code the single-tensor rows were measured with, else which code
+    they come from: a PoC 09 --api run cut short keeps an earlier run's batched rows, labelled by
+    the commit of the code that measured them (column code)."""
+    if "code" not in rows or rows.code.isna().all():
+        return ""
+    code = rows.code.dropna().iloc[0]
+    return "" if "code" in singles and code in set(singles.code.dropna()) else f"an earlier run, code of {code}"
+
+
 def api_speed() -> str | None:
     """The compute codec through TensorCodec on a GPU by tensor size, beside the PCIe copy."""
     df = _csv("09_backend_bench")
@@ -387,8 +397,10 @@ def api_speed() -> str | None:
         mb = r.tensor_mb
         enc, dec = val("api_batched", "encode_gbps", mb, lanes), val("api_batched", "decode_gbps", mb, lanes)
         d2h, h2d = val("pcie_copy", "d2h_gbps", mb, lanes), val("pcie_copy", "h2d_gbps", mb, lanes)
+        earlier = earlier_run(batched[batched.index == r.Index], api)
+        earlier = f" ({earlier})" if earlier else ""
         rows.append([f"{mb:.1f}", f"{int(r.tensors)} x [{int(r.tokens)}, {int(r.channels)}] in one call, lane tokens "
-                     f"{lanes}", f"{val('api_batched', 'ratio', mb, lanes):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
+                     f"{lanes}{earlier}", f"{val('api_batched', 'ratio', mb, lanes):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
                      f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x", held("api_batched", mb, lanes)])
     source = df.source.dropna().iloc[0] if "source" in df else ""
     return (_table(rows, ["MB of bf16", "call", "ratio", "encode GB/s", "decode GB/s", "pinned PCIe D2H / H2D GB/s",

@@ -565,7 +565,7 @@ def test_decode_many_replays_a_graph_that_checks_each_container_on_the_gpu(monke
     assert any(isinstance(v, pipeline._DecodeGraph) for v in pipeline._DECODE_GRAPHS.values())
     # containers holding values beyond int16 (the graph's symbols): the int16 graph refuses them (the
     # host path decodes them), then the graph made from them decodes into int32
-    loud = encode_many(codecs, [x * 1000 for x in calls[0]])
+    loud = encode_many(codecs, [x * 10000 for x in calls[0]])
     want = [c.decode(b, device="cuda") for c, b in zip(codecs, loud)]
     for _ in range(3):
         assert all(torch.equal(x, y) for x, y in zip(decode_many(codecs, loud, device="cuda"), want))

@@ -333,8 +333,11 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, VOTE: tl.constexpr):
     """One thread per lane, G lanes per shared word stream, GPP streams per program. Walks its
-    tokens last to first. Escaped values go to their group's escape buffer (ecap slots; the
-    count is kept either way) in the order the stored format wants; programs none of whose
+    tokens last to first. Escaped values go to their group's escape buffer (ecap slots) in the
+    order the stored format wants. A group that escapes more stores ecap as its count, so that
+    the payload assembled before the host looks (a wrong one, coded again with more room) stays
+    inside the room it was given, and its true count goes to the summary's
+    group_escapes_max, which the host reads to code it again; programs none of whose
     components has an escape symbol skip that bookkeeping. VOTE: see lanes_before; a lane found
     off its warp lane sets the overflow slot to 2, and the host refuses the result."""
     M: tl.constexpr = 1 << PROB_BITS
@@ -414,9 +417,10 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
         x = (q << PROB_BITS) + (x - q * f) + c
     tl.store(state_ptr + lane, x.to(tl.int32, bitcast=True), mask=lane_ok)
     tl.store(glen_ptr + grp, ptr, mask=grp < n_groups)
-    tl.store(gesc_ptr + grp, eptr, mask=grp < n_groups)
+    stored = tl.minimum(eptr, ecap)  # what the escape buffer holds (see above)
+    tl.store(gesc_ptr + grp, stored, mask=grp < n_groups)
     tl.atomic_add(scal_ptr + SCAL_WORDS, tl.sum(ptr.to(tl.int64), 0))
-    tl.atomic_add(scal_ptr + SCAL_ESCAPES, tl.sum(eptr.to(tl.int64), 0))
+    tl.atomic_add(scal_ptr + SCAL_ESCAPES, tl.sum(stored.to(tl.int64), 0))
     tl.atomic_max(scal_ptr + SCAL_GROUP_ESC_MAX, tl.max(eptr, 0).to(tl.int64))
     if VOTE:
         tl.atomic_max(scal_ptr + SCAL_OVERFLOW, 2 * tl.max(tl.max(wrong, 1), 0).to(tl.int64))
