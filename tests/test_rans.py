@@ -264,15 +264,15 @@ def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
                 == payload, prob_bits
             y = rans_cuda.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             np.testing.assert_array_equal(y.numpy(), x, err_msg=str(prob_bits))
-        # before the host learns that a group escaped more values than its room, the containers are
-        # assembled from what the room holds: every one inside the buffer sized for the first try
-        # (a group's full count there wrote past it), then coded again to the same bytes
-        loud = all_cases["huge_alphabet"][:40]
+        # every value escapes (2048 a lane group): before the host learns that a group escaped more
+        # values than its room, the containers are assembled from what the room holds, every one
+        # inside the buffer sized for the first try (with a group's full count the assembly read
+        # and wrote past it: a corrupted heap under the interpreter), then coded again to the same bytes
+        loud = np.random.default_rng(7).integers(-2**30, 2**30, (1024, 32)).astype(np.int32)
         pending = rans_cuda.encode_many_cuda([torch.from_numpy(loud)] * 2, lane_tokens=64, sync=False, retry=True)
         ends = pending.spans.sum(1)
         esc_max = pending.summary[:, list(rans_cuda._kernels()["fields"]).index("group_escapes_max")]
-        assert int(ends.max()) <= pending.buffer.numel()
-        assert (int(esc_max.max()) > {escape_slots}) == ({escape_slots} == 2)
+        assert int(ends.max()) <= pending.buffer.numel() and int(esc_max.min()) > {escape_slots}
         assert all(bytes(b.numpy()) == rans.encode(loud, lane_tokens=64) for b in pending.result())
     """)
 
