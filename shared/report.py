@@ -397,7 +397,7 @@ def api_speed() -> str | None:
         mb = r.tensor_mb
         enc, dec = val("api_batched", "encode_gbps", mb, lanes), val("api_batched", "decode_gbps", mb, lanes)
         d2h, h2d = val("pcie_copy", "d2h_gbps", mb, lanes), val("pcie_copy", "h2d_gbps", mb, lanes)
-        earlier = earlier_run(batched[batched.index == r.Index], api)
+        earlier = earlier_run(batched.loc[[r.Index]], api)
         earlier = f" ({earlier})" if earlier else ""
         rows.append([f"{mb:.1f}", f"{int(r.tensors)} x [{int(r.tokens)}, {int(r.channels)}] in one call, lane tokens "
                      f"{lanes}{earlier}", f"{val('api_batched', 'ratio', mb, lanes):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
