@@ -11,8 +11,9 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
                             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr,
                             ROW_WAVES: tl.constexpr = 0, X_TABLE: tl.constexpr = False,
                             X_DTYPE: tl.constexpr = tl.bfloat16):
-    """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K]; with bias = mean @ basis; for
-    tensor s = program_id(2) of a batch of same-shape tensors, each with its own basis and step.
+    """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K] (int16 where sym_ptr is,
+    wrapped beyond it); with bias = mean @ basis; for tensor s = program_id(2) of a batch of
+    same-shape tensors, each with its own basis and step.
 
     Also folds each column's min, max and integer sum into mn/mx/sum (atomics), and the largest
     |scaled value| (inf for a NaN) into amax, so the caller can refuse int32 overflow and NaN/Inf.

@@ -259,6 +259,9 @@ class TensorCodec:
         self.frame_size = frame_size
         self.codec_settings = codec_settings
         self._proj = None
+        # on the GPU the symbols go from the projection to the coder as int16 (a third less memory
+        # traffic than int32) until a tensor's values outgrow int16; then int32 for this codec
+        self._wide_symbols = False
 
     # -- the stages, exposed so benchmarks can time them separately ---------------------------
     def _project(self, values: np.ndarray) -> np.ndarray:
@@ -612,7 +615,8 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
         if plan is not None:
             blobs = plan.run(xs)
         else:
-            pending = _encode_launch(cs, xs, prepared, sync=sync)
+            # sync=False: int32 symbols, so that no container needs coding again after its spans are sent
+            pending = _encode_launch(cs, xs, prepared, sync=sync, narrow=sync)
             if not sync:
                 return pending
             blobs = pending.result()
@@ -626,10 +630,13 @@ def _encode_groups(xs, prepared):
     return _same_shape_groups([(tuple(x.shape), x.dtype, str(x.device), p[0].K) for x, p in zip(xs, prepared)])
 
 
-def _encode_launch(codecs, xs, prepared, sync: bool, addresses=None, retry=None):
+def _encode_launch(codecs, xs, prepared, sync: bool, addresses=None, retry=None, narrow: bool = True):
     """Queue the projection and the coder of every tensor; returns the coder's PendingEncode.
     addresses: per group of _encode_groups, int64 CUDA [n] where the projection reads the group's
-    inputs (rdquant.CudaProjection.quantize_many), instead of stacking xs."""
+    inputs (rdquant.CudaProjection.quantize_many), instead of stacking xs. narrow: a group's
+    symbols are int16 unless one of its codecs has met values beyond int16; where a tensor's do
+    not fit, the PendingEncode's result() codes the list again (recode) with int32 for that
+    tensor's codec. Else int32: every container valid once the queued work has run."""
     import torch
 
     from .codecs import rans_cuda
@@ -638,26 +645,45 @@ def _encode_launch(codecs, xs, prepared, sync: bool, addresses=None, retry=None)
     symbols, stats, guards = [None] * n, [None] * n, [None] * n
     for g, idx in enumerate(_encode_groups(xs, prepared)):
         projs = [prepared[i][0] for i in idx]
+        # int32 where water-filling drops components: their statistics are then taken from the
+        # symbols, which would hide a value wrapped in int16
+        group_narrow = narrow and not any(codecs[i]._wide_symbols or _drops_components(prepared[i][1]) for i in idx)
         proj = projs[0] if len(idx) == 1 else _stacked_projection(projs)
         if addresses is not None:  # the shape alone: the kernel reads each input at its address
             stack = xs[idx[0]].unsqueeze(0).expand(len(idx), -1, -1)
         else:
             stack = xs[idx[0]].unsqueeze(0) if len(idx) == 1 else torch.stack([xs[i] for i in idx])
         # amax is inf where a tensor holds NaN/Inf: the coder's guard refuses it in its one sync
-        sym, (mn, mx, sm), amax = proj.quantize_many(stack, [prepared[i][1].step for i in idx],
+        sym, (mn, mx, sm), amax = proj.quantize_many(stack, [prepared[i][1].step for i in idx], narrow=group_narrow,
                                                      addresses=None if addresses is None else addresses[g])
         for j, i in enumerate(idx):
             symbols[i], stats[i], guards[i] = sym[j], (mn[j], mx[j], sm[j]), amax[j:j + 1]
             keep = prepared[i][1].keep
-            if keep is not None and not keep.all():  # water-filling dropped components
+            if _drops_components(prepared[i][1]):  # water-filling dropped components
                 symbols[i] = sym[j].clone()
                 symbols[i][:, torch.as_tensor(~keep, device=sym.device)] = 0
                 stats[i] = None
     fronts = [p[2] for p in prepared]  # each container's bytes before its payload, for payload length 0
-    return rans_cuda.encode_many_cuda(
+    pending = rans_cuda.encode_many_cuda(
         symbols, stats=stats, guards=guards, fronts=fronts, backs=[4] * n,  # a self-checked chunk's trailer: 0
         length_field=True,  # the DATA length ends the prefix
         lane_tokens=[c.lane_tokens for c in codecs], sync=False, retry=sync if retry is None else retry)
+    pending.recode = _recode_wide(codecs, xs, prepared)
+    return pending
+
+
+def _drops_components(quantizer) -> bool:
+    return quantizer.keep is not None and not quantizer.keep.all()
+
+
+def _recode_wide(codecs, xs, prepared):
+    """PendingEncode.recode for _encode_launch's list: the codecs of the tensors whose values
+    outgrew int16 keep int32 symbols from now on, and the list is coded again, eagerly."""
+    def recode(copy: bool, flagged) -> list:
+        for i in flagged:
+            codecs[i]._wide_symbols = True
+        return _encode_launch(codecs, xs, prepared, sync=True).result(copy)
+    return recode
 
 
 def _graph_key(codecs, xs):
@@ -685,7 +711,7 @@ def _graph_plan(key, codecs, xs, prepared):
     while it runs eagerly (first call, no key, water-filled)."""
     from .rdquant import IN_PLACE_DTYPES
 
-    if key is None or any(p[1].keep is not None and not p[1].keep.all() for p in prepared) \
+    if key is None or any(_drops_components(p[1]) for p in prepared) \
             or any(_dtype_name(x) not in IN_PLACE_DTYPES for x in xs):
         return None
     return _second_call_graph(_GRAPHS, key, lambda: _EncodeGraph(codecs, xs, prepared, key))
@@ -776,8 +802,9 @@ class _EncodeGraph:
     def run(self, xs) -> list:
         self.place(xs)
         self.graph.replay()
+        self.pending.recode = _recode_wide(self.held[0], xs, self.held[1])  # this call's tensors
         blobs = self.pending.result(copy=True)  # copied out: the next replay rewrites the buffer
-        if self.pending.retried:  # the lanes were coded again outside the graph: capture afresh later
+        if self.pending.retried:  # coded again outside the graph: capture afresh later
             _GRAPHS.pop(self.key, None)
         return blobs
 

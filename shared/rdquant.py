@@ -494,9 +494,12 @@ class CudaProjection:
         sym, (mn, mx, sm), amax = self.quantize_many(x.unsqueeze(0), [step])
         return sym[0], (mn[0], mx[0], sm[0]), amax
 
-    def quantize_many(self, xs, steps, addresses=None):
+    def quantize_many(self, xs, steps, addresses=None, narrow: bool = False):
         """bf16 CUDA [N, T, D] (a stacked projection's N tensors) -> symbols [N, T, K], their
         (min, max, sum) [N, K] each, and the largest |scaled value| of each [N]; one launch.
+        narrow: int16 symbols (half the bytes to write, and for the coder to read), stored
+        wrapped where a value is beyond int16; the statistics are always the int32 values', so
+        a caller tells from min and max whether the symbols hold (rans_cuda's coder does).
         addresses: optional int64 CUDA [N], where each tensor is (contiguous [T, D] of xs's dtype,
         one of IN_PLACE_DTYPES, 16-byte aligned), read by the kernel instead of xs's data, which
         then only give the shape (a CUDA graph replays this with new tensors by rewriting the
@@ -518,7 +521,7 @@ class CudaProjection:
                 raise ValueError(f"inputs read by address must be one of {IN_PLACE_DTYPES}, got {name}")
             in_place = dict(X_TABLE=True, X_DTYPE=getattr(kt.tl, name))  # Triton's types carry torch's names
         K, dev = self.K, x.device
-        sym = torch.empty((N, T, K), dtype=torch.int32, device=dev)
+        sym = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
         mn = torch.full((N, K), 2**31 - 1, dtype=torch.int32, device=dev)
         mx = torch.full((N, K), -2**31, dtype=torch.int32, device=dev)
         sm = torch.zeros((N, K), dtype=torch.int64, device=dev)

@@ -440,6 +440,28 @@ def test_compute_codec_on_a_cuda_tensor(with_basis):
     bad[3, 5] = float("nan")
     with pytest.raises(InvalidTensorError, match="NaN"):
         codec.encode(bad)
+    # the symbols cross from the projection to the coder as int16 (a NaN is refused, not a reason for
+    # int32); values beyond int16 are coded again from int32 symbols, and the codec keeps int32
+    # from then on: the same bytes as its next call, coded from int32 at once
+    assert not codec._wide_symbols
+    loud = x * 10000
+    got = codec.encode(loud)
+    assert codec._wide_symbols and torch.equal(got, codec.encode(loud))
+    assert quality(loud.float().cpu().numpy(), codec.decode(got, device="cuda").float().cpu().numpy())["cos_mean"] >= 0.998
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1024, 65536, 700000])
+def test_int16_and_int32_symbols_write_the_same_bytes(tokens):
+    """The projection hands the coder int16 symbols (a codec that met values beyond int16 keeps
+    int32): eager, graph-captured and replayed calls write the bytes of int32 symbols."""
+    x = torch.from_numpy(low_rank(tokens, 64, seed=11)).to(torch.bfloat16).cuda()
+    basis = fit_basis([x[:1024].cpu()], k=48)
+    narrow = TensorCodec(basis, backend="rans", step=0.05)
+    wide = TensorCodec(basis, backend="rans", step=0.05)
+    wide._wide_symbols = True
+    want = wide.encode(x)
+    assert all(torch.equal(narrow.encode(x), want) for _ in range(4)) and not narrow._wide_symbols
 
 
 @pytest.mark.gpu
@@ -527,6 +549,18 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     eager_half = [encode_many(codecs, halves) for _ in range(2)]
     assert all(torch.equal(x, y) for x, y in zip(encode_many(codecs, halves), eager_half[0]))
     assert sum(isinstance(v, pipeline._EncodeGraph) for v in pipeline._GRAPHS.values()) >= 2
+    # one tensor of the list beyond int16 (the graph's symbols): coded again eagerly with int32
+    # symbols for its codec alone, the graph dropped; the graph made next keeps int32 for that codec
+    loud = first[:2] + [first[2] * 10000] + first[3:]
+    wide = [TensorCodec(basis, backend="rans") for _ in range(6)]
+    wide[2]._wide_symbols = True
+    want = encode_many(wide, loud)
+    graph = pipeline._GRAPHS.get(pipeline._graph_key(codecs, first))
+    assert isinstance(graph, pipeline._EncodeGraph)
+    for _ in range(4):
+        assert all(torch.equal(x, y) for x, y in zip(encode_many(codecs, loud), want))
+    assert [c._wide_symbols for c in codecs] == [False, False, True, False, False, False]
+    assert pipeline._GRAPHS.get(pipeline._graph_key(codecs, first)) is not graph
 
 
 @pytest.mark.gpu

@@ -133,6 +133,26 @@ def test_fused_projection_in_triton_interpreter():
         for xin in (xt, xt.half()):
             got = proj.quantize_many(xin.unsqueeze(0), [step], addresses=torch.tensor([xin.data_ptr()]))
             assert torch.equal(got[0][0], sym) and torch.equal(got[1][0][0], mn)
+        # int16 symbols: the same values and statistics, the same bytes from the coder
+        narrow = proj.quantize_many(xt.unsqueeze(0), [step], narrow=True)
+        assert narrow[0].dtype == torch.int16 and torch.equal(narrow[0][0].int(), sym)
+        assert torch.equal(narrow[1][1][0], mx) and torch.equal(narrow[1][2][0], sm)
+        assert bytes(rans_cuda.encode_cuda(narrow[0][0], stats=(mn, mx, sm)).numpy()) == rans.encode(s)
+        # values beyond int16 are stored wrapped, the statistics still the int32 values': the coder
+        # flags the tensor (3), and result() codes it again through recode, or raises without one
+        sym_fine, stats_fine, _ = proj.quantize_many(xt.unsqueeze(0), [step * 20], narrow=True)
+        sym_loud, stats_loud, amax = proj.quantize_many(xt.unsqueeze(0), [step / 2000], narrow=True)
+        assert int(stats_loud[1].max()) > 32767 and float(amax) < 2**31
+        def pending():
+            return rans_cuda.encode_many_cuda([sym_fine[0], sym_loud[0]], stats=[tuple(v[0] for v in stats_fine),
+                                              tuple(v[0] for v in stats_loud)], sync=False)
+        p = pending()
+        assert p.flags.tolist() == [0, rans_cuda.NARROW_OVERFLOW_ENCODE]
+        with pytest.raises(InvalidTensorError, match="int16"):
+            p.result()
+        p = pending()
+        p.recode = lambda copy, flagged: flagged
+        assert p.result() == [1] and p.retried
         # int16 symbols (a decode graph's) reconstruct exactly as int32 ones
         assert torch.equal(proj.reconstruct(sym.to(torch.int16), step), proj.reconstruct(sym, step))
         x_hat = proj.reconstruct(rans_cuda.decode_cuda(payload), step).float().numpy()

@@ -167,10 +167,13 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
                   ESC_COST: tl.constexpr, ENTRY_COST: tl.constexpr, HAS_GUARD: tl.constexpr,
                   N_SHAPES: tl.constexpr, SEARCH: tl.constexpr, SHAPE_STEPS: tl.constexpr,
                   PARAM_BYTES: tl.constexpr, MIN_SHARE: tl.constexpr, TRY_BLOCK: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, NARROW: tl.constexpr = False):
     """choose_tables() and fit_models() of rans.py for one component, then its rANS table; sums,
     counts and extremes of the results go to the scalar summary. guard (optional): a float the
-    producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too)."""
+    producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too).
+    NARROW: the symbols are int16 stored from int32 values whose min and max these are; a
+    component beyond int16 (stored wrapped) sets overflow 3, and the caller codes it again
+    from int32 symbols."""
     k = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
     nk = tl.num_programs(0).to(tl.int64)
@@ -292,6 +295,12 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     if HAS_GUARD:
         g = tl.load(guard_ptr)
         tl.atomic_max(scal_ptr + SCAL_OVERFLOW, (~(g < 2147483520.0)).to(tl.int64), mask=k == 0)
+        fits_int32 = g < 2147483520.0
+    else:
+        fits_int32 = True
+    if NARROW:  # not for a tensor the guard refuses (NaN/Inf): that is an error, not a reason for int32
+        tl.atomic_max(scal_ptr + SCAL_OVERFLOW,
+                      tl.where(((mn < -32768) | (mx > 32767)) & fits_int32, 3, 0).to(tl.int64))
 
 
 @triton.jit

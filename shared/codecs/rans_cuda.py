@@ -123,10 +123,13 @@ ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: code
 
 def encode_cuda(t, prob_bits: int | None = None, group_lanes: int = DEFAULT_GROUP_LANES,
                 lane_tokens: int | None = None, stats=None, guard=None):
-    """encode() on the GPU: int32 CUDA tensor [T, K] -> uint8 CUDA tensor holding the same bytes.
+    """encode() on the GPU: int32 (or int16) CUDA tensor [T, K] -> uint8 CUDA tensor holding the
+    same bytes.
 
     stats: optional (min, max, sum) per component, int tensors [K] on t's device, when the
-    producer already has them (rdquant's fused projection does); saves a pass over t.
+    producer already has them (rdquant's fused projection does); saves a pass over t. For int16
+    symbols stored from int32 values, stats are those values' and a component beyond int16 sets
+    the overflow flag 3 (PendingEncode).
     guard: optional float tensor [1] that must be below 2^31 (the fused quantizer's largest
     |value|), checked in the same host synchronization as everything else.
 
@@ -164,8 +167,8 @@ def encode_many_cuda(ts, prob_bits: int | None = None, group_lanes: int = DEFAUL
     lanes = lane_tokens if isinstance(lane_tokens, (list, tuple)) else [lane_tokens] * n_t
     groups = {}
     for i, t in enumerate(ts):
-        groups.setdefault((tuple(t.shape), str(t.device), lanes[i]), []).append(i)
-    jobs = [_EncodeBatch([ts[i] for i in members], prob_bits, group_lanes, key[2], [stats[i] for i in members],
+        groups.setdefault((tuple(t.shape), t.dtype, str(t.device), lanes[i]), []).append(i)
+    jobs = [_EncodeBatch([ts[i] for i in members], prob_bits, group_lanes, key[3], [stats[i] for i in members],
                          [guards[i] for i in members], [fronts[i] for i in members], [backs[i] for i in members],
                          length_field) for key, members in groups.items()]
     pending = PendingEncode(torch, jobs, list(groups.values()), n_t, retry=sync if retry is None else retry)
@@ -178,15 +181,19 @@ class PendingEncode:
     buffer: one uint8 CUDA tensor holding every container at its final place; spans: int64 CUDA
     [N, 2], each container's (start, length) in it; flags: int64 CUDA [N], nonzero where a tensor
     could not be coded (1: NaN/Inf or coefficients beyond int32; 2: the lanes kernel's warp vote
-    met a lane off its warp lane, see LANE_MAP_FAULT). All three are valid once the queued
+    met a lane off its warp lane, see LANE_MAP_FAULT; 3: int16 symbols made from values beyond
+    int16, coded again by result() through recode). All three are valid once the queued
     work has run, so a caller can send buffer and spans (torch.distributed, a copy to the host)
     without waiting. Without a retry (sync=False) the escape buffers are sized for the worst case.
     result() synchronizes once and returns the blobs as views into a compact copy, raising
-    InvalidTensorError where a tensor could not be coded (RuntimeError for flag 2)."""
+    InvalidTensorError where a tensor could not be coded (RuntimeError for flag 2).
+    recode: set by a producer that stored int16 symbols, a function (copy, indices) -> blobs that
+    codes the list again with int32 symbols for the tensors at those indices of the caller's list
+    (result() calls it on flag 3; without it, flag 3 raises)."""
 
     def __init__(self, torch, jobs, members, n_t, retry: bool):
         self.torch, self.jobs, self.members, self.n_t, self.retry = torch, jobs, members, n_t, retry
-        self.retried = False
+        self.retried, self.recode = False, None
         dev = jobs[0].dev
         # the stream the work is queued on, which result() waits for (None: the caller's current one)
         self.stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
@@ -236,6 +243,12 @@ class PendingEncode:
         overflow, esc_max = fields.index("overflow"), fields.index("group_escapes_max")
         rows = self._table()  # the host synchronization
         bounds = np.cumsum([0] + [job.N for job in self.jobs])
+        narrow_overflow = rows[:, overflow] == NARROW_OVERFLOW_ENCODE
+        if narrow_overflow.any():
+            if self.recode is None:
+                raise InvalidTensorError("int16 symbols were stored from values beyond int16; give int32 symbols")
+            self.retried = True  # rare: a producer's values outgrew int16 (it keeps int32 for them from now on)
+            return self.recode(copy, self._caller[narrow_overflow].tolist())
         if (rows[:, overflow] == 2).any():
             raise RuntimeError(LANE_MAP_FAULT)
         if rows[:, overflow].any():
@@ -302,7 +315,7 @@ def _as_symbols(torch, t):
         raise InvalidTensorError(f"symbols must be 2-D [T tokens, K components], got shape {tuple(t.shape)}")
     if t.numel() == 0:
         raise InvalidTensorError(f"symbols is empty (shape {tuple(t.shape)}); there is nothing to code")
-    if t.dtype != torch.int32:
+    if t.dtype not in (torch.int32, torch.int16):
         if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
             raise InvalidTensorError(f"symbols must be integers, got {t.dtype}; quantize first (shared.rdquant)")
         if t.dtype == torch.int64 and (int(t.min()) < -(2**31) or int(t.max()) > 2**31 - 1):
@@ -355,7 +368,7 @@ class _EncodeBatch:
                                ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=has_guard, N_SHAPES=N_SHAPES,
                                SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
                                MIN_SHARE=MODEL_MIN_SHARE, TRY_BLOCK=TABLE_TRY_BLOCK, CHUNK=TABLE_CHUNK,
-                               num_warps=TABLE_WARPS if N * K <= MANY_COMPONENTS else 1)
+                               NARROW=t.dtype == torch.int16, num_warps=TABLE_WARPS if N * K <= MANY_COMPONENTS else 1)
         # 3. the lanes: words and escaped values into per-group buffers
         lay = Layout(T, K, S, G, 0, 0, 0)
         self.NL, self.NG, self.cap = lay.n_lanes, lay.n_groups, G * S
@@ -774,6 +787,7 @@ LANE_MAP_FAULT = ("the GPU lanes kernels found a lane group not laid out one lan
 
 
 NARROW_OVERFLOW = 8  # a decode's error bit: a payload decoded into int16 holds a value beyond it
+NARROW_OVERFLOW_ENCODE = 3  # an encode's overflow flag: int16 symbols stored from values beyond int16
 
 
 def check_lane_map(flags) -> None:
