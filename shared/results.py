@@ -63,7 +63,27 @@ def environment() -> dict[str, str]:
             env["driver"] = out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.TimeoutExpired):
         pass
+    code = _code()
+    if code:
+        env["code"] = code
     return env
+
+
+def _code() -> str | None:
+    """The commit of the running code, '+' where the tree differs from it; in a copy without .git
+    (a GPU machine's), what $PROJECT_CODE says."""
+    import os
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "shared", "pocs"],
+                                   cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + ("+" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return os.environ.get("PROJECT_CODE") or None
 
 
 def is_quick() -> bool:
