@@ -616,13 +616,15 @@ def plot_api(df, name: str = "09_backend_bench_api"):
         lanes = batch.lane_tokens.astype(str) if "lane_tokens" in batch else None
         for lane, g in (api.groupby(api_lanes) if api_lanes is not None else [("default", api)]):
             default = lane == "default"
+            earlier = earlier_run(g, rows)
             ax.plot(g.tensor_mb, g.value, "o-" if default else "o:", color="#0072B2" if default else "#56B4E9",
-                    label=f"TensorCodec.encode / .decode (one tensor a call, lane tokens {lane})")
+                    label=f"TensorCodec.encode / .decode (one tensor a call, lane tokens {lane})"
+                          + (f" [some sizes: {earlier}]" if earlier else ""))
         ax.plot(pcie.tensor_mb, pcie.value, "s--", color="#D55E00",
                 label="pinned PCIe copy (device->host beside encode, host->device beside decode)")
         for (lane, g), marker, color in zip(batch.groupby(lanes) if lanes is not None else [("default", batch)],
                                             "D^v", ("#009E73", "#CC79A7", "#56B4E9")):
-            earlier = earlier_run(g, api)
+            earlier = earlier_run(g, rows)
             ax.plot(g.tensor_mb, g.value, marker, color=color, ms=9,
                     label=f"encode_many / decode_many: 60 tensors of 1024x192 in one call (lane tokens {lane})"
                           + (f" [{earlier}]" if earlier else ""))

@@ -450,6 +450,7 @@ class CudaProjection:
     one launch per direction (quantize_many / reconstruct_many)."""
 
     BLOCK = dict(BM=32, BN=32, BD=32)  # the CPU interpreter's tile (the GPU autotunes its own)
+    ROW_PROGRAMS = 3  # the interpreter's programs per column tile: each walks several row tiles, as on a GPU
 
     def __init__(self, mean, components, device="cuda"):
         import torch
@@ -530,8 +531,8 @@ class CudaProjection:
         args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv, T.bit_length())
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
-            kt.project_quantize_kernel[(-(-T // b["BM"]), -(-K // b["BN"]), N)](*args, UPCAST=True, **in_place,
-                                                                               **b)
+            grid = (min(-(-T // b["BM"]), self.ROW_PROGRAMS), -(-K // b["BN"]), N)
+            kt.project_quantize_kernel[grid](*args, UPCAST=True, **in_place, **b)
         else:
             kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False,
                                                                                  **in_place)

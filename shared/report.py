@@ -346,14 +346,16 @@ def gpu_speed() -> str | None:
     return "\n\n".join(parts) if parts else None
 
 
-def earlier_run(rows, singles) -> str:
-    """'' where rows come from the code the single-tensor rows were measured with, else which code
-    they come from: a PoC 09 --api run cut short keeps an earlier run's batched rows, labelled by
-    the commit of the code that measured them (column code)."""
-    if "code" not in rows or rows.code.isna().all():
+def earlier_run(rows, measured) -> str:
+    """'' where rows come from the code of the latest run among measured (the code of the last row
+    that names one), else which code they come from: a PoC 09 --api run cut short keeps an
+    earlier run's rows for the points it did not reach, labelled by the commit of the code that
+    measured them (column code)."""
+    if "code" not in rows or "code" not in measured or rows.code.isna().all() or measured.code.isna().all():
         return ""
-    code = rows.code.dropna().iloc[0]
-    return "" if "code" in singles and code in set(singles.code.dropna()) else f"an earlier run, code of {code}"
+    latest = measured.code.dropna().iloc[-1]
+    earlier = sorted(set(rows.code.dropna()) - {latest})
+    return f"an earlier run, code of {', '.join(earlier)}" if earlier else ""
 
 
 def api_speed() -> str | None:
@@ -388,7 +390,10 @@ def api_speed() -> str | None:
                          else api.tensor_mb.unique()):
             enc, dec = val("api", "encode_gbps", mb, lanes), val("api", "decode_gbps", mb, lanes)
             d2h, h2d = val("pcie_copy", "d2h_gbps", mb), val("pcie_copy", "h2d_gbps", mb)
-            rows.append([f"{mb:g}", f"one tensor, lane tokens {lanes}", f"{val('api', 'ratio', mb, lanes):.2f}x",
+            earlier = earlier_run(api[(api.tensor_mb.round(4) == round(mb, 4)) & (api.lane_tokens.astype(str) == lanes)]
+                                  if "lane_tokens" in api else api[api.tensor_mb.round(4) == round(mb, 4)], df)
+            earlier = f" ({earlier})" if earlier else ""
+            rows.append([f"{mb:g}", f"one tensor, lane tokens {lanes}{earlier}", f"{val('api', 'ratio', mb, lanes):.2f}x",
                          f"{enc:.2f}", f"{dec:.2f}", f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x",
                          held("api", mb, lanes)])
     batched = df[(df.path == "api_batched") & (df.metric == "encode_gbps")]
@@ -397,7 +402,7 @@ def api_speed() -> str | None:
         mb = r.tensor_mb
         enc, dec = val("api_batched", "encode_gbps", mb, lanes), val("api_batched", "decode_gbps", mb, lanes)
         d2h, h2d = val("pcie_copy", "d2h_gbps", mb, lanes), val("pcie_copy", "h2d_gbps", mb, lanes)
-        earlier = earlier_run(batched.loc[[r.Index]], api)
+        earlier = earlier_run(batched.loc[[r.Index]], df)
         earlier = f" ({earlier})" if earlier else ""
         rows.append([f"{mb:.1f}", f"{int(r.tensors)} x [{int(r.tokens)}, {int(r.channels)}] in one call, lane tokens "
                      f"{lanes}{earlier}", f"{val('api_batched', 'ratio', mb, lanes):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
