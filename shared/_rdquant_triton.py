@@ -134,13 +134,14 @@ _MATMUL_CONFIGS = [
                               (64, 128, 64, 4, 4), (128, 64, 64, 4, 3), (256, 64, 64, 8, 3), (64, 64, 64, 4, 3),
                               (256, 128, 64, 8, 3)]
 ]
-# The projection also tries programs that walk several row tiles (ROW_WAVES programs per SM): those
-# that won that way on long tensors in sweeps of 16-256 MB on an NVIDIA H200, and the narrower tiles
-# whose running statistics fit in registers (a program per tile stays faster on short tensors)
-_PROJECT_CONFIGS = _MATMUL_CONFIGS + [
-    triton.Config(dict(BM=bm, BN=bn, BD=bd, ROW_WAVES=waves), num_warps=w, num_stages=st)
-    for bm, bn, bd, w, st, waves in [(128, 64, 64, 4, 3, 2), (256, 64, 64, 8, 3, 1), (64, 64, 64, 8, 3, 2),
-                                     (64, 64, 64, 4, 4, 2), (128, 64, 64, 8, 3, 2)]
+# The projection's own tiles: its running statistics take five registers a value besides the
+# accumulator, so only tiles of at most 32 values a thread keep them without spilling (wider ones
+# took minutes to compile). A program per tile for short tensors; from 64 MB up on an
+# NVIDIA H200 the autotuner picks programs that walk several row tiles (ROW_WAVES programs per SM).
+_PROJECT_CONFIGS = [
+    triton.Config(dict(BM=bm, BN=bn, BD=64, ROW_WAVES=waves), num_warps=w, num_stages=st)
+    for bm, bn, w, st, waves in [(64, 64, 4, 3, 0), (128, 64, 8, 3, 0), (64, 64, 8, 3, 2), (64, 64, 4, 4, 2),
+                                 (128, 64, 8, 3, 2)]
 ]
 
 
