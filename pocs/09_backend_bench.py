@@ -46,10 +46,10 @@ the CPU decoder's. Repeated encodes and decodes of up to pipeline.GRAPH_MAX_BYTE
 per input byte).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
-    api S=def       4.00    10417   4.57  0.9990     10.82     10.46     47.51     45.04
-    api S=def      64.00   166667   4.60  0.9990     75.13    148.24     53.32     53.02
-    api S=def     256.00   666667   4.61  0.9990    181.50    258.58     55.01     55.11
-    api_batched    23.59 60x1024 S=def    4.51  0.9990     19.76     40.00     53.55     53.55   (an earlier run)
+    api S=def       4.00    10417   4.57  0.9990      8.63     14.10     43.78     42.28
+    api S=def      64.00   166667   4.60  0.9990     96.74    133.42     52.94     53.14
+    api S=def     256.00   666667   4.61  0.9990    185.57    258.57     55.06     53.17
+    api_batched    23.59 60x1024 S=def    4.51  0.9990     17.48     32.30     44.25     52.38
 
 The compute codec's CPU path (`--api-cpu`, any machine; about 1 min on a 2-core CPU machine): a
 bf16 CPU tensor through TensorCodec on one core (torch, numba and BLAS one thread each), each way

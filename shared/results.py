@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def device_name(use_gpu: bool = True) -> str:
 
 @lru_cache(maxsize=None)
 def environment() -> dict[str, str]:
-    env = {"python": platform.python_version(), "cpu_count": str(__import__("os").cpu_count())}
+    env = {"python": platform.python_version(), "cpu_count": str(os.cpu_count())}
     for pkg in VERSIONED:
         try:
             env[f"v_{pkg}"] = importlib.metadata.version(pkg)
@@ -72,8 +73,6 @@ def environment() -> dict[str, str]:
 def _code() -> str | None:
     """The commit of the running code, '+' where the tree differs from it; in a copy without .git
     (a GPU machine's), what $PROJECT_CODE says."""
-    import os
-
     try:
         head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=10)

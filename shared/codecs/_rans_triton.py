@@ -293,9 +293,8 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     tl.atomic_min(scal_ptr + SCAL_LO_MIN, lo)
     tl.atomic_max(scal_ptr + SCAL_LO_MAX, lo)
     if HAS_GUARD:
-        g = tl.load(guard_ptr)
-        tl.atomic_max(scal_ptr + SCAL_OVERFLOW, (~(g < 2147483520.0)).to(tl.int64), mask=k == 0)
-        fits_int32 = g < 2147483520.0
+        fits_int32 = tl.load(guard_ptr) < 2147483520.0  # False for NaN too
+        tl.atomic_max(scal_ptr + SCAL_OVERFLOW, (~fits_int32).to(tl.int64), mask=k == 0)
     else:
         fits_int32 = True
     if NARROW:  # not for a tensor the guard refuses (NaN/Inf): that is an error, not a reason for int32
