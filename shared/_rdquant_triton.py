@@ -10,7 +10,7 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
                             T, D, K, inv_step_ptr, SIZE_CLASS,
                             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr,
                             ROW_WAVES: tl.constexpr = 0, X_TABLE: tl.constexpr = False,
-                            X_DTYPE: tl.constexpr = tl.bfloat16):
+                            X_DTYPE: tl.constexpr = tl.bfloat16, STATS: tl.constexpr = 1):
     """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K] (int16 where sym_ptr is,
     wrapped beyond it); with bias = mean @ basis; for tensor s = program_id(2) of a batch of
     same-shape tensors, each with its own basis and step.
@@ -23,11 +23,19 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     where a program per tile of a long tensor queues thousands on each column's address (256 MB on
     an NVIDIA H200: 644 -> 532 us). X_TABLE: x_ptr holds int64 addresses instead, one contiguous [T, D] tensor of
     X_DTYPE at each, 16-byte aligned, rounded to bf16 as it is read (a CUDA graph then reads new
-    tensors where they are: no copy into its own)."""
-    pid_m = tl.program_id(0)
-    n_m = tl.num_programs(0)
-    pid_n = tl.program_id(1)
-    seg = tl.program_id(2).to(tl.int64)
+    tensors where they are: no copy into its own).
+
+    Grid: (row programs x column tiles, N), the column tile varying fastest, so the programs that
+    read the same rows of x run side by side and all but the first find them in L2.
+    STATS: 1 keeps each element's running min, max and sum, and takes amax from the extremes
+    (a NaN is stored as the clamp, so it reaches amax as a value beyond int32); 2 also keeps a
+    running |value| (the exact largest |scaled value|, five registers a value instead of four);
+    0 keeps none (a benchmark's bound on what the statistics cost)."""
+    n_n = tl.cdiv(K, BN)
+    pid_m = tl.program_id(0) // n_n
+    n_m = tl.num_programs(0) // n_n
+    pid_n = tl.program_id(0) % n_n
+    seg = tl.program_id(1).to(tl.int64)
     if X_TABLE:
         x_ptr = tl.multiple_of(tl.load(x_ptr + seg).to(tl.pointer_type(X_DTYPE)), 16)
     else:
@@ -47,10 +55,13 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     # running statistics element by element, reduced over rows once per program: reducing every
     # tile across its warps cost about as much as the GEMM (256 MB on an NVIDIA H200: 473 us so, a
     # variant without statistics 267, this way 411)
-    run_mn = tl.full([BM, BN], big, tl.int32)
-    run_mx = tl.full([BM, BN], -big - 1, tl.int32)
-    run_sum = tl.zeros([BM, BN], tl.int64)
-    run_amax = tl.zeros([BM, BN], tl.float32)
+    clamp = 2147483520.0  # the largest float32 below 2^31: values beyond it are refused via amax
+    if STATS > 0:
+        run_mn = tl.full([BM, BN], big, tl.int32)
+        run_mx = tl.full([BM, BN], -big - 1, tl.int32)
+        run_sum = tl.zeros([BM, BN], tl.int64)
+    if STATS == 2:
+        run_amax = tl.zeros([BM, BN], tl.float32)
     for tile in range(pid_m, tl.cdiv(T, BM), n_m):
         rows = tile * BM + tl.arange(0, BM)
         rmask = rows < T
@@ -70,18 +81,27 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
                 acc = tl.dot(a, b, acc)
         v = (acc - bias[None, :]) * inv_step
         m = rmask[:, None] & cmask[None, :]
-        # NaN counts as infinite (max() would drop it), so amax alone tells the caller x was not finite
-        run_amax = tl.maximum(run_amax, tl.where(m, tl.where(v == v, tl.abs(v), float("inf")), 0.0))
-        v = tl.minimum(tl.maximum(v, -2147483520.0), 2147483520.0)  # refused by the caller via amax
+        if STATS == 2:
+            # NaN counts as infinite (max() would drop it), so amax alone tells the caller x was not finite
+            run_amax = tl.maximum(run_amax, tl.where(m, tl.where(v == v, tl.abs(v), float("inf")), 0.0))
+        v = tl.where(v == v, tl.minimum(tl.maximum(v, -clamp), clamp), clamp)  # refused by the caller via amax
         s = tl.floor(v + 0.5).to(tl.int32)
         tl.store(sym_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], s, mask=m)
-        run_mn = tl.minimum(run_mn, tl.where(m, s, big))
-        run_mx = tl.maximum(run_mx, tl.where(m, s, -big - 1))
-        run_sum += tl.where(m, s, 0).to(tl.int64)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(run_amax, 1), 0))
-    tl.atomic_min(mn_ptr + cols, tl.min(run_mn, 0), mask=cmask)
-    tl.atomic_max(mx_ptr + cols, tl.max(run_mx, 0), mask=cmask)
-    tl.atomic_add(sum_ptr + cols, tl.sum(run_sum, 0), mask=cmask)
+        if STATS > 0:
+            run_mn = tl.minimum(run_mn, tl.where(m, s, big))
+            run_mx = tl.maximum(run_mx, tl.where(m, s, -big - 1))
+            run_sum += tl.where(m, s, 0).to(tl.int64)
+    if STATS > 0:
+        col_mn = tl.min(run_mn, 0)
+        col_mx = tl.max(run_mx, 0)
+        tl.atomic_min(mn_ptr + cols, col_mn, mask=cmask)
+        tl.atomic_max(mx_ptr + cols, col_mx, mask=cmask)
+        tl.atomic_add(sum_ptr + cols, tl.sum(run_sum, 0), mask=cmask)
+    if STATS == 2:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(run_amax, 1), 0))
+    elif STATS == 1:  # |symbol| <= clamp exactly where the scaled value was finite and within it
+        ext = tl.maximum(tl.abs(tl.where(cmask, col_mn, 0).to(tl.float32)), tl.where(cmask, col_mx, 0).to(tl.float32))
+        tl.atomic_max(amax_ptr, tl.max(ext, 0))
 
 
 @triton.jit
@@ -89,10 +109,14 @@ def reconstruct_kernel(sym_ptr, basis_t_ptr, mean_ptr, out_ptr, T, D, K, step_pt
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
     """out = bf16((sym * step) @ basis_t + mean), [T, D]; basis_t is [K, D] bf16; for tensor
     s = program_id(2) of a batch of same-shape tensors, each with its own basis and step.
-    bad[s] is set to 1 where an output is not finite (out-of-range parameters of a corrupt blob)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    seg = tl.program_id(2).to(tl.int64)
+    bad[s] is set to 1 where an output is not finite (out-of-range parameters of a corrupt blob).
+    Grid: (row tiles x column tiles, N), the column tile varying fastest, so the programs that
+    read the same rows of symbols run side by side and all but the first find them in L2 (with
+    the row tile fastest, a [T, 192] tensor's symbols were read from memory once per column tile)."""
+    n_n = tl.cdiv(D, BN)
+    pid_m = tl.program_id(0) // n_n
+    pid_n = tl.program_id(0) % n_n
+    seg = tl.program_id(1).to(tl.int64)
     sym_ptr += seg * T * K
     basis_t_ptr += seg * K * D
     mean_ptr += seg * D
@@ -150,8 +174,13 @@ def project_grid(T: int, K: int, N: int, sms: int):
     def grid(meta):
         tiles, cols = -(-T // meta["BM"]), -(-K // meta["BN"])
         waves = meta.get("ROW_WAVES", 0)
-        return (tiles if waves == 0 else max(1, min(tiles, waves * sms // (cols * N)))), cols, N
+        return (tiles if waves == 0 else max(1, min(tiles, waves * sms // (cols * N)))) * cols, N
     return grid
+
+
+def reconstruct_grid(T: int, D: int, N: int):
+    """The reconstruction's launch grid for a config's BM and BN."""
+    return lambda meta: (-(-T // meta["BM"]) * -(-D // meta["BN"]), N)
 
 
 project_quantize_tuned = triton.autotune(_PROJECT_CONFIGS, key=["D", "K", "SIZE_CLASS"], reset_to_zero=["sum_ptr"])(

@@ -890,25 +890,30 @@ def _decode_symbols_cuda(codecs, jobs, out):
     from .codecs import rans_cuda
     from .rdquant import RDQuantizer
 
-    quantizers = []
-    for i, header, qpar, *_ in jobs:
+    quantizers, projs, scales = [], [], []
+    for i, header, qpar, payload, *_ in jobs:
         codecs[i]._check_basis(header)
         quantizers.append(RDQuantizer.from_bytes(qpar))  # its step checked against the header (schema)
+        proj = codecs[i]._projection(header["shape"][1], payload.device)
+        projs.append(proj)
+        # bf16 output: the decoder writes scaled coefficient rows and one GEMM reconstructs them
+        scales.append((quantizers[-1].step, proj.coefficient_bound(), proj.coefficient_width(), proj.K)
+                      if header["dtype"] == "bfloat16" else None)
     symbols, err = rans_cuda.decode_many_cuda([j[3] for j in jobs], [j[4] for j in jobs], check=False,
                                               max_elements=[j[1]["shape"][0] * schema.components(j[1]) for j in jobs],
-                                              parsed=[j[5] for j in jobs])
-    projs = []
-    for (i, header, _, payload, *_), sym in zip(jobs, symbols):
-        proj = codecs[i]._projection(header["shape"][1], payload.device)
-        if sym.shape[1] != proj.K or [sym.shape[0], proj.D] != header["shape"]:
-            raise BitstreamError(f"payload holds [{sym.shape[0]}, {sym.shape[1]}] symbols; the header's shape "
+                                              parsed=[j[5] for j in jobs], scales=scales)
+    for (i, header, *_), sym, proj, scale in zip(jobs, symbols, projs, scales):
+        K = sym.shape[1] if scale is None else proj.K  # a scaled decode has checked its K against the basis
+        if K != proj.K or [sym.shape[0], proj.D] != header["shape"]:
+            raise BitstreamError(f"payload holds [{sym.shape[0]}, {K}] symbols; the header's shape "
                                  f"{header['shape']} and the basis (K={proj.K}) need [{header['shape'][0]}, {proj.K}]")
-        projs.append(proj)
     keys = [(tuple(s.shape), projs[j].D, str(s.device), jobs[j][1]["dtype"]) for j, s in enumerate(symbols)]
     for group in _same_shape_groups(keys):
         steps = [quantizers[j].step for j in group]
         if jobs[group[0]][1]["dtype"] == "bfloat16":
-            values, nonfinite = _reconstruct_bf16([projs[j] for j in group], [symbols[j] for j in group], steps)
+            proj = projs[group[0]] if len(group) == 1 else _stacked_projection([projs[j] for j in group])
+            values = proj.reconstruct_coefficients(rans_cuda._stacked(torch, [symbols[j] for j in group])).unbind(0)
+            nonfinite = torch.zeros(len(group), dtype=torch.int32, device=err.device)  # bounded in the decoder
         else:
             values = [((symbols[j].float() * quantizers[j].step) @ projs[j].components_t.float() + projs[j].mean).to(
                 getattr(torch, jobs[j][1]["dtype"])) for j in group]
@@ -920,21 +925,6 @@ def _decode_symbols_cuda(codecs, jobs, out):
     if bool(bad.any()):
         rans_cuda.check_lane_map(bad)
         raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])][0]} of the list)")
-
-
-def _reconstruct_bf16(projs, symbols, steps, bad=None):
-    """Fused symbols * step @ basis.T + mean in bf16, for same-shape symbols (one launch); returns the
-    values and int32 flags (bad, or new zeros) set to 1 for the tensors with a non-finite output
-    (out-of-range parameters)."""
-    import torch
-
-    from .codecs import rans_cuda
-
-    proj = projs[0] if len(projs) == 1 else _stacked_projection(projs)
-    sym = rans_cuda._stacked(torch, symbols)  # no copy: slices of one tensor
-    if bad is None:
-        bad = torch.zeros(len(symbols), dtype=torch.int32, device=sym.device)
-    return proj.reconstruct_many(sym, steps, bad=bad), bad
 
 
 _DECODE_GRAPHS = {}  # key -> _DecodeGraph, or the number of eager calls seen with that key so far
@@ -983,9 +973,10 @@ def _decode_graph_plan(key, codecs, blobs, jobs):
 
 class _DecodeGraph:
     """decode_many of one list of codecs as a CUDA graph: the containers staged into fixed slots and
-    held against the ones the host checked (rans_cuda.SlotDecoder) and the decoder's kernels; then the
-    fused reconstruction, launched after the replay into new tensors (the graph's own output would
-    need a copy per call, 122 us at 256 MB on an NVIDIA H200); one host synchronization per call."""
+    held against the ones the host checked (rans_cuda.SlotDecoder) and the decoder's kernels, which
+    write scaled coefficient rows; then the reconstruction GEMM, launched after the replay into new
+    tensors (the graph's own output would need a copy per call, 122 us at 256 MB on an NVIDIA H200);
+    one host synchronization per call."""
 
     def __init__(self, codecs, blobs, jobs):
         import torch
@@ -1000,27 +991,24 @@ class _DecodeGraph:
         cap = rans_cuda.slot_bytes(fronts, inner, max(b.numel() for b in blobs))
         self.projs = [codecs[j[0]]._projection(D, dev) for j in jobs]
         self.steps = [RDQuantizer.from_bytes(j[2]).step for j in jobs]
-        # int16 symbols (at 256 MB the decoder's stores 0.57 -> 0.45 ms on an NVIDIA H200) unless
-        # these containers hold a value beyond int16; a later one that does fails the replay's
-        # check, goes to the host path, and the graph is made again from it
-        for narrow in (True, False):
-            self.dec = rans_cuda.SlotDecoder(fronts, [j[4] for j in jobs], inner, cap, dev, narrow=narrow)
-            self.dec.set_sources(blobs)
-            _, err = self.dec.launch()  # outside the capture: compiles and fills the caches the graph reads
-            if not (rans_cuda.read_on_host(err) & rans_cuda.NARROW_OVERFLOW).any():
-                break
+        self.proj = self.projs[0] if len(self.projs) == 1 else _stacked_projection(self.projs)
+        # the decoder writes scaled bf16 coefficient rows into the slot decoder's own buffer; the
+        # reconstruction GEMM runs after the replay, into new tensors
+        scaled = (rans_cuda._floats_on(torch, [float(s) for s in self.steps], dev),
+                  rans_cuda._floats_on(torch, [p.coefficient_bound() for p in self.projs], dev),
+                  self.proj.coefficient_width())
+        self.dec = rans_cuda.SlotDecoder(fronts, [j[4] for j in jobs], inner, cap, dev, scaled=scaled)
+        self.dec.set_sources(blobs)
+        self.dec.launch()  # outside the capture: compiles and fills the caches the graph reads
         self.graph = torch.cuda.CUDAGraph()
 
         def capture():
             with torch.cuda.graph(self.graph):
                 return self.dec.launch()
 
-        symbols, self.err = rans_cuda.holding_cached(self, capture)
-        stacked = rans_cuda._stacked(torch, symbols)  # [N, T, K], refilled by every replay
-        proj = self.projs[0] if len(self.projs) == 1 else _stacked_projection(self.projs)
-        self.out_shape = (len(jobs), stacked.shape[1], proj.D)
-        # compiles and tunes the reconstruction (after the capture: the graph holds only the decoder)
-        self.reconstruct = proj.reconstruct_launcher(stacked, self.steps, self.err)  # the replay sets err first
+        rows, self.err = rans_cuda.holding_cached(self, capture)
+        self.rows = rans_cuda._stacked(torch, rows)  # [N, T, width], refilled by every replay
+        self.proj.coefficient_weights()  # made before the first replay, not inside a timed call
         self.err_host = None
 
     def run(self, blobs):
@@ -1036,8 +1024,7 @@ class _DecodeGraph:
             return None
         self.dec.set_sources(blobs, sources)
         self.graph.replay()
-        out = self.reconstruct(torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.err.device))
-        values = out.unbind(0)  # before the synchronization, while the GPU works
+        values = self.proj.reconstruct_coefficients(self.rows).unbind(0)  # before the synchronization
         self.err_host = rans_cuda.read_on_host(self.err, self.err_host)  # the one host synchronization
         if bool(self.err_host.any()):
             return None

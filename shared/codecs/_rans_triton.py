@@ -68,6 +68,38 @@ def first_window(mn, mx, sm, T, A_MAX: tl.constexpr):
     return lo0, h0, centre
 
 
+RECIP_MAX_PROB_BITS = 14  # recip_entry packs M - f, c and the shift into 32 bits: 14 + 14 + 4
+
+
+@triton.jit
+def recip_entry(f, c, PROB_BITS: tl.constexpr):
+    """An encoder table entry (int64) that codes a symbol of frequency f (0 < f <= 2^n) and
+    cumulative frequency c without a division: the high word holds m = ceil(2^(32+l) / f) - 2^32
+    with l = ceil(log2 f), so floor(x / f) = (mulhi(x, m) + x) >> l for every 32-bit x (the
+    round-up method of Granlund and Montgomery with a 33-bit multiplier); the low word holds
+    2^n - f (bits 0-13), c (14-27) and l (28-31). Unused symbols (f = 0) get the identity entry."""
+    M: tl.constexpr = 1 << PROB_BITS
+    fs = tl.maximum(f, 1)
+    l = bitlen(fs - 1)
+    m = (((fs * 0 + 1) << (32 + l)) + fs - 1) // fs - (1 << 32)
+    low = tl.where(f > 0, (M - f) | (c << 14) | (l << 28), PROB_BITS << 28)
+    return tl.where(f > 0, m, 0) << 32 | low
+
+
+@triton.jit
+def recip_step(x, e, PROB_BITS: tl.constexpr):
+    """One encoder step with a recip_entry e: renormalize (whether x emits its low 16 bits), then
+    x' = floor(x / f) * 2^n + x mod f + c, written x + c + floor(x / f) * (2^n - f)."""
+    M: tl.constexpr = 1 << PROB_BITS
+    low = e.to(tl.uint32)
+    cf = low & 0x3FFF
+    emit = ((x >> (32 - PROB_BITS)) + cf) >= M
+    xs = tl.where(emit, x >> 16, x)
+    t = tl.umulhi(xs, (e >> 32).to(tl.uint32))
+    q = ((t.to(tl.uint64) + xs.to(tl.uint64)) >> (low >> 28).to(tl.uint64)).to(tl.uint32)
+    return emit, xs + ((low >> 14) & 0x3FFF) + q * cf
+
+
 @triton.jit
 def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, R,
                 HS: tl.constexpr, HCAP: tl.constexpr, BLOCK: tl.constexpr, WIDE_INDEX: tl.constexpr):
@@ -167,8 +199,9 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
                   ESC_COST: tl.constexpr, ENTRY_COST: tl.constexpr, HAS_GUARD: tl.constexpr,
                   N_SHAPES: tl.constexpr, SEARCH: tl.constexpr, SHAPE_STEPS: tl.constexpr,
                   PARAM_BYTES: tl.constexpr, MIN_SHARE: tl.constexpr, TRY_BLOCK: tl.constexpr,
-                  CHUNK: tl.constexpr, NARROW: tl.constexpr = False):
-    """choose_tables() and fit_models() of rans.py for one component, then its rANS table; sums,
+                  CHUNK: tl.constexpr, NARROW: tl.constexpr = False, RECIP: tl.constexpr = False):
+    """choose_tables() and fit_models() of rans.py for one component, then its rANS table (RECIP:
+    int64 entries of recip_entry for the encoder's division-free step; else int32 c << 16 | f); sums,
     counts and extremes of the results go to the scalar summary. guard (optional): a float the
     producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too).
     NARROW: the symbols are int16 stored from int32 values whose min and max these are; a
@@ -239,7 +272,7 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     # running best wins, as in the reference's one-by-one search. kept is read back from this
     # component's table row, used as scratch until the table is written.
     if n_try > 0:
-        tl.store(tab_ptr + k * HCAP + j, kept.to(tl.int32))
+        tl.store(tab_ptr + k * HCAP + j, kept.to(tab_ptr.dtype.element_ty))
         tl.debug_barrier()
     tb = tl.arange(0, TRY_BLOCK)
     jc = tl.arange(0, CHUNK)
@@ -279,7 +312,10 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
         f = fm
         c = cm
     tl.store(codes_ptr + k * HCAP + j, code.to(tl.uint8))
-    tl.store(tab_ptr + k * HCAP + j, ((c << 16) | f).to(tl.int32))
+    if RECIP:
+        tl.store(tab_ptr + k * HCAP + j, recip_entry(f, c, PROB_BITS))
+    else:
+        tl.store(tab_ptr + k * HCAP + j, ((c << 16) | f).to(tl.int32))
     tl.store(lo_ptr + k, lo)
     tl.store(w_ptr + k, W)
     tl.store(a_ptr + k, A)
@@ -339,7 +375,7 @@ def lanes_before(flag, jg, VOTE: tl.constexpr):
 def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr, ebuf_ptr, gesc_ptr,
                   scal_ptr, T, K, n_lanes, n_groups, S, cap, ecap,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  WIDE_INDEX: tl.constexpr, VOTE: tl.constexpr):
+                  WIDE_INDEX: tl.constexpr, VOTE: tl.constexpr, RECIP: tl.constexpr = False):
     """One thread per lane, G lanes per shared word stream, GPP streams per program. Walks its
     tokens last to first. Escaped values go to their group's escape buffer (ecap slots) in the
     order the stored format wants. A group that escapes more stores ecap as its count, so that
@@ -383,27 +419,47 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     esc_row = ebuf_ptr + grp.to(tl.int64)[:, None] * ecap
     jg = tl.zeros([GPP, G], tl.int32) + tl.arange(0, G)[None, :]
     wrong = tl.zeros([GPP, G], tl.int32)
-    # Software pipeline: step jj codes the symbol and table entry loaded during step jj - 1 and
-    # loads the next step's entry and the symbol after that, so no load waits on the state chain.
-    row = row0 + (S - 1)
-    if WIDE_INDEX:
-        off_next = row.to(tl.int64) * K + k
+    # Software pipeline: a step's symbol is loaded LEAD_SYMBOL (6) steps before it is coded, and
+    # its table entry, indexed by it, 2 steps before: the symbol's load (from memory) has 4 steps to
+    # arrive and the entry's (L1 or L2) 2, so neither waits on the state's chain (with leads of 2
+    # and 1 a step took about the latency of one memory load, ~0.4 us on an NVIDIA H200: a lane's
+    # 1024 steps cost ~0.4 ms however few lanes ran at once)
+    if RECIP:
+        IDENTITY: tl.constexpr = PROB_BITS << 28  # recip_entry of f = 2^n: a row past T leaves x as it is
     else:
-        off_next = row * K + k
-    v_cur = tl.load(sym_ptr + off_next, mask=lane_ok & (row < T), other=0).to(tl.int32)
-    e_cur = tl.load(tab_row + table_index(v_cur, lo, hi, W), mask=lane_ok & (row < T), other=M)
-    off_next = off_next - K
-    v_next = tl.load(sym_ptr + off_next, mask=lane_ok & (row - 1 < T) & (S > 1), other=0).to(tl.int32)
+        IDENTITY: tl.constexpr = M
+    top = row0 + (S - 1)  # the row of step 0: lanes walk their tokens last to first
+    if WIDE_INDEX:
+        off = top.to(tl.int64) * K + k
+    else:
+        off = top * K + k
+    v0 = tl.load(sym_ptr + off, mask=lane_ok & (top < T), other=0).to(tl.int32)
+    v1 = tl.load(sym_ptr + (off - K), mask=lane_ok & (top - 1 < T) & (1 < S), other=0).to(tl.int32)
+    v2 = tl.load(sym_ptr + (off - 2 * K), mask=lane_ok & (top - 2 < T) & (2 < S), other=0).to(tl.int32)
+    v3 = tl.load(sym_ptr + (off - 3 * K), mask=lane_ok & (top - 3 < T) & (3 < S), other=0).to(tl.int32)
+    v4 = tl.load(sym_ptr + (off - 4 * K), mask=lane_ok & (top - 4 < T) & (4 < S), other=0).to(tl.int32)
+    v5 = tl.load(sym_ptr + (off - 5 * K), mask=lane_ok & (top - 5 < T) & (5 < S), other=0).to(tl.int32)
+    e0 = tl.load(tab_row + table_index(v0, lo, hi, W), mask=lane_ok & (top < T), other=IDENTITY)
+    e1 = tl.load(tab_row + table_index(v1, lo, hi, W), mask=lane_ok & (top - 1 < T) & (1 < S), other=IDENTITY)
+    off = off - 6 * K  # the symbol of step jj + 6
     for jj in range(0, S):
-        row = row0 + (S - 1 - jj)
+        row = top - jj
         active = lane_ok & (row < T)
-        v = v_cur
-        e = e_cur
+        v = v0
+        e = e0
         outside = (v < lo) | (v > hi)
-        e_cur = tl.load(tab_row + table_index(v_next, lo, hi, W), mask=lane_ok & (row - 1 < T) & (jj + 1 < S), other=M)
-        v_cur = v_next
-        off_next = off_next - K
-        v_next = tl.load(sym_ptr + off_next, mask=lane_ok & (row - 2 < T) & (jj + 2 < S), other=0).to(tl.int32)
+        e2 = tl.load(tab_row + table_index(v2, lo, hi, W), mask=lane_ok & (row - 2 < T) & (jj + 2 < S),
+                     other=IDENTITY)
+        v6 = tl.load(sym_ptr + off, mask=lane_ok & (row - 6 < T) & (jj + 6 < S), other=0).to(tl.int32)
+        off = off - K
+        v0 = v1
+        v1 = v2
+        v2 = v3
+        v3 = v4
+        v4 = v5
+        v5 = v6
+        e0 = e1
+        e1 = e2
         if may_escape:
             esc_now = active & outside
             ee = esc_now.to(tl.int32)
@@ -412,17 +468,21 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
             epos = eptr[:, None] + erank
             tl.store(esc_row + epos, v, mask=esc_now & (epos < ecap))
             eptr += tl.sum(ee, 1)
-        f = (e & 0xFFFF).to(tl.uint32)
-        c = (e >> 16).to(tl.uint32)
-        emit = (x >> (32 - PROB_BITS)) >= f
+        if RECIP:
+            emit, x_next = recip_step(x, e, PROB_BITS)
+        else:
+            f = (e & 0xFFFF).to(tl.uint32)
+            c = (e >> 16).to(tl.uint32)
+            emit = (x >> (32 - PROB_BITS)) >= f
+            xs = tl.where(emit, x >> 16, x)
+            q = xs // f
+            x_next = (q << PROB_BITS) + (xs - q * f) + c
         em = emit.to(tl.int32)
         rank, rwrong = lanes_before(em, jg, VOTE)
         wrong |= rwrong
         tl.store(out_row + (ptr[:, None] + rank), (x & 0xFFFF).to(tl.int32).to(tl.int16), mask=emit)
         ptr += tl.sum(em, 1)
-        x = tl.where(emit, x >> 16, x)
-        q = x // f
-        x = (q << PROB_BITS) + (x - q * f) + c
+        x = x_next
     tl.store(state_ptr + lane, x.to(tl.int32, bitcast=True), mask=lane_ok)
     tl.store(glen_ptr + grp, ptr, mask=grp < n_groups)
     stored = tl.minimum(eptr, ecap)  # what the escape buffer holds (see above)
@@ -940,10 +1000,10 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
 
 @triton.jit
 def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, rank_ptr, lut_ptr, tab_ptr,
-                  out_ptr, gesc_ptr, geend_ptr, err_ptr, T, K, n_lanes, n_groups, S,
+                  out_ptr, gesc_ptr, geend_ptr, err_ptr, step_ptr, bound_ptr, T, K, n_lanes, n_groups, S, OUT_W,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr,
-                  NARROW: tl.constexpr = False):
+                  NARROW: tl.constexpr = False, SCALED: tl.constexpr = False):
     """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
     first to last, reading each group's words from the end of its stream. PACKED: lut holds
     symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol and tab the
@@ -952,7 +1012,12 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     (VOTE, see lanes_before) sets bit 2, which the host reports as a fault of its own, not corruption.
     NARROW: out is int16 (half the bytes to write, and for the reconstruction to read); a value
     beyond it (a window reaching past int16, or an escaped value) sets bit 3, and the caller
-    decodes that payload into int32 instead."""
+    decodes that payload into int32 instead.
+    SCALED: out is bf16 rows of OUT_W values (the coefficients of a reconstruction GEMM, whose
+    columns past K the caller fills): each value is written as bf16(value * step[s]). A value
+    with |value * step| beyond bound[s] (or a step that is not finite) is corruption (bit 0): the
+    caller's GEMM then cannot overflow. The window's ends are checked once per lane, escaped
+    values as they are met."""
     sg = tl.program_id(1)
     seg = seg_ptr + sg * SEG_FIELDS
     words_ptr = b16 + tl.load(seg + SEG_STREAMS)
@@ -971,7 +1036,12 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     rank_ptr += sg * K
     lut_ptr += sg.to(tl.int64) * (K + 1) * (1 << PROB_BITS)
     tab_ptr += sg.to(tl.int64) * (K + 1) * HCAP
-    out_ptr += sg.to(tl.int64) * T * K
+    step = tl.load(step_ptr + sg)  # SCALED only (other callers pass any float32 [N])
+    bound = tl.load(bound_ptr + sg)
+    if SCALED:
+        out_ptr += sg.to(tl.int64) * T * OUT_W
+    else:
+        out_ptr += sg.to(tl.int64) * T * K
     err_ptr += sg
     M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
@@ -990,6 +1060,9 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     x = tl.load(states_in + p.to(tl.int64) * k_coded + rank, mask=coded, other=65536).to(tl.uint32, bitcast=True)
     bad = (x < 65536).to(tl.int32)
     wide = ((lo < -32768) | (lo + tl.maximum(W, 1) - 1 > 32767)) & lane_ok  # NARROW: a window past int16
+    if SCALED:  # the window's ends bound every value that is not escaped
+        reach = tl.maximum(tl.abs(lo.to(tl.float32)), tl.abs((lo + tl.maximum(W, 1) - 1).to(tl.float32))) * step
+        bad |= (lane_ok & ~(reach <= bound)).to(tl.int32)
     glen = tl.load(glen_ptr + grp, mask=grp_ok, other=0)
     ptr = glen
     base = tl.load(gend_ptr + grp, mask=grp_ok, other=0) - glen
@@ -1002,10 +1075,14 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             tl.int32)
     row0 = p * S
     last_word = tl.maximum(n_words - 1, 0)
-    if WIDE_INDEX:
-        off = row0.to(tl.int64) * K + k
+    if SCALED:
+        row_w = OUT_W
     else:
-        off = row0 * K + k
+        row_w = K
+    if WIDE_INDEX:
+        off = row0.to(tl.int64) * row_w + k
+    else:
+        off = row0 * row_w + k
         # word offsets then fit int32 (a stream holds at most T * K words); a hostile base only wraps,
         # and the window's clamp to [0, last_word] still bounds every read
         base = base.to(tl.int32)
@@ -1055,8 +1132,13 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
             if NARROW:
                 wide |= esc_now & ((val < -32768) | (val > 32767))
-        tl.store(out_ptr + off, val, mask=active)
-        off += K
+            if SCALED:
+                bad |= (esc_now & ~(tl.abs(val.to(tl.float32)) * step <= bound)).to(tl.int32)
+        if SCALED:
+            tl.store(out_ptr + off, (val.to(tl.float32) * step).to(tl.bfloat16), mask=active)
+        else:
+            tl.store(out_ptr + off, val, mask=active)
+        off += row_w
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)[:, None]
     bad |= 4 * wrong

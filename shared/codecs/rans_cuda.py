@@ -48,7 +48,8 @@ def _kernels():
     _KERNELS = dict(fields=kt.SUMMARY_FIELDS, seg_fields=kt.SEG_FIELDS, hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
                     pack_meta=kt.pack_meta_kernel, gather=kt.gather_streams_kernel, checksum=kt.checksum_kernel,
                     finish=kt.finish_checksum_kernel, layout=kt.layout_kernel, fronts=kt.fronts_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel,
-                    stage=kt.stage_kernel, check_fronts=kt.check_fronts_kernel)
+                    stage=kt.stage_kernel, check_fronts=kt.check_fronts_kernel,
+                    recip_max_prob_bits=kt.RECIP_MAX_PROB_BITS)
     return _KERNELS
 
 
@@ -118,6 +119,8 @@ CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per
 TABLE_WARPS, META_WARPS = 4, 2  # up to MANY_COMPONENTS components in a launch
 MANY_COMPONENTS = 1024  # more in one launch: one warp each
 TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed at once, symbols per step
+USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with the table's reciprocal (prob_bits <= 14),
+# not a 32-bit division (about 16 instructions, three of them quarter-rate, on the state's dependency chain)
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
 
@@ -358,7 +361,8 @@ class _EncodeBatch:
         lo = torch.empty((N, K), dtype=torch.int64, device=dev)
         W, A = torch.empty_like(lo), torch.empty_like(lo)
         codes = torch.empty((N, K, HCAP), dtype=torch.uint8, device=dev)
-        tab = torch.empty((N, K, HCAP), dtype=torch.int32, device=dev)
+        recip = USE_RECIPROCALS and n <= kern["recip_max_prob_bits"]
+        tab = torch.empty((N, K, HCAP), dtype=torch.int64 if recip else torch.int32, device=dev)
         model, scale, mu16 = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
         scal = _summary_start(torch, dev).view(1, -1).repeat(N, 1)
         mt = _model_tables_on(torch, dev, n)
@@ -368,7 +372,8 @@ class _EncodeBatch:
                                ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=has_guard, N_SHAPES=N_SHAPES,
                                SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
                                MIN_SHARE=MODEL_MIN_SHARE, TRY_BLOCK=TABLE_TRY_BLOCK, CHUNK=TABLE_CHUNK,
-                               NARROW=t.dtype == torch.int16, num_warps=TABLE_WARPS if N * K <= MANY_COMPONENTS else 1)
+                               NARROW=t.dtype == torch.int16, RECIP=recip,
+                               num_warps=TABLE_WARPS if N * K <= MANY_COMPONENTS else 1)
         # 3. the lanes: words and escaped values into per-group buffers
         lay = Layout(T, K, S, G, 0, 0, 0)
         self.NL, self.NG, self.cap = lay.n_lanes, lay.n_groups, G * S
@@ -380,7 +385,7 @@ class _EncodeBatch:
         self.N, self.T, self.K, self.S, self.wide_index = N, T, K, S, wide_index
         self.lo, self.W, self.A, self.codes, self.tab = lo, W, A, codes, tab
         self.model, self.scale, self.mu16, self.scal = model, scale, mu16, scal
-        self.P, self.length_field = lay.P, length_field
+        self.P, self.length_field, self.recip = lay.P, length_field, recip
         self.front_src, self.front_off, self.front_len, self.back_len = _fronts_on(torch, dev, fronts, backs)
         self.room = max(len(f) for f in fronts) + max(backs) + 16
         self.ecap = None  # escape room per lane group, set by code_lanes
@@ -396,7 +401,7 @@ class _EncodeBatch:
             self.t, self.lo, self.W, self.A, self.tab, self.buf, self.states, self.glen, self.ebuf, self.gesc,
             self.scal, self.T, self.K, self.NL, self.NG, self.S, self.cap, ecap,
             HCAP=self.HCAP, PROB_BITS=self.n, G=self.G, GPP=_groups_per_program(), WIDE_INDEX=self.wide_index,
-            VOTE=_vote(self.G), num_warps=_warps(self.G))
+            VOTE=_vote(self.G), RECIP=self.recip, num_warps=_warps(self.G))
         self.gend, self.geend = torch.cumsum(torch.stack([self.glen, self.gesc]), 2, dtype=torch.int64)
 
     def capacity(self) -> int:
@@ -575,7 +580,7 @@ def decode_cuda(payload, head: bytes | None = None, check: bool = True):
     return outs[0] if check else (outs[0], errs[0:1])
 
 
-def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None, parsed=None):
+def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None, parsed=None, scales=None):
     """decode_cuda() of a list of payloads in one set of kernel launches, for payloads of one shape
     (T, K, lane tokens, group lanes, prob_bits: e.g. every layer's K of one step); payloads of
     other shapes go in their own launches. Returns (symbols list, error flags int32 [N]); with
@@ -583,7 +588,10 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
     BitstreamError naming its index. max_elements: the most values a payload may declare (one
     limit, or one per payload; default shared.schema.DEFAULT_MAX_ELEMENTS), checked before
     anything is allocated, as the CPU decoder checks it. parsed: rans.read_header() of each payload
-    where the caller has already checked it with these limits (None entries are parsed here)."""
+    where the caller has already checked it with these limits (None entries are parsed here).
+    scales: optional (step, bound, width, K) per payload (None entries decode to symbols): that
+    payload, whose header must declare K components, decodes to bf16 coefficient rows [T, width]
+    (see _decode_kernels' scaled) instead."""
     torch = _torch()
     limits = max_elements if isinstance(max_elements, (list, tuple)) else [max_elements] * len(payloads)
     for p in payloads:
@@ -602,12 +610,22 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
             known = Parsed.__new__(Parsed)
             _parse_header_only(known, bytes(h[:HEADER.size]), len(p), limit)
         hdrs.append(known)
+    scales = scales or [None] * len(payloads)
+    for i, (h, scale) in enumerate(zip(hdrs, scales)):
+        if scale is not None and (h.K != scale[3] or scale[2] < h.K + 2):
+            raise BitstreamError(f"payload {i} holds {h.K} components per token; its basis has {scale[3]}")
     groups = {}
     for i, h in enumerate(hdrs):
-        groups.setdefault((h.T, h.K, h.S, h.G, h.prob_bits), []).append(i)
+        width = None if scales[i] is None else scales[i][2]
+        groups.setdefault((h.T, h.K, h.S, h.G, h.prob_bits, width), []).append(i)
     outs, errs = [None] * len(payloads), [None] * len(payloads)
-    for members in groups.values():
-        o, e = _decode_same_shape([payloads[i] for i in members], [hdrs[i] for i in members])
+    for key, members in groups.items():
+        scaled = None
+        if key[-1] is not None:
+            dev = payloads[members[0]].device
+            scaled = (_floats_on(torch, [float(scales[i][0]) for i in members], dev),
+                      _floats_on(torch, [float(scales[i][1]) for i in members], dev), key[-1])
+        o, e = _decode_same_shape([payloads[i] for i in members], [hdrs[i] for i in members], scaled)
         for j, i in enumerate(members):
             outs[i], errs[i] = o[j], e[j:j + 1]
     err = torch.cat(errs)
@@ -619,7 +637,15 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
     return outs, err
 
 
-def _decode_same_shape(payloads, hdrs):
+_FLOATS_ON = {}  # small float32 tensors by (values, device): a decoder's steps and bounds repeat call after call
+
+
+def _floats_on(torch, values: list, dev):
+    return cached_on_device(_FLOATS_ON, (tuple(values), str(dev)),
+                            lambda: torch.tensor(values, dtype=torch.float32).to(dev))
+
+
+def _decode_same_shape(payloads, hdrs, scaled=None):
     torch = _torch()
     dev = payloads[0].device
     h0, N = hdrs[0], len(payloads)
@@ -637,13 +663,29 @@ def _decode_same_shape(payloads, hdrs):
     table = [_segment_row(fields, hdr.layout, base) for hdr, base in zip(hdrs, bases)]
     segs = _device_table(torch, table, dev)
     err = torch.zeros(N, dtype=torch.int32, device=dev)
-    return _decode_kernels(buf, segs, err, h0, max(h.layout.total for h in hdrs))
+    return _decode_kernels(buf, segs, err, h0, max(h.layout.total for h in hdrs), scaled=scaled)
 
 
-def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False):
+def coefficient_rows(N: int, T: int, K: int, width: int, device):
+    """A SCALED decode's output: bf16 [N, T, width], columns K and K + 1 set to 1 and the rest past K
+    to 0 (the decoder writes the first K of each row), for rdquant's reconstruction GEMM."""
+    torch = _torch()
+    out = torch.empty((N, T, width), dtype=torch.bfloat16, device=device)
+    out[:, :, K:K + 2] = 1
+    out[:, :, K + 2:] = 0
+    return out
+
+
+_UNSCALED = {}  # the float32 [N] zeros an unscaled decode passes for its step and bound
+
+
+def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scaled=None, out=None):
     """The decoder's kernels over N payloads of h0's shape in buf, as the segment table segs places
     them: checksum, tables and lookup, then the lanes. Returns (symbols [N] of int32 [T, K], err);
-    narrow: int16 symbols, err bit 3 (8) set for a payload holding a value beyond int16."""
+    narrow: int16 symbols, err bit 3 (8) set for a payload holding a value beyond int16.
+    scaled: (steps, bounds, width), float32 CUDA [N] each and an int: the values as bf16(value * step)
+    in rows of width (coefficient_rows; out, if given, is one already filled), and a value beyond its
+    bound is corruption (see _rans_triton.decode_kernel); returns the [T, width] rows instead."""
     torch = _torch()
     dev, N = buf.device, segs.shape[0]
     n, G, S, K, T = h0.prob_bits, h0.G, h0.S, h0.K, h0.T
@@ -669,12 +711,20 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False):
     glen = b32[segs[:, col["gw_el"]:col["gw_el"] + 1] + ar]  # [N, NG]
     gesc = b32[segs[:, col["ge_el"]:col["ge_el"] + 1] + ar]
     gend, geend = torch.cumsum(torch.stack([glen, gesc]), 2, dtype=torch.int64)
-    out = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
+    if scaled is not None:
+        steps, bounds, width = scaled
+        if out is None:
+            out = coefficient_rows(N, T, K, width, dev)
+    else:
+        steps = bounds = cached_on_device(_UNSCALED, (N, str(dev)),
+                                          lambda: torch.zeros(N, dtype=torch.float32, device=dev))
+        width = K
+        out = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
     kern["decode"][(triton_cdiv(NG, _groups_per_program()), N)](
         b16, b32, segs, gend, glen.contiguous(), lo, W, A, rank, lut, tab, out, gesc.contiguous(), geend, err,
-        T, K, NL, NG, S, HCAP=HCAP, PROB_BITS=n, G=G, GPP=_groups_per_program(),
-        WIDE_INDEX=(T + 1) * K >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields), VOTE=_vote(G),
-        NARROW=narrow)
+        steps, bounds, T, K, NL, NG, S, width, HCAP=HCAP, PROB_BITS=n, G=G, GPP=_groups_per_program(),
+        WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields),
+        VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None)
     return list(out.unbind(0)), err
 
 
@@ -708,12 +758,15 @@ class SlotDecoder:
 
     A container that fails the check (err 2) is decoded as an empty payload of this shape inside its
     slot, so a hostile one never steers a read; the caller decodes such a list again on the host path.
-    narrow: int16 symbols (err 8 where a payload holds a value beyond int16: decode it as int32)."""
+    narrow: int16 symbols (err 8 where a payload holds a value beyond int16: decode it as int32).
+    scaled: (steps, bounds, width) as _decode_kernels takes it: bf16 coefficient rows, in one
+    buffer filled once (launch() returns views of it)."""
 
-    def __init__(self, fronts: list, heads: list, hdr, cap: int, device, narrow: bool = False):
+    def __init__(self, fronts: list, heads: list, hdr, cap: int, device, narrow: bool = False, scaled=None):
         torch = _torch()
         self.N, self.hdr, self.cap, self.device = len(fronts), hdr, cap, torch.device(device)
-        self.narrow = narrow
+        self.narrow, self.scaled = narrow, scaled
+        self.rows = None if scaled is None else coefficient_rows(self.N, hdr.T, hdr.K, scaled[2], self.device)
         if cap % 16 or any(len(f) % 16 for f in fronts):
             raise ValueError("slots and payloads must start 16-byte aligned")
         if _empty_container_bytes(fronts, hdr) > cap:
@@ -777,7 +830,7 @@ class SlotDecoder:
             self.buf, self.sources, self.ref, self.ref_len, self.segs, self.err, self.cap, self.hdr.T, self.hdr.K,
             lay.P, lay.n_groups, BLOCK=self.block, SEG_FIELDS=self.segs.shape[1], HEADER_BYTES=HEADER.size,
             CHECK_AT=CHECKED_HEADER_BYTES)
-        return _decode_kernels(self.buf, self.segs, self.err, self.hdr, self.cap, self.narrow)
+        return _decode_kernels(self.buf, self.segs, self.err, self.hdr, self.cap, self.narrow, self.scaled, self.rows)
 
 
 CORRUPT = "rANS payload is corrupt (checksum, tables or lane states do not check out)"
