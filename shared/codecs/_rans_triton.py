@@ -80,8 +80,11 @@ def recip_entry(f, c, PROB_BITS: tl.constexpr):
     2^n - f (bits 0-13), c (14-27) and l (28-31). Unused symbols (f = 0) get the identity entry."""
     M: tl.constexpr = 1 << PROB_BITS
     fs = tl.maximum(f, 1)
-    l = bitlen(fs - 1)
-    m = (((fs * 0 + 1) << (32 + l)) + fs - 1) // fs - (1 << 32)
+    # ceil(log2 f) from the exponent of float(f - 1), exact below 2^24
+    l = tl.maximum(((fs - 1).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0).to(tl.int64)
+    # ceil(2^(32+l) / f) in float64: the quotient is an integer (f a power of 2) or at least 1/f
+    # from one, far more than the division's rounding error (2^-20), so its ceiling is exact
+    m = tl.math.ceil(((fs * 0 + 1) << (32 + l)).to(tl.float64) / fs.to(tl.float64)).to(tl.int64) - (1 << 32)
     low = tl.where(f > 0, (M - f) | (c << 14) | (l << 28), PROB_BITS << 28)
     return tl.where(f > 0, m, 0) << 32 | low
 
@@ -344,6 +347,17 @@ def table_index(v, lo, hi, W):
     return tl.where((v < lo) | (v > hi), W, v - lo)
 
 
+STREAM_PREFETCH_GROUPS = tl.constexpr(3)  # decode_kernel: lane groups' word windows prefetched this many windows below the reader
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Asks for the lines at ptrs to be brought into L2 (PTX prefetch: no register waits on it)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask):
     """The G words of each lane group's stream just below its read position ptr ([GPP, G])."""
@@ -369,6 +383,55 @@ def lanes_before(flag, jg, VOTE: tl.constexpr):
         rank = tl.cumsum(flag, 1) - flag
         wrong = tl.zeros_like(flag)
     return rank, wrong
+
+
+ENCODE_UNROLL = 8  # encode_kernel's steps a loop iteration (its software pipeline's depth)
+
+
+@triton.jit
+def _symbol_at(sym_ptr, off, top, j, T, S, K, lane_ok):
+    """The symbol of step j (row top - j), 0 for a step past the lane's end or a row past T."""
+    return tl.load(sym_ptr + (off - j * K), mask=lane_ok & (top - j < T) & (j < S), other=0).to(tl.int32)
+
+
+@triton.jit
+def _entry_at(tab_row, v, lo, hi, W, top, j, T, S, lane_ok, IDENTITY: tl.constexpr):
+    """The table entry of step j's symbol v; the identity entry for a step that codes nothing."""
+    return tl.load(tab_row + table_index(v, lo, hi, W), mask=lane_ok & (top - j < T) & (j < S), other=IDENTITY)
+
+
+@triton.jit
+def _encode_step(x, ptr, eptr, wrong, v, e, v_ahead, j, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok,
+                 out_row, esc_row, ecap, jg, may_escape, PROB_BITS: tl.constexpr, VOTE: tl.constexpr,
+                 RECIP: tl.constexpr, IDENTITY: tl.constexpr):
+    """Step j of encode_kernel's lanes: codes symbol v with entry e, then loads the entry of step
+    j + 4 (its symbol v_ahead) and the symbol of step j + 8, into the slots v and e just freed."""
+    active = lane_ok & (top - j < T) & (j < S)
+    if may_escape:
+        esc_now = active & ((v < lo) | (v > hi))
+        ee = esc_now.to(tl.int32)
+        erank, ewrong = lanes_before(ee, jg, VOTE)
+        wrong |= ewrong
+        epos = eptr[:, None] + erank
+        tl.store(esc_row + epos, v, mask=esc_now & (epos < ecap))
+        eptr += tl.sum(ee, 1)
+    if RECIP:
+        emit, x_next = recip_step(x, e, PROB_BITS)
+    else:
+        f = (e & 0xFFFF).to(tl.uint32)
+        c = (e >> 16).to(tl.uint32)
+        emit = (x >> (32 - PROB_BITS)) >= f
+        xs = tl.where(emit, x >> 16, x)
+        q = xs // f
+        x_next = (q << PROB_BITS) + (xs - q * f) + c
+    em = emit.to(tl.int32)
+    rank, rwrong = lanes_before(em, jg, VOTE)
+    wrong |= rwrong
+    tl.store(out_row + (ptr[:, None] + rank), (x & 0xFFFF).to(tl.int32).to(tl.int16), mask=emit)
+    ptr += tl.sum(em, 1)
+    e_next = _entry_at(tab_row, v_ahead, lo, hi, W, top, j + 4, T, S, lane_ok, IDENTITY)
+    v_next = _symbol_at(sym_ptr, off, top, j + 8, T, S, K, lane_ok)
+    return x_next, ptr, eptr, wrong, e_next, v_next
 
 
 @triton.jit
@@ -419,11 +482,11 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     esc_row = ebuf_ptr + grp.to(tl.int64)[:, None] * ecap
     jg = tl.zeros([GPP, G], tl.int32) + tl.arange(0, G)[None, :]
     wrong = tl.zeros([GPP, G], tl.int32)
-    # Software pipeline: a step's symbol is loaded LEAD_SYMBOL (6) steps before it is coded, and
-    # its table entry, indexed by it, 2 steps before: the symbol's load (from memory) has 4 steps to
-    # arrive and the entry's (L1 or L2) 2, so neither waits on the state's chain (with leads of 2
-    # and 1 a step took about the latency of one memory load, ~0.4 us on an NVIDIA H200: a lane's
-    # 1024 steps cost ~0.4 ms however few lanes ran at once)
+    # Software pipeline, unrolled 8 steps a loop iteration so that no value moves between registers:
+    # a step's symbol is loaded 8 steps before it is coded, into the slot (v0..v7) that step j - 8
+    # just used, and its table entry 4 steps before, into slot e0..e3. (A rotation of registers
+    # made every step wait on a load issued the step before: a move reads the loaded register. So
+    # each step took one memory latency, ~0.4 us on an NVIDIA H200, however the loads were led.)
     if RECIP:
         IDENTITY: tl.constexpr = PROB_BITS << 28  # recip_entry of f = 2^n: a row past T leaves x as it is
     else:
@@ -433,56 +496,27 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
         off = top.to(tl.int64) * K + k
     else:
         off = top * K + k
-    v0 = tl.load(sym_ptr + off, mask=lane_ok & (top < T), other=0).to(tl.int32)
-    v1 = tl.load(sym_ptr + (off - K), mask=lane_ok & (top - 1 < T) & (1 < S), other=0).to(tl.int32)
-    v2 = tl.load(sym_ptr + (off - 2 * K), mask=lane_ok & (top - 2 < T) & (2 < S), other=0).to(tl.int32)
-    v3 = tl.load(sym_ptr + (off - 3 * K), mask=lane_ok & (top - 3 < T) & (3 < S), other=0).to(tl.int32)
-    v4 = tl.load(sym_ptr + (off - 4 * K), mask=lane_ok & (top - 4 < T) & (4 < S), other=0).to(tl.int32)
-    v5 = tl.load(sym_ptr + (off - 5 * K), mask=lane_ok & (top - 5 < T) & (5 < S), other=0).to(tl.int32)
-    e0 = tl.load(tab_row + table_index(v0, lo, hi, W), mask=lane_ok & (top < T), other=IDENTITY)
-    e1 = tl.load(tab_row + table_index(v1, lo, hi, W), mask=lane_ok & (top - 1 < T) & (1 < S), other=IDENTITY)
-    off = off - 6 * K  # the symbol of step jj + 6
-    for jj in range(0, S):
-        row = top - jj
-        active = lane_ok & (row < T)
-        v = v0
-        e = e0
-        outside = (v < lo) | (v > hi)
-        e2 = tl.load(tab_row + table_index(v2, lo, hi, W), mask=lane_ok & (row - 2 < T) & (jj + 2 < S),
-                     other=IDENTITY)
-        v6 = tl.load(sym_ptr + off, mask=lane_ok & (row - 6 < T) & (jj + 6 < S), other=0).to(tl.int32)
-        off = off - K
-        v0 = v1
-        v1 = v2
-        v2 = v3
-        v3 = v4
-        v4 = v5
-        v5 = v6
-        e0 = e1
-        e1 = e2
-        if may_escape:
-            esc_now = active & outside
-            ee = esc_now.to(tl.int32)
-            erank, ewrong = lanes_before(ee, jg, VOTE)
-            wrong |= ewrong
-            epos = eptr[:, None] + erank
-            tl.store(esc_row + epos, v, mask=esc_now & (epos < ecap))
-            eptr += tl.sum(ee, 1)
-        if RECIP:
-            emit, x_next = recip_step(x, e, PROB_BITS)
-        else:
-            f = (e & 0xFFFF).to(tl.uint32)
-            c = (e >> 16).to(tl.uint32)
-            emit = (x >> (32 - PROB_BITS)) >= f
-            xs = tl.where(emit, x >> 16, x)
-            q = xs // f
-            x_next = (q << PROB_BITS) + (xs - q * f) + c
-        em = emit.to(tl.int32)
-        rank, rwrong = lanes_before(em, jg, VOTE)
-        wrong |= rwrong
-        tl.store(out_row + (ptr[:, None] + rank), (x & 0xFFFF).to(tl.int32).to(tl.int16), mask=emit)
-        ptr += tl.sum(em, 1)
-        x = x_next
+    v0 = _symbol_at(sym_ptr, off, top, 0, T, S, K, lane_ok)
+    v1 = _symbol_at(sym_ptr, off, top, 1, T, S, K, lane_ok)
+    v2 = _symbol_at(sym_ptr, off, top, 2, T, S, K, lane_ok)
+    v3 = _symbol_at(sym_ptr, off, top, 3, T, S, K, lane_ok)
+    v4 = _symbol_at(sym_ptr, off, top, 4, T, S, K, lane_ok)
+    v5 = _symbol_at(sym_ptr, off, top, 5, T, S, K, lane_ok)
+    v6 = _symbol_at(sym_ptr, off, top, 6, T, S, K, lane_ok)
+    v7 = _symbol_at(sym_ptr, off, top, 7, T, S, K, lane_ok)
+    e0 = _entry_at(tab_row, v0, lo, hi, W, top, 0, T, S, lane_ok, IDENTITY)
+    e1 = _entry_at(tab_row, v1, lo, hi, W, top, 1, T, S, lane_ok, IDENTITY)
+    e2 = _entry_at(tab_row, v2, lo, hi, W, top, 2, T, S, lane_ok, IDENTITY)
+    e3 = _entry_at(tab_row, v3, lo, hi, W, top, 3, T, S, lane_ok, IDENTITY)
+    for j in range(0, S, 8):
+        x, ptr, eptr, wrong, e0, v0 = _encode_step(x, ptr, eptr, wrong, v0, e0, v4, j, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
+        x, ptr, eptr, wrong, e1, v1 = _encode_step(x, ptr, eptr, wrong, v1, e1, v5, j + 1, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
+        x, ptr, eptr, wrong, e2, v2 = _encode_step(x, ptr, eptr, wrong, v2, e2, v6, j + 2, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
+        x, ptr, eptr, wrong, e3, v3 = _encode_step(x, ptr, eptr, wrong, v3, e3, v7, j + 3, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
+        x, ptr, eptr, wrong, e0, v4 = _encode_step(x, ptr, eptr, wrong, v4, e0, v0, j + 4, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
+        x, ptr, eptr, wrong, e1, v5 = _encode_step(x, ptr, eptr, wrong, v5, e1, v1, j + 5, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
+        x, ptr, eptr, wrong, e2, v6 = _encode_step(x, ptr, eptr, wrong, v6, e2, v2, j + 6, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
+        x, ptr, eptr, wrong, e3, v7 = _encode_step(x, ptr, eptr, wrong, v7, e3, v3, j + 7, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
     tl.store(state_ptr + lane, x.to(tl.int32, bitcast=True), mask=lane_ok)
     tl.store(glen_ptr + grp, ptr, mask=grp < n_groups)
     stored = tl.minimum(eptr, ecap)  # what the escape buffer holds (see above)
@@ -1003,7 +1037,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
                   out_ptr, gesc_ptr, geend_ptr, err_ptr, step_ptr, bound_ptr, T, K, n_lanes, n_groups, S, OUT_W,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr,
-                  NARROW: tl.constexpr = False, SCALED: tl.constexpr = False):
+                  NARROW: tl.constexpr = False, SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
     first to last, reading each group's words from the end of its stream. PACKED: lut holds
     symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol and tab the
@@ -1017,7 +1051,9 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     columns past K the caller fills): each value is written as bf16(value * step[s]). A value
     with |value * step| beyond bound[s] (or a step that is not finite) is corruption (bit 0): the
     caller's GEMM then cannot overflow. The window's ends are checked once per lane, escaped
-    values as they are met."""
+    values as they are met. PREFETCH (NVIDIA GPUs, not the interpreter): each step asks L2 for the
+    words STREAM_PREFETCH_GROUPS windows below the next one, so the next steps' window loads do not
+    wait for memory."""
     sg = tl.program_id(1)
     seg = seg_ptr + sg * SEG_FIELDS
     words_ptr = b16 + tl.load(seg + SEG_STREAMS)
@@ -1119,6 +1155,9 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         # the next step's window: the G words below the new read position (issued now, so its
         # latency overlaps the next lookup's)
         window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
+        if PREFETCH:  # the stream's words a few steps ahead: the window's load then finds them in L2
+            ahead = base[:, None] + (ptr[:, None] - (STREAM_PREFETCH_GROUPS + 1) * G + jg)
+            prefetch_l2(words_ptr + tl.minimum(tl.maximum(ahead, 0), last_word), has_words & (ahead >= 0))
         x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
         val = lo32 + s  # wraps only for an escape symbol, whose value is replaced
         if may_escape:

@@ -119,6 +119,7 @@ CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per
 TABLE_WARPS, META_WARPS = 4, 2  # up to MANY_COMPONENTS components in a launch
 MANY_COMPONENTS = 1024  # more in one launch: one warp each
 TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed at once, symbols per step
+USE_STREAM_PREFETCH = True  # decoder lanes: prefetch each group's stream into L2 a few steps ahead
 USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with the table's reciprocal (prob_bits <= 14),
 # not a 32-bit division (about 16 instructions, three of them quarter-rate, on the state's dependency chain)
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
@@ -528,6 +529,11 @@ def _warps(G: int) -> int:
     return max(1, min(16, _groups_per_program() * G // 32))
 
 
+def _ptx() -> bool:
+    """Whether kernels may use inline PTX: an NVIDIA build of torch, not Triton's interpreter."""
+    return not _interpreting() and not getattr(_torch().version, "hip", None)
+
+
 def _vote(G: int) -> bool:
     """Whether the lanes kernels count ranks by warp vote (inline PTX): one group of 32 lanes per
     warp, on an NVIDIA GPU (not under the interpreter, not on ROCm, whose warps are 64 wide)."""
@@ -728,7 +734,7 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
         b16, b32, segs, gend, glen.contiguous(), lo, W, A, rank, lut, tab, out, gesc.contiguous(), geend, err,
         steps, bounds, T, K, NL, NG, S, width, HCAP=HCAP, PROB_BITS=n, G=G, GPP=_groups_per_program(),
         WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields),
-        VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None)
+        VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None, PREFETCH=USE_STREAM_PREFETCH and _ptx())
     return list(out.unbind(0)), err
 
 
