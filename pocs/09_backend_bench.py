@@ -25,7 +25,7 @@ the export of `python -m shared.sources export` (cycled to fill the run; every x
 intra-only, so no frame is predicted from a repeated one), else synthetic planes, labelled.
 
 Command:   make poc-09            (or: python pocs/09_backend_bench.py [--quick] [--sizes 256,2048]
-                                   [--backends nvcomp,x265] [--tokens 32768] [--api] [--api-cpu])
+                                   [--backends nvcomp,x265] [--tokens 32768] [--api] [--profile] [--api-cpu])
 Writes:    results/09_backend_bench.csv, figures/09_backend_bench.png
 Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of planes):
     backend          setting    size path           enc ms/f  dec ms/f  enc GB/s  dec GB/s  ratio  exact
@@ -46,10 +46,15 @@ the CPU decoder's. Repeated encodes and decodes of up to pipeline.GRAPH_MAX_BYTE
 per input byte).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
-    api S=def       4.00    10417   4.57  0.9990      8.63     14.10     43.78     42.28
-    api S=def      64.00   166667   4.60  0.9990     96.74    133.42     52.94     53.14
-    api S=def     256.00   666667   4.61  0.9990    185.57    258.57     55.06     53.17
-    api_batched    23.59 60x1024 S=def    4.51  0.9990     17.48     32.30     44.25     52.38
+    api S=def       4.00    10417   4.57  0.9990     13.04     16.48     48.64     46.47
+    api S=def      64.00   166667   4.60  0.9990    101.82    184.44     54.48     54.58
+    api S=def     256.00   666667   4.61  0.9990    203.47    271.28     55.14     55.21
+    api_batched    23.59 60x1024 S=def    4.51  0.9990     27.44     43.73     53.59     53.80
+
+Where the API's GPU time goes (`--profile`, about 1 min on an NVIDIA H200): each kernel's GPU time per
+eager call (CUDA graphs off) from torch.profiler, encode and decode of 64 and 256 MB tensors and of the
+60-tensor list, beside cuBLAS's `x @ basis` and a device copy of the 64 and 256 MB tensors (rows
+path=profile, metric kernel_us: kernel-only figures that explain the API rows, merged into the CSV).
 
 The compute codec's CPU path (`--api-cpu`, any machine; about 1 min on a 2-core CPU machine): a
 bf16 CPU tensor through TensorCodec on one core (torch, numba and BLAS one thread each), each way
@@ -368,6 +373,7 @@ def bench_rans(bench: Bench, torch, planes, stream, repeats, warmup, bf16_bytes)
 
 API_MB = [0.25, 1, 4, 16, 64, 128, 256, 512]  # tensor sizes, MB of bf16
 API_TARGET_COS = 0.999        # the step is calibrated for this on held-out-free calibration rows
+API_TARGET_PCIE = 5           # the figure's reference line: this many times the PCIe copy's rate
 API_BATCH = 60                # tensors in one batched call: one 30-layer model's K and V of one step
 API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one layer's K of a 1K chunk)
 API_REPEATS = 10              # timed calls per point (median)
@@ -530,6 +536,76 @@ def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
 
 
 # ---------------------------------------------------------------------------------------------
+# Where the API's GPU time goes (--profile): kernel times of eager calls (CUDA graphs off) from
+# torch.profiler, beside cuBLAS's x @ basis and a device copy of the same tensor. Kernel-only figures:
+# they explain the API rows above and never stand for them.
+
+PROFILE_MB = [64, 256]         # single tensors profiled (MB of bf16); plus the 60-tensor list
+PROFILE_CALLS = 5              # profiled calls per direction (GPU time per call = total / calls)
+
+
+def _kernel_times(torch, fn, calls: int) -> dict:
+    """{kernel name: GPU microseconds per call} over `calls` calls of fn, after one untimed call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def bench_profile(res: ResultsWriter, torch):
+    """Rows path=profile, metric=kernel_us: each kernel's GPU time per eager API call."""
+    from triton.testing import do_bench
+
+    from shared import pipeline
+    from shared.basis import fit_basis
+    from shared.pipeline import TensorCodec, decode_many, encode_many
+    from shared.rdquant import calibrate_step
+
+    calib, test, desc = api_source()
+    D = calib.shape[1]
+    basis = calibrate_step(fit_basis([calib], k=D), [calib], API_TARGET_COS)
+    test_t = torch.from_numpy(test).to(torch.bfloat16)
+    graphs, pipeline.GRAPH_MAX_BYTES = pipeline.GRAPH_MAX_BYTES, 0  # eager calls: every kernel launched
+    try:
+        def rows(times, direction, mb, **kw):
+            for name, us in sorted(times.items(), key=lambda r: -r[1]):
+                res.add(backend="rans", path="profile", metric="kernel_us", value=us, unit="us of GPU time per call",
+                        kernel=name[:80], direction=direction, tensor_mb=mb, source=desc, **kw)
+            top = ", ".join(f"{k[:28]} {v:.0f}" for k, v in sorted(times.items(), key=lambda r: -r[1])[:5])
+            print(f"{direction:7s} {mb:7.2f} MB {kw}: {top}")
+
+        for mb in PROFILE_MB:
+            T = int(round(mb * 1e6 / (2 * D)))
+            x = test_t[torch.arange(T) % len(test_t)].cuda()
+            codec = TensorCodec(basis, backend="rans")
+            blob = codec.encode(x)
+            rows(_kernel_times(torch, lambda: codec.encode(x), PROFILE_CALLS), "encode", mb, tokens=T, channels=D)
+            rows(_kernel_times(torch, lambda: codec.decode(blob, device="cuda"), PROFILE_CALLS), "decode", mb,
+                 tokens=T, channels=D)
+            comps = codec._projection(D, x.device).components
+            y = torch.empty_like(x)
+            reference = {"reference: cuBLAS x @ basis (bf16)": do_bench(lambda: x @ comps, rep=50) * 1e3,
+                         "reference: device copy of the tensor": do_bench(lambda: y.copy_(x), rep=50) * 1e3}
+            rows(reference, "reference", mb, tokens=T, channels=D)
+            del x, y, blob
+            torch.cuda.empty_cache()
+        codecs = [TensorCodec(basis, backend="rans") for _ in range(API_BATCH)]
+        xs = [test_t[(torch.arange(API_BATCH_TOKENS) + 97 * i) % len(test_t)].cuda() for i in range(API_BATCH)]
+        blobs = encode_many(codecs, xs)
+        mb = API_BATCH * API_BATCH_TOKENS * D * 2 / 1e6
+        kw = dict(tokens=API_BATCH_TOKENS, channels=D, tensors=API_BATCH)
+        rows(_kernel_times(torch, lambda: encode_many(codecs, xs), PROFILE_CALLS), "encode", mb, **kw)
+        rows(_kernel_times(torch, lambda: decode_many(codecs, blobs, device="cuda"), PROFILE_CALLS), "decode", mb, **kw)
+    finally:
+        pipeline.GRAPH_MAX_BYTES = graphs
+
+
+# ---------------------------------------------------------------------------------------------
 # The compute codec's CPU path through the API (TensorCodec on a bf16 CPU tensor), on one core,
 # stage by stage, beside a memcpy of the same bytes in the same run (rans_cpu.benchmark_cpu_pipeline).
 
@@ -622,6 +698,8 @@ def plot_api(df, name: str = "09_backend_bench_api"):
                           + (f" [some sizes: {earlier}]" if earlier else ""))
         ax.plot(pcie.tensor_mb, pcie.value, "s--", color="#D55E00",
                 label="pinned PCIe copy (device->host beside encode, host->device beside decode)")
+        ax.plot(pcie.tensor_mb, API_TARGET_PCIE * pcie.value, ":", color="#D55E00", lw=1.2,
+                label=f"{API_TARGET_PCIE:g}x that copy (the target from 64 MB up)")
         for (lane, g), marker, color in zip(batch.groupby(lanes) if lanes is not None else [("default", batch)],
                                             "D^v", ("#009E73", "#CC79A7", "#56B4E9")):
             earlier = earlier_run(g, rows)
@@ -705,6 +783,8 @@ if __name__ == "__main__":
     ap.add_argument("--api", action="store_true",
                     help="only the compute codec through its API by tensor size (GPU), merged into the CSV by path")
     ap.add_argument("--api-sizes", default=",".join(map(str, API_MB)), help="tensor sizes for --api, MB")
+    ap.add_argument("--profile", action="store_true",
+                    help="only the GPU time of each kernel of the API's eager calls (kernel-only rows path=profile, merged)")
     ap.add_argument("--api-cpu", action="store_true",
                     help="only the compute codec's CPU path on one core, stage by stage (rows path=api_cpu, merged)")
     ap.add_argument("--out", default=None, help="CSV path (default results/09_backend_bench.csv)")
@@ -731,6 +811,21 @@ if __name__ == "__main__":
         bench_api(res, torch, [float(s) for s in args.api_sizes.split(",")], API_REPEATS, saved)
         print(f"merged {len(res.rows)} API rows into {path}")
         args.plot_only = True
+    if args.profile and not args.plot_only:
+        import pandas as pd
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--profile times the GPU path of the compute codec: it needs a CUDA GPU")
+        res = ResultsWriter("09", "backend_bench", gpu=True)
+        bench_profile(res, torch)
+        path = res.path
+        old = pd.read_csv(path, dtype={"poc": str}) if path.exists() else None
+        if old is not None:
+            old = old[old.get("path", pd.Series(index=old.index)) != "profile"]
+        pd.concat([old, res.frame()]).to_csv(path, index=False)
+        print(f"merged {len(res.rows)} profile rows into {path}")
+        raise SystemExit(0)
     if args.api_cpu and not args.plot_only:
         import pandas as pd
 

@@ -417,6 +417,32 @@ def api_speed() -> str | None:
             + "buffers stay on the GPU (last column; - : no graph). " + _source(df, "09_backend_bench"))
 
 
+PROFILE_TOP = 6  # kernels named per call in the profile table; the rest are summed
+
+
+def api_profile() -> str | None:
+    """PoC 09 --profile: the largest kernels of each eager API call, GPU time per call (kernel-only)."""
+    df = _csv("09_backend_bench")
+    if df is None or "path" not in df or not df.path.isin(["profile"]).any():
+        return None
+    df = df[df.path == "profile"]
+    rows = []
+    for (mb, direction), g in df.groupby(["tensor_mb", "direction"], sort=True):
+        g = g.sort_values("value", ascending=False)
+        what = f"{int(g.tensors.iloc[0])} x [{int(g.tokens.iloc[0])}, {int(g.channels.iloc[0])}]" \
+            if "tensors" in g and pd.notna(g.tensors.iloc[0]) else f"[{int(g.tokens.iloc[0])}, {int(g.channels.iloc[0])}]"
+        top = "; ".join(f"{k} {v:.0f}" for k, v in zip(g.kernel.head(PROFILE_TOP), g.value.head(PROFILE_TOP)))
+        rest = g.value.iloc[PROFILE_TOP:].sum()
+        rows.append([f"{mb:g}", what, direction, "-" if direction == "reference" else f"{g.value.sum():.0f}",
+                     top + (f"; others {rest:.0f}" if rest > 0 else "")])
+    code = f" Code: {', '.join(sorted(set(df.code.astype(str))))}." if "code" in df else ""
+    return _table(rows, ["MB of bf16", "tensor(s)", "call", "GPU us per call", "largest kernels (us)"]) + \
+        ("\n\nKernel-only figures: GPU time per eager call (CUDA graphs off), torch.profiler's total over 5 "
+         "calls divided by 5. They explain the API table above, whose wall times are what a call costs. "
+         "`reference`: cuBLAS's `x @ basis` (bf16) and a device copy of the same tensor, kernel times by "
+         "triton.testing.do_bench." + code + " " + _source(df, "09_backend_bench"))
+
+
 def api_cpu_speed() -> str | None:
     """The compute codec's CPU path on one core (PoC 09 --api-cpu): each way, and stage by stage."""
     df = _csv("09_backend_bench")
@@ -611,6 +637,7 @@ SECTIONS = [
     ("Which coder wins on identical coefficients (PoC 06)", coder_ablation),
     ("Speed of every backend (PoCs 09, 10, 12)", gpu_speed),
     ("The compute codec through its API, by tensor size (PoC 09 --api)", api_speed),
+    ("Where the API's GPU time goes, kernel by kernel (PoC 09 --profile)", api_profile),
     ("The compute codec on one CPU core (PoC 09 --api-cpu)", api_cpu_speed),
     ("Compressed vs raw over real links, and the pipelined model (PoC 13)", wire_simulation),
     ("Raw lane + codec lane at once (PoC 14)", dual_lane),
