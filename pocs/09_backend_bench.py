@@ -89,7 +89,7 @@ from shared.errors import TensorCodecError  # noqa: E402
 from shared.sources import real_planes, synthetic_planes  # noqa: E402
 from shared.timing import cuda_ms, wall_ms  # noqa: E402
 from shared.report import earlier_run  # noqa: E402
-from shared.results import ResultsWriter, apply_style, load, save_figure  # noqa: E402
+from shared.results import CSV_DTYPES, ResultsWriter, apply_style, load, save_figure  # noqa: E402
 
 FRAME_SIZES = [256, 512, 1024, 2048]  # frame side, pixels
 TOKENS = 1 << 20               # T: tokens of the plane matrix (128 MiB of planes at K = 128)
@@ -801,7 +801,7 @@ if __name__ == "__main__":
             raise SystemExit("--api times the GPU path of the compute codec: it needs a CUDA GPU")
         res = ResultsWriter("09", "backend_bench", gpu=True)
         path = res.path
-        old = pd.read_csv(path, dtype={"poc": str}) if path.exists() else None
+        old = pd.read_csv(path, dtype=CSV_DTYPES) if path.exists() else None
         if old is not None:  # the other backends' rows stay; this run's API rows replace the earlier run's
             old = old[~old.get("path", pd.Series(index=old.index)).isin(["api", "api_batched", "pcie_copy"])]
 
@@ -820,7 +820,7 @@ if __name__ == "__main__":
         res = ResultsWriter("09", "backend_bench", gpu=True)
         bench_profile(res, torch)
         path = res.path
-        old = pd.read_csv(path, dtype={"poc": str}) if path.exists() else None
+        old = pd.read_csv(path, dtype=CSV_DTYPES) if path.exists() else None
         if old is not None:
             old = old[old.get("path", pd.Series(index=old.index)) != "profile"]
         pd.concat([old, res.frame()]).to_csv(path, index=False)
@@ -833,7 +833,7 @@ if __name__ == "__main__":
         bench_api_cpu(res, args.cpu_repeats if args.quick else CPU_API_REPEATS, quick=args.quick)
         new, path = res.frame(), res.path
         if path.exists():
-            old = pd.read_csv(path, dtype={"poc": str})
+            old = pd.read_csv(path, dtype=CSV_DTYPES)
             new = pd.concat([old[old.get("path", pd.Series(index=old.index)) != "api_cpu"], new])
         path.parent.mkdir(parents=True, exist_ok=True)
         new.to_csv(path, index=False)
@@ -845,7 +845,7 @@ if __name__ == "__main__":
         path = Path(args.out) if args.out else res.path
         import pandas as pd
 
-        old = pd.read_csv(path, dtype={"poc": str}) if path.exists() else None
+        old = pd.read_csv(path, dtype=CSV_DTYPES) if path.exists() else None
         frame = res.frame()
         if old is not None and args.merge:  # keep the other backends' rows from an earlier run
             frame = pd.concat([old[~old.backend.isin(set(frame.backend))], frame])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .results import RESULTS, ROOT
+from .results import CSV_DTYPES, RESULTS, ROOT
 
 WRITEUP_NUMBERS = {  # the original write-up's numbers (README, 'Where this started'), on much larger models
     ("diffusion", 0.99): "6.1x at cos 0.991 (FLUX.2 Klein 9B)",
@@ -23,7 +23,7 @@ WRITEUP_NUMBERS = {  # the original write-up's numbers (README, 'Where this star
 
 def _csv(name: str) -> pd.DataFrame | None:
     path = RESULTS / f"{name}.csv"
-    return pd.read_csv(path) if path.exists() else None
+    return pd.read_csv(path, dtype=CSV_DTYPES) if path.exists() else None
 
 
 def _table(rows: list[list], header: list[str]) -> str:
@@ -418,6 +418,17 @@ def api_speed() -> str | None:
 
 
 PROFILE_TOP = 6  # kernels named per call in the profile table; the rest are summed
+_KERNEL_NAMES = [("nvjet", "cuBLAS GEMM"), ("CatArrayBatchedCopy", "torch.cat copy"),
+                 ("index_elementwise", "torch indexing"), ("elementwise_kernel", "torch elementwise"),
+                 ("scan_innermost", "torch cumsum"), ("Memcpy DtoD", "device copy"), ("Memcpy", "host copy")]
+
+
+def _kernel_name(name: str) -> str:
+    """A profiler's kernel name, short: the project's Triton kernels by name, torch's and cuBLAS's by kind."""
+    for part, short in _KERNEL_NAMES:
+        if part in name:
+            return short
+    return name.removeprefix("reference: ")[:48]
 
 
 def api_profile() -> str | None:
@@ -428,12 +439,14 @@ def api_profile() -> str | None:
     df = df[df.path == "profile"]
     rows = []
     for (mb, direction), g in df.groupby(["tensor_mb", "direction"], sort=True):
-        g = g.sort_values("value", ascending=False)
+        g = g.assign(kernel=g.kernel.map(_kernel_name)).groupby("kernel", as_index=False).agg(
+            value=("value", "sum"), tokens=("tokens", "first"), channels=("channels", "first"),
+            **({"tensors": ("tensors", "first")} if "tensors" in g else {})).sort_values("value", ascending=False)
         what = f"{int(g.tensors.iloc[0])} x [{int(g.tokens.iloc[0])}, {int(g.channels.iloc[0])}]" \
             if "tensors" in g and pd.notna(g.tensors.iloc[0]) else f"[{int(g.tokens.iloc[0])}, {int(g.channels.iloc[0])}]"
         top = "; ".join(f"{k} {v:.0f}" for k, v in zip(g.kernel.head(PROFILE_TOP), g.value.head(PROFILE_TOP)))
         rest = g.value.iloc[PROFILE_TOP:].sum()
-        rows.append([f"{mb:g}", what, direction, "-" if direction == "reference" else f"{g.value.sum():.0f}",
+        rows.append([f"{mb:.3g}", what, direction, "-" if direction == "reference" else f"{g.value.sum():.0f}",
                      top + (f"; others {rest:.0f}" if rest > 0 else "")])
     code = f" Code: {', '.join(sorted(set(df.code.astype(str))))}." if "code" in df else ""
     return _table(rows, ["MB of bf16", "tensor(s)", "call", "GPU us per call", "largest kernels (us)"]) + \

@@ -70,9 +70,14 @@ def environment() -> dict[str, str]:
     return env
 
 
+CSV_DTYPES = {"poc": str, "code": str}  # read as text: a PoC number keeps its zero, an all-digit commit stays a commit
+
+
 def _code() -> str | None:
-    """The commit of the running code, '+' where the tree differs from it; in a copy without .git
-    (a GPU machine's), what $PROJECT_CODE says."""
+    """The commit of the running code, '+' where the tree differs from it; $PROJECT_CODE, where set,
+    names it instead (a copy of the tree sent to a GPU machine, whose .git, if any, is not its commit)."""
+    if os.environ.get("PROJECT_CODE"):
+        return os.environ["PROJECT_CODE"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=10)
@@ -214,7 +219,7 @@ class ResultsWriter:
         if self.quick and path.parent == RESULTS:
             path = RESULTS / LOCAL / path.name
         if path.exists() and path.parent == RESULTS:
-            old = pd.read_csv(path, dtype={"poc": str})
+            old = pd.read_csv(path, dtype=CSV_DTYPES)
             lost = set(old.device.astype(str)) - set(frame.device.astype(str)) - {"cpu"}
             if lost:  # never replace GPU measurements with a run on a machine without that GPU
                 path = RESULTS / LOCAL / path.name
@@ -236,7 +241,7 @@ class ResultsWriter:
             return self.save()
         import pandas as pd
 
-        old = pd.read_csv(self.path, dtype={"poc": str})
+        old = pd.read_csv(self.path, dtype=CSV_DTYPES)
         hit = pd.Series(True, index=old.index)
         for col, value in match.items():
             hit &= old[col] == value if col in old else False
@@ -256,7 +261,7 @@ def load(poc_name: str):
     """Read the CSV a figure is drawn from (csv_path) into a DataFrame."""
     import pandas as pd
 
-    return pd.read_csv(csv_path(poc_name))
+    return pd.read_csv(csv_path(poc_name), dtype=CSV_DTYPES)
 
 
 # Okabe-Ito (colour-blind safe; its yellow is left out: it vanishes on white), each with its own marker,
