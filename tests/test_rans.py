@@ -688,3 +688,29 @@ def test_triton_interpreter_scaled_decode_and_gemm_match_the_cpu_decoder():
         except BitstreamError as e:
             assert "holds 24 components" in str(e), e
     ''')
+
+
+@pytest.mark.gpu
+def test_cuda_scaled_decode_rounds_as_torch_and_reads_payloads_in_place(monkeypatch):
+    """On a GPU the scaled decode writes exactly torch's bf16(float32(value) * step) (round to nearest
+    even), its padding columns 1, 1, 0...; payloads cut from one buffer are decoded in place (no
+    copy) to the same rows as each alone; a step that pushes a value past the bound is flagged."""
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    t = torch.from_numpy(pca_like(3000, 40)).cuda()
+    blobs = rans_cuda.encode_many_cuda([t, t + 1])  # views of one compact buffer
+    assert len({b.untyped_storage().data_ptr() for b in blobs}) == 1
+    assert rans_cuda._shared_view(torch, blobs)[0] is not None
+    step, width = 0.0123, 48
+    rows, err = rans_cuda.decode_many_cuda(blobs, scales=[(step, 1e30, width, 40)] * 2, check=False)
+    assert not bool(err.any())
+    for want, got in zip((t, t + 1), rows):
+        assert torch.equal(got[:, :40], (want.float() * step).to(torch.bfloat16))
+        assert torch.equal(got[:, 40:42], torch.ones_like(got[:, 40:42])) and not bool(got[:, 42:].any())
+    alone, _ = rans_cuda.decode_many_cuda([blobs[1].clone()], scales=[(step, 1e30, width, 40)], check=False)
+    assert torch.equal(alone[0], rows[1])
+    bound = float(t.abs().max()) * step / 2  # half the largest |value x step|: some lane passes it
+    _, err = rans_cuda.decode_many_cuda(blobs, scales=[(step, 1e30, width, 40), (step, bound, width, 40)],
+                                        check=False)
+    assert err.tolist()[0] == 0 and err.tolist()[1] & 1

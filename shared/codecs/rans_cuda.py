@@ -651,19 +651,38 @@ def _floats_on(torch, values: list, dev):
                             lambda: torch.tensor(values, dtype=torch.float32).to(dev))
 
 
+def _shared_view(torch, payloads):
+    """(buffer, each payload's offset in it) when every payload is a contiguous uint8 view of one
+    storage starting at a 16-byte aligned address, and that storage holds the span from the first to
+    the last one rounded up to 16 bytes (the decoder reads 2-, 4- and 8-byte words); else (None, None).
+    The decoder only reads the buffer, each payload within its own segment."""
+    first = payloads[0]
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    if any(p.data_ptr() % 16 or not p.is_contiguous() or p.untyped_storage().data_ptr() != base for p in payloads):
+        return None, None
+    start = min(p.storage_offset() for p in payloads)
+    end = max(p.storage_offset() + p.numel() for p in payloads)
+    end = start + (end - start + 15) // 16 * 16
+    if end > storage.nbytes():
+        return None, None
+    return first.as_strided((end - start,), (1,), start), [p.storage_offset() - start for p in payloads]
+
+
 def _decode_same_shape(payloads, hdrs, scaled=None):
     torch = _torch()
     dev = payloads[0].device
     h0, N = hdrs[0], len(payloads)
     fields = _kernels()["seg_fields"]
-    # one buffer holding every payload at a 16-byte aligned offset (a view when there is one)
-    bases, total = [], 0
-    for p in payloads:
-        bases.append(total)
-        total += (len(p) + 15) // 16 * 16
-    if N == 1 and payloads[0].data_ptr() % 16 == 0 and len(payloads[0]) % 16 == 0:
-        buf = payloads[0]
-    else:
+    # one buffer holding every payload at a 16-byte aligned offset: a view of the memory they already
+    # share where they can be read in place (one container, or a list from one encode_many or one
+    # receive buffer), else a copy (at 64 MB on an NVIDIA H200 the copy took 48 us of GPU time)
+    buf, bases = _shared_view(torch, payloads)
+    if buf is None:
+        bases, total = [], 0
+        for p in payloads:
+            bases.append(total)
+            total += (len(p) + 15) // 16 * 16
         zeros = torch.zeros(16, dtype=torch.uint8, device=dev)
         buf = torch.cat([t for p in payloads for t in (p, zeros[:(-len(p)) % 16])])
     table = [_segment_row(fields, hdr.layout, base) for hdr, base in zip(hdrs, bases)]
