@@ -28,8 +28,9 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     Grid: (row programs x column tiles, N), the column tile varying fastest, so the programs that
     read the same rows of x run side by side and all but the first find them in L2.
     STATS: 1 keeps each element's running min, max and sum, and takes amax from the extremes
-    (a NaN is stored as the clamp, so it reaches amax as a value beyond int32); 2 also keeps a
-    running |value| (the exact largest |scaled value|, five registers a value instead of four);
+    (NaN is stored as the clamp; amax is inf where any value reached it: NaN, Inf, or beyond
+    int32); 2 also keeps a running |value| (the exact largest |scaled value| of a finite tensor,
+    five registers a value instead of four);
     0 keeps none (a benchmark's bound on what the statistics cost)."""
     n_n = tl.cdiv(K, BN)
     pid_m = tl.program_id(0) // n_n
@@ -99,8 +100,9 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
         tl.atomic_add(sum_ptr + cols, tl.sum(run_sum, 0), mask=cmask)
     if STATS == 2:
         tl.atomic_max(amax_ptr, tl.max(tl.max(run_amax, 1), 0))
-    elif STATS == 1:  # |symbol| <= clamp exactly where the scaled value was finite and within it
+    elif STATS == 1:  # |symbol| < clamp exactly where the scaled value was finite and within it
         ext = tl.maximum(tl.abs(tl.where(cmask, col_mn, 0).to(tl.float32)), tl.where(cmask, col_mx, 0).to(tl.float32))
+        ext = tl.where(ext >= clamp, float("inf"), ext)  # NaN, Inf or beyond int32: refused as infinite
         tl.atomic_max(amax_ptr, tl.max(ext, 0))
 
 

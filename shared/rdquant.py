@@ -535,7 +535,8 @@ class CudaProjection:
 
     def quantize_unchecked(self, x, step: float):
         """quantize() without its host sync: also returns the largest |scaled value| (float32
-        CUDA [1]) for the caller to check later, e.g. as rans_cuda.encode_cuda(..., guard=amax)."""
+        CUDA [1]; inf where a value is NaN, Inf or beyond int32) for the caller to check later, e.g. as
+        rans_cuda.encode_cuda(..., guard=amax)."""
         if x.dim() != 2 or x.shape[1] != self.D:
             raise InvalidTensorError(f"tensor must be [T, {self.D}], got {tuple(x.shape)}")
         sym, (mn, mx, sm), amax = self.quantize_many(x.unsqueeze(0), [step])
@@ -543,7 +544,7 @@ class CudaProjection:
 
     def quantize_many(self, xs, steps, addresses=None, narrow: bool = False):
         """bf16 CUDA [N, T, D] (a stacked projection's N tensors) -> symbols [N, T, K], their
-        (min, max, sum) [N, K] each, and the largest |scaled value| of each [N]; one launch.
+        (min, max, sum) [N, K] each, and the largest |scaled value| of each [N] (inf: NaN, Inf or beyond int32); one launch.
         narrow: int16 symbols (half the bytes to write, and for the coder to read), stored
         wrapped where a value is beyond int16; the statistics are always the int32 values', so
         a caller tells from min and max whether the symbols hold (rans_cuda's coder does).
