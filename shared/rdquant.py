@@ -544,7 +544,8 @@ class CudaProjection:
 
     def quantize_many(self, xs, steps, addresses=None, narrow: bool = False):
         """bf16 CUDA [N, T, D] (a stacked projection's N tensors) -> symbols [N, T, K], their
-        (min, max, sum) [N, K] each, and the largest |scaled value| of each [N] (inf: NaN, Inf or beyond int32); one launch.
+        (min, max, sum) [N, K] each, and the largest |scaled value| of each [N] (inf: NaN, Inf or
+        beyond int32); one launch.
         narrow: int16 symbols (half the bytes to write, and for the coder to read), stored
         wrapped where a value is beyond int16; the statistics are always the int32 values', so
         a caller tells from min and max whether the symbols hold (rans_cuda's coder does).
