@@ -912,13 +912,13 @@ def _decode_symbols_cuda(codecs, jobs, out):
         steps = [quantizers[j].step for j in group]
         if jobs[group[0]][1]["dtype"] == "bfloat16":
             proj = projs[group[0]] if len(group) == 1 else _stacked_projection([projs[j] for j in group])
+            # finite by construction: the decoder flagged every value past the projection's bound
             values = proj.reconstruct_coefficients(rans_cuda._stacked(torch, [symbols[j] for j in group])).unbind(0)
-            nonfinite = torch.zeros(len(group), dtype=torch.int32, device=err.device)  # bounded in the decoder
         else:
             values = [((symbols[j].float() * quantizers[j].step) @ projs[j].components_t.float() + projs[j].mean).to(
                 getattr(torch, jobs[j][1]["dtype"])) for j in group]
-            nonfinite = torch.stack([~torch.isfinite(v).all() for v in values]).to(torch.int32)
-        err[group] |= nonfinite.to(err.dtype)  # non-finite output (out-of-range parameters) is corruption too
+            nonfinite = torch.stack([~torch.isfinite(v).all() for v in values]).to(err.dtype)
+            err[group] |= nonfinite  # non-finite output (out-of-range parameters) is corruption too
         for j, v in zip(group, values):
             out[jobs[j][0]] = v
     bad = rans_cuda.read_on_host(err)  # the one host synchronization
@@ -994,8 +994,8 @@ class _DecodeGraph:
         self.proj = self.projs[0] if len(self.projs) == 1 else _stacked_projection(self.projs)
         # the decoder writes scaled bf16 coefficient rows into the slot decoder's own buffer; the
         # reconstruction GEMM runs after the replay, into new tensors
-        scaled = (rans_cuda._floats_on(torch, [float(s) for s in self.steps], dev),
-                  rans_cuda._floats_on(torch, [p.coefficient_bound() for p in self.projs], dev),
+        scaled = (rans_cuda.floats_on([float(s) for s in self.steps], dev),
+                  rans_cuda.floats_on([p.coefficient_bound() for p in self.projs], dev),
                   self.proj.coefficient_width())
         self.dec = rans_cuda.SlotDecoder(fronts, [j[4] for j in jobs], inner, cap, dev, scaled=scaled)
         self.dec.set_sources(blobs)

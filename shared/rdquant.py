@@ -421,19 +421,6 @@ def _sm_count(dev) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-_FLOATS_ON = {}  # small float32 tensors by (values, device): a codec's steps repeat call after call
-
-
-def _floats_on(values: list, dev):
-    """values as a float32 tensor on dev, made once: the steps cross to the GPU once, not in every call."""
-    import torch
-
-    from .codecs.rans_cuda import cached_on_device
-
-    return cached_on_device(_FLOATS_ON, (tuple(values), str(dev)),
-                            lambda: torch.tensor(values, dtype=torch.float32).to(dev))
-
-
 class CudaProjection:
     """The compute codec's dense stages on a GPU, fused into one Triton kernel each way:
 
@@ -464,7 +451,7 @@ class CudaProjection:
         # (x - mean) @ B = x @ B - mean @ B, with mean @ B from the same bf16 basis the kernel uses
         self.bias = (self.mean.unsqueeze(-2) @ self.components.float()).squeeze(-2).contiguous()
         self.device = torch.device(device)
-        self._weights = None
+        self._weights = self._bound = None
 
     @classmethod
     def stack(cls, projs: list) -> "CudaProjection":
@@ -478,6 +465,7 @@ class CudaProjection:
         for name in ("components", "components_t", "mean", "bias"):
             setattr(out, name, torch.stack([getattr(p, name) for p in projs]).contiguous())
         out._weights = torch.stack([p.coefficient_weights() for p in projs]).contiguous()
+        out._bound = None
         return out
 
     # -- reconstruction as one GEMM of scaled coefficients -----------------------------------
@@ -509,7 +497,7 @@ class CudaProjection:
         1e38 (bf16 and float32 top out at 3.4e38); the encoder refuses coefficients 10x smaller
         (pipeline.FLOAT32_HEADROOM), so no payload it makes comes near. Corrupt or hostile
         payloads are refused instead of decoding to Inf."""
-        if getattr(self, "_bound", None) is None:
+        if self._bound is None:
             gain = float(self.components.float().abs().sum(-1).max())  # |coefficients| <= b -> |x - mean| <= b * gain
             self._bound = (1e38 - float(self.mean.abs().max())) / max(gain, 1e-30)
         return self._bound
@@ -556,6 +544,7 @@ class CudaProjection:
         import torch
 
         from . import _rdquant_triton as kt
+        from .codecs.rans_cuda import floats_on
 
         N, T = xs.shape[0], xs.shape[1]
         if xs.dim() != 3 or xs.shape[2] != self.D or (self.components.dim() == 3 and self.components.shape[0] != N):
@@ -575,7 +564,7 @@ class CudaProjection:
         mx = torch.full((N, K), -2**31, dtype=torch.int32, device=dev)
         sm = torch.zeros((N, K), dtype=torch.int64, device=dev)
         amax = torch.zeros(N, dtype=torch.float32, device=dev)
-        inv = _floats_on([1.0 / s for s in steps], dev)
+        inv = floats_on([1.0 / s for s in steps], dev)
         args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv, T.bit_length())
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
@@ -591,31 +580,6 @@ class CudaProjection:
             raise InvalidTensorError(f"symbols must be [T, {self.K}], got {tuple(symbols.shape)}")
         return self.reconstruct_many(symbols.unsqueeze(0), [step])[0]
 
-    def reconstruct_launcher(self, symbols, steps, bad):
-        """For symbols that stay where they are (a CUDA graph's output, refilled by every replay): a
-        function out -> out that writes reconstruct_many(symbols, steps, bad) into out (bf16
-        [N, T, D]) with the tile the autotuner chose for this shape, every argument bound once. The
-        autotuner's own launch costs about 60 us of host time a call on an NVIDIA H200's host, this
-        one about 35. Runs (and tunes) reconstruct_many once."""
-        from . import _rdquant_triton as kt
-
-        N, T, K = symbols.shape
-        self.reconstruct_many(symbols, steps, bad=bad)
-        cfg = getattr(kt.reconstruct_tuned, "best_config", None)
-        if _interpreting() or cfg is None:  # no tuned tile to bind (Triton's CPU interpreter)
-            return lambda out: self.reconstruct_many(symbols, steps, bad=bad, out=out)
-        st = _floats_on([float(v) for v in steps], symbols.device)
-        grid = kt.reconstruct_grid(T, self.D, N)(cfg.kwargs)
-        args = (symbols, self.components_t, self.mean)
-        rest = (T, self.D, K, st, bad, T.bit_length())
-        opts = dict(cfg.kwargs, UPCAST=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        kernel = kt.reconstruct_kernel[grid]
-
-        def launch(out):
-            kernel(*args, out, *rest, **opts)
-            return out
-        return launch
-
     def reconstruct_many(self, symbols, steps, bad=None, out=None):
         """int32 (or int16) [N, T, K] -> bf16 [N, T, D], tensor i with its basis and steps[i]; one launch.
         bad: optional int32 [N] on the device, set to 1 where tensor i's output is not finite.
@@ -623,6 +587,7 @@ class CudaProjection:
         import torch
 
         from . import _rdquant_triton as kt
+        from .codecs.rans_cuda import floats_on
 
         N, T, K = symbols.shape
         if K != self.K:
@@ -630,7 +595,7 @@ class CudaProjection:
         dev = symbols.device
         if out is None:
             out = torch.empty((N, T, self.D), dtype=torch.bfloat16, device=dev)
-        st = _floats_on([float(v) for v in steps], dev)
+        st = floats_on([float(v) for v in steps], dev)
         if bad is None:
             bad = torch.zeros(N, dtype=torch.int32, device=dev)
         args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st, bad, T.bit_length())

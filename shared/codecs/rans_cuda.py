@@ -629,8 +629,8 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
         scaled = None
         if key[-1] is not None:
             dev = payloads[members[0]].device
-            scaled = (_floats_on(torch, [float(scales[i][0]) for i in members], dev),
-                      _floats_on(torch, [float(scales[i][1]) for i in members], dev), key[-1])
+            scaled = (floats_on([float(scales[i][0]) for i in members], dev),
+                      floats_on([float(scales[i][1]) for i in members], dev), key[-1])
         o, e = _decode_same_shape([payloads[i] for i in members], [hdrs[i] for i in members], scaled)
         for j, i in enumerate(members):
             outs[i], errs[i] = o[j], e[j:j + 1]
@@ -643,10 +643,12 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
     return outs, err
 
 
-_FLOATS_ON = {}  # small float32 tensors by (values, device): a decoder's steps and bounds repeat call after call
+_FLOATS_ON = {}  # small float32 tensors by (values, device): steps and bounds repeat call after call
 
 
-def _floats_on(torch, values: list, dev):
+def floats_on(values: list, dev):
+    """values as a float32 tensor on dev, made once: they cross to the GPU once, not in every call."""
+    torch = _torch()
     return cached_on_device(_FLOATS_ON, (tuple(values), str(dev)),
                             lambda: torch.tensor(values, dtype=torch.float32).to(dev))
 
