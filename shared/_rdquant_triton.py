@@ -10,7 +10,7 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
                             T, D, K, inv_step_ptr, SIZE_CLASS,
                             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr,
                             ROW_WAVES: tl.constexpr = 0, X_TABLE: tl.constexpr = False,
-                            X_DTYPE: tl.constexpr = tl.bfloat16):
+                            X_DTYPE: tl.constexpr = tl.bfloat16, SUM32: tl.constexpr = False):
     """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K] (int16 where sym_ptr is,
     wrapped beyond it); with bias = mean @ basis; for tensor s = program_id(2) of a batch of
     same-shape tensors, each with its own basis and step.
@@ -24,6 +24,11 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     an NVIDIA H200: 644 -> 532 us). X_TABLE: x_ptr holds int64 addresses instead, one contiguous [T, D] tensor of
     X_DTYPE at each, 16-byte aligned, rounded to bf16 as it is read (a CUDA graph then reads new
     tensors where they are: no copy into its own).
+
+    SUM32: each element's running sum in int32 instead of int64 (one register a value fewer: more
+    programs resident). The caller sets it only where the sum cannot wrap unless a value is beyond
+    int16, which makes the symbols useless anyway: int16 symbols (narrow, coded again as int32 when a
+    value is beyond int16) and at most 65536 row tiles of BM >= 32 rows per program.
 
     Grid: (row programs x column tiles, N), the column tile varying fastest, so the programs that
     read the same rows of x run side by side and all but the first find them in L2.
@@ -57,7 +62,7 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     clamp = 2147483520.0  # the largest float32 below 2^31: values beyond it are refused via amax
     run_mn = tl.full([BM, BN], big, tl.int32)
     run_mx = tl.full([BM, BN], -big - 1, tl.int32)
-    run_sum = tl.zeros([BM, BN], tl.int64)
+    run_sum = tl.zeros([BM, BN], tl.int32 if SUM32 else tl.int64)
     for tile in range(pid_m, tl.cdiv(T, BM), n_m):
         rows = tile * BM + tl.arange(0, BM)
         rmask = rows < T
@@ -82,12 +87,12 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
         tl.store(sym_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], s, mask=m)
         run_mn = tl.minimum(run_mn, tl.where(m, s, big))
         run_mx = tl.maximum(run_mx, tl.where(m, s, -big - 1))
-        run_sum += tl.where(m, s, 0).to(tl.int64)
+        run_sum += tl.where(m, s, 0).to(run_sum.dtype)
     col_mn = tl.min(run_mn, 0)
     col_mx = tl.max(run_mx, 0)
     tl.atomic_min(mn_ptr + cols, col_mn, mask=cmask)
     tl.atomic_max(mx_ptr + cols, col_mx, mask=cmask)
-    tl.atomic_add(sum_ptr + cols, tl.sum(run_sum, 0), mask=cmask)
+    tl.atomic_add(sum_ptr + cols, tl.sum(run_sum.to(tl.int64), 0), mask=cmask)
     # |symbol| < clamp exactly where the scaled value was finite and within it
     ext = tl.maximum(tl.abs(tl.where(cmask, col_mn, 0).to(tl.float32)), tl.where(cmask, col_mx, 0).to(tl.float32))
     tl.atomic_max(amax_ptr, tl.max(tl.where(ext >= clamp, float("inf"), ext), 0))

@@ -907,6 +907,9 @@ def _decode_symbols_cuda(codecs, jobs, out):
         if K != proj.K or [sym.shape[0], proj.D] != header["shape"]:
             raise BitstreamError(f"payload holds [{sym.shape[0]}, {K}] symbols; the header's shape "
                                  f"{header['shape']} and the basis (K={proj.K}) need [{header['shape'][0]}, {proj.K}]")
+    # every output bf16: the error flags are final before the reconstruction, so their copy to the
+    # host is queued first and the host waits for it alone while the GEMMs run
+    early = rans_cuda.EarlyRead().start(err) if all(s is not None for s in scales) else None
     keys = [(tuple(s.shape), projs[j].D, str(s.device), jobs[j][1]["dtype"]) for j, s in enumerate(symbols)]
     for group in _same_shape_groups(keys):
         steps = [quantizers[j].step for j in group]
@@ -921,7 +924,7 @@ def _decode_symbols_cuda(codecs, jobs, out):
             err[group] |= nonfinite  # non-finite output (out-of-range parameters) is corruption too
         for j, v in zip(group, values):
             out[jobs[j][0]] = v
-    bad = rans_cuda.read_on_host(err)  # the one host synchronization
+    bad = rans_cuda.read_on_host(err) if early is None else early.wait()  # the one host synchronization
     if bool(bad.any()):
         rans_cuda.check_lane_map(bad)
         raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])][0]} of the list)")
@@ -976,7 +979,8 @@ class _DecodeGraph:
     held against the ones the host checked (rans_cuda.SlotDecoder) and the decoder's kernels, which
     write scaled coefficient rows; then the reconstruction GEMM, launched after the replay into new
     tensors (the graph's own output would need a copy per call, 122 us at 256 MB on an NVIDIA H200);
-    one host synchronization per call."""
+    one host synchronization per call, on the decoder's error flags alone: the GEMM may still be
+    running when the tensors are returned, ordered on the caller's stream like any torch result."""
 
     def __init__(self, codecs, blobs, jobs):
         import torch
@@ -1009,7 +1013,7 @@ class _DecodeGraph:
         rows, self.err = rans_cuda.holding_cached(self, capture)
         self.rows = rans_cuda._stacked(torch, rows)  # [N, T, width], refilled by every replay
         self.proj.coefficient_weights()  # made before the first replay, not inside a timed call
-        self.err_host = None
+        self.err_read = rans_cuda.EarlyRead()
 
     def run(self, blobs):
         """The tensors, or None where a container differs from the checked one, is corrupt, or is
@@ -1024,11 +1028,11 @@ class _DecodeGraph:
             return None
         self.dec.set_sources(blobs, sources)
         self.graph.replay()
-        values = self.proj.reconstruct_coefficients(self.rows).unbind(0)  # before the synchronization
-        self.err_host = rans_cuda.read_on_host(self.err, self.err_host)  # the one host synchronization
-        if bool(self.err_host.any()):
+        self.err_read.start(self.err)  # queued before the GEMM: the host waits for the decoder alone
+        values = self.proj.reconstruct_coefficients(self.rows)
+        if self.err_read.wait().numpy().any():  # the one host synchronization
             return None
-        return list(values)
+        return list(values.unbind(0))
 
 
 def _parse_resident(blob, head: bytes, total: int, max_elements: int):

@@ -29,6 +29,7 @@ from .errors import BackendUnavailable, BitstreamError, InvalidTensorError
 
 INT32_MAX = 2**31 - 1
 IN_PLACE_DTYPES = ("bfloat16", "float16", "float32")  # inputs CudaProjection.quantize_many can read by address
+SUM32_MAX_ROWS = 65536 * 32  # int16 symbols of up to this many rows: the projection sums them in int32
 _MAGIC = b"RDQ1"
 _HEAD = struct.Struct("<4sdIB")  # magic, step, K, has_keep_mask
 
@@ -508,9 +509,13 @@ class CudaProjection:
         import torch
 
         w = self.coefficient_weights()
-        if coeffs.dim() == 3 and coeffs.shape[0] == 1 and w.dim() == 2:
-            return torch.matmul(coeffs[0], w).unsqueeze(0)
-        return torch.matmul(coeffs, w)
+        # mm / bmm, not matmul: its shape dispatch cost ~20 us of host time a call, and in a graph-
+        # replayed decode the host's time is the call's
+        if coeffs.dim() == 2:
+            return torch.mm(coeffs, w)
+        if w.dim() == 2:
+            return torch.mm(coeffs.reshape(-1, coeffs.shape[-1]), w).view(*coeffs.shape[:-1], w.shape[-1])
+        return torch.bmm(coeffs, w)
 
     def quantize(self, x, step: float):
         """bf16 CUDA [T, D] -> int32 symbols [T, K] and their (min, max, sum) per component;
@@ -552,12 +557,12 @@ class CudaProjection:
         if addresses is not None and (addresses.dtype != torch.int64 or addresses.shape != (N,)):
             raise ValueError(f"addresses must be int64 [{N}], got {addresses.dtype} {tuple(addresses.shape)}")
         x = xs.to(torch.bfloat16).contiguous() if addresses is None else addresses
-        in_place = {}
+        variant = {}
         if addresses is not None:
             name = str(xs.dtype).removeprefix("torch.")
             if name not in IN_PLACE_DTYPES:
                 raise ValueError(f"inputs read by address must be one of {IN_PLACE_DTYPES}, got {name}")
-            in_place = dict(X_TABLE=True, X_DTYPE=getattr(kt.tl, name))  # Triton's types carry torch's names
+            variant = dict(X_TABLE=True, X_DTYPE=getattr(kt.tl, name))  # Triton's types carry torch's names
         K, dev = self.K, x.device
         sym = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
         mn = torch.full((N, K), 2**31 - 1, dtype=torch.int32, device=dev)
@@ -566,13 +571,15 @@ class CudaProjection:
         amax = torch.zeros(N, dtype=torch.float32, device=dev)
         inv = floats_on([1.0 / s for s in steps], dev)
         args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv, T.bit_length())
+        # int32 running sums: exact for int16 values over at most 65536 row tiles of >= 32 rows a program
+        variant["SUM32"] = narrow and T <= SUM32_MAX_ROWS
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
             grid = (min(-(-T // b["BM"]), self.ROW_PROGRAMS) * -(-K // b["BN"]), N)
-            kt.project_quantize_kernel[grid](*args, UPCAST=True, **in_place, **b)
+            kt.project_quantize_kernel[grid](*args, UPCAST=True, **variant, **b)
         else:
             kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False,
-                                                                                 **in_place)
+                                                                                 **variant)
         return sym, (mn, mx, sm), amax
 
     def reconstruct(self, symbols, step: float):

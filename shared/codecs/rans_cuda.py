@@ -87,6 +87,34 @@ def read_on_host(t, host=None, stream=None):
     return host
 
 
+class EarlyRead:
+    """A small device tensor read to the host as soon as the work queued so far has made it, while
+    later work (a reconstruction GEMM) is queued behind it: start() queues the copy into pinned
+    memory and an event, wait() waits for that event alone and returns the host tensor, so the
+    host's remaining work overlaps the GPU's instead of following it. One object per call site,
+    reused: its pinned buffer and event are made once."""
+
+    def __init__(self):
+        self.host, self.event = None, None
+
+    def start(self, t):
+        torch = _torch()
+        if t.device.type != "cuda":  # Triton's CPU interpreter (tests)
+            self.host = t.clone()
+            return self
+        if self.host is None or self.host.shape != t.shape or self.host.dtype != t.dtype:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.event = torch.cuda.Event()
+        self.host.copy_(t, non_blocking=True)
+        self.event.record(torch.cuda.current_stream(t.device))
+        return self
+
+    def wait(self):
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
 def pinned(data: bytes):
     """A host copy of `data` in pinned memory (torch's caching host allocator keeps the block alive
     until the asynchronous copy that reads it has run), so a host->device copy of it is asynchronous."""
@@ -230,6 +258,11 @@ class PendingEncode:
                 self.flags[idx] = job.scal[:, col]
         # each tensor's summary and span, in the jobs' order: what result() reads in its one copy
         self.summary = torch.cat([torch.cat([job.scal, job.span], 1) for job in self.jobs])
+        # what result() needs besides that table, made here once rather than after every synchronization
+        fields = self.jobs[0].kern["fields"]
+        self._overflow, self._esc_max = fields.index("overflow"), fields.index("group_escapes_max")
+        self._bounds = np.cumsum([0] + [job.N for job in self.jobs])
+        self._ecap_rows = np.repeat([job.ecap for job in self.jobs], [job.N for job in self.jobs])
 
     def _table(self):
         """Each tensor's summary and span, in the jobs' order, as int64 numpy [N, fields + 2] (a view
@@ -239,51 +272,39 @@ class PendingEncode:
 
     def result(self, copy: bool = True) -> list:
         """The blobs (one host synchronization; a second only when a lane group escaped more
-        values than its first buffer held). copy: views into a compact copy of the buffer, else
-        into the buffer itself (which holds every container's worst-case room). The bookkeeping
-        over the list is numpy on the summary table: a Python loop over 60 tensors' rows cost
-        ~70 us of host time a call on an NVIDIA H200's host."""
-        fields = self.jobs[0].kern["fields"]
-        overflow, esc_max = fields.index("overflow"), fields.index("group_escapes_max")
+        values than its first buffer held). copy: views into a compact copy of the buffer (each
+        container, and the copy's end, 16-byte aligned, so a decoder reads them in place), else
+        into the buffer itself (which holds every container's worst-case room). The host work
+        after the synchronization is on every call's critical path (the GPU idles through it), so
+        the common case is a few numpy operations on the summary table: Python loops over 60
+        tensors' rows cost ~70 us, and a dozen numpy calls ~150 us, on an NVIDIA H100's host."""
         rows = self._table()  # the host synchronization
-        bounds = np.cumsum([0] + [job.N for job in self.jobs])
-        narrow_overflow = rows[:, overflow] == NARROW_OVERFLOW_ENCODE
-        if narrow_overflow.any():
-            if self.recode is None:
-                raise InvalidTensorError("int16 symbols were stored from values beyond int16; give int32 symbols")
-            self.retried = True  # rare: a producer's values outgrew int16 (it keeps int32 for them from now on)
-            return self.recode(copy, self._caller[narrow_overflow].tolist())
-        if (rows[:, overflow] == 2).any():
-            raise RuntimeError(LANE_MAP_FAULT)
-        if rows[:, overflow].any():
-            raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
-                                     "use a larger step or fix the producer")
-        again = [j for j, job in enumerate(self.jobs) if rows[bounds[j]:bounds[j + 1], esc_max].max() > job.ecap]
-        if again:
-            if not self.retry:
-                raise RuntimeError("a lane group escaped more values than its buffer holds with retry off")
-            for j in again:  # rare: code those lanes again with room for every value
-                self.jobs[j].code_lanes(self.jobs[j].cap)
-            self._assemble()
-            self.retried = True
-            return self.result(copy)
-        caller = self._caller  # row r (jobs' order) is the blob of tensor caller[r]
+        if rows[:, self._overflow].any() or (rows[:, self._esc_max] > self._ecap_rows).any():
+            return self._refused_or_retried(rows, copy)
         starts, lengths = rows[:, -2], rows[:, -1]
         if not copy:
             out = [None] * self.n_t
-            for i, a, n in zip(caller.tolist(), starts.tolist(), lengths.tolist()):
+            for i, a, n in zip(self._caller.tolist(), starts.tolist(), lengths.tolist()):
                 out[i] = self.buffer[a:a + n]
             return out
-        parts, shift, new = [], [], 0
-        for j, off in enumerate(self.offsets):
-            end = int((starts[bounds[j]:bounds[j + 1]] + lengths[bounds[j]:bounds[j + 1]]).max())
-            parts.append(self.buffer[off:end])
-            shift.append(new - off)
-            new += (end - off + 15) // 16 * 16
-        buf = parts[0].clone() if len(parts) == 1 else self.torch.cat(
-            [t for p in parts for t in (p, self.buffer.new_zeros((-len(p)) % 16))])
+        if len(self.jobs) == 1:  # one shape: one slice of the buffer, its containers already in place
+            off = self.offsets[0]
+            end = int((starts + lengths).max())
+            buf = self.buffer[off:off + (end - off + 15) // 16 * 16].clone()  # within the job's capacity
+            moved = starts - off
+        else:
+            bounds, parts, shift, new = self._bounds, [], [], 0
+            for j, off in enumerate(self.offsets):
+                end = int((starts[bounds[j]:bounds[j + 1]] + lengths[bounds[j]:bounds[j + 1]]).max())
+                parts.append(self.buffer[off:off + (end - off + 15) // 16 * 16])
+                shift.append(new - off)
+                new += (end - off + 15) // 16 * 16
+            buf = self.torch.cat(parts)
+            moved = starts + np.repeat(shift, np.diff(bounds))
+        if self.n_t == 1:
+            a = int(moved[0])
+            return [buf[a:a + int(lengths[0])]]
         # one split into blobs and the gaps between them (one call, not a slice per blob)
-        moved = starts + np.repeat(shift, np.diff(bounds))
         order = np.argsort(moved, kind="stable")
         a, n = moved[order], lengths[order]
         sizes = np.empty(2 * self.n_t + 1, np.int64)
@@ -292,8 +313,32 @@ class PendingEncode:
         sizes[-1] = buf.numel() - (a[-1] + n[-1])
         pieces = buf.split(sizes.tolist())
         piece = np.empty(self.n_t, np.int64)
-        piece[caller[order]] = 2 * np.arange(self.n_t) + 1
+        piece[self._caller[order]] = 2 * np.arange(self.n_t) + 1
         return [pieces[k] for k in piece.tolist()]
+
+    def _refused_or_retried(self, rows, copy: bool) -> list:
+        """result() where a summary row is flagged or a lane group outgrew its escape buffer: the
+        error it names, or the list coded again (int32 symbols, or more escape room)."""
+        overflow, bounds = rows[:, self._overflow], self._bounds
+        narrow_overflow = overflow == NARROW_OVERFLOW_ENCODE
+        if narrow_overflow.any():
+            if self.recode is None:
+                raise InvalidTensorError("int16 symbols were stored from values beyond int16; give int32 symbols")
+            self.retried = True  # rare: a producer's values outgrew int16 (it keeps int32 for them from now on)
+            return self.recode(copy, self._caller[narrow_overflow].tolist())
+        if (overflow == 2).any():
+            raise RuntimeError(LANE_MAP_FAULT)
+        if overflow.any():
+            raise InvalidTensorError("quantized coefficients reach beyond int32 (or the tensor holds NaN/Inf); "
+                                     "use a larger step or fix the producer")
+        if not self.retry:
+            raise RuntimeError("a lane group escaped more values than its buffer holds with retry off")
+        for j, job in enumerate(self.jobs):  # rare: code those lanes again with room for every value
+            if rows[bounds[j]:bounds[j + 1], self._esc_max].max() > job.ecap:
+                job.code_lanes(job.cap)
+        self._assemble()
+        self.retried = True
+        return self.result(copy)
 
 
 def _stacked(torch, ts):
