@@ -29,7 +29,6 @@ from .errors import BackendUnavailable, BitstreamError, InvalidTensorError
 
 INT32_MAX = 2**31 - 1
 IN_PLACE_DTYPES = ("bfloat16", "float16", "float32")  # inputs CudaProjection.quantize_many can read by address
-SUM32_MAX_ROWS = 65536 * 32  # int16 symbols of up to this many rows: the projection sums them in int32
 _MAGIC = b"RDQ1"
 _HEAD = struct.Struct("<4sdIB")  # magic, step, K, has_keep_mask
 
@@ -538,10 +537,14 @@ class CudaProjection:
     def quantize_many(self, xs, steps, addresses=None, narrow: bool = False):
         """bf16 CUDA [N, T, D] (a stacked projection's N tensors) -> symbols [N, T, K], their
         (min, max, sum) [N, K] each, and the largest |scaled value| of each [N] (inf: NaN, Inf or
-        beyond int32); one launch.
-        narrow: int16 symbols (half the bytes to write, and for the coder to read), stored
-        wrapped where a value is beyond int16; the statistics are always the int32 values', so
-        a caller tells from min and max whether the symbols hold (rans_cuda's coder does).
+        beyond int32); one launch (two with narrow).
+        narrow: int16 symbols (half the bytes to write, and for the coder to read), saturated at
+        the int16 range, with their statistics from a second, memory-bound pass over them (the
+        fused statistics made the projection spill: 256 MB on an NVIDIA H200, 376 us). A value
+        at either end of int16 may stand for one beyond it, so it shows in min or max one past it
+        (-32769, 32768), and amax is then at most 32769: a caller tells from min and max whether
+        the symbols hold (rans_cuda's coder codes such a tensor again from int32 symbols, whose
+        statistics and amax are exact: inf for NaN/Inf).
         addresses: optional int64 CUDA [N], where each tensor is (contiguous [T, D] of xs's dtype,
         one of IN_PLACE_DTYPES, 16-byte aligned), read by the kernel instead of xs's data, which
         then only give the shape (a CUDA graph replays this with new tensors by rewriting the
@@ -571,16 +574,33 @@ class CudaProjection:
         amax = torch.zeros(N, dtype=torch.float32, device=dev)
         inv = floats_on([1.0 / s for s in steps], dev)
         args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv, T.bit_length())
-        # int32 running sums: exact for int16 values over at most 65536 row tiles of >= 32 rows a program
-        variant["SUM32"] = narrow and T <= SUM32_MAX_ROWS
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
             grid = (min(-(-T // b["BM"]), self.ROW_PROGRAMS) * -(-K // b["BN"]), N)
-            kt.project_quantize_kernel[grid](*args, UPCAST=True, **variant, **b)
+            kt.project_quantize_kernel[grid](*args, UPCAST=True, STATS=not narrow, **variant, **b)
+        elif narrow:  # saturated int16 symbols, then their statistics in a second, memory-bound pass
+            kt.project_saturate_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False, STATS=False,
+                                                                                  **variant)
         else:
             kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False,
                                                                                  **variant)
+        if narrow:
+            self._column_stats(sym, mn, mx, sm, amax)
         return sym, (mn, mx, sm), amax
+
+    def _column_stats(self, sym, mn, mx, sm, amax):
+        """The statistics of saturated int16 symbols [N, T, K] (see column_stats_kernel): about four
+        programs per SM, each over a chunk of at most 65536 rows."""
+        from . import _rdquant_triton as kt
+
+        N, T, K = sym.shape
+        BK = min(256, 1 << max(0, K - 1).bit_length())
+        BR = kt.COLUMN_STATS_VALUES // BK
+        col_tiles = -(-K // BK)
+        programs = self.ROW_PROGRAMS if _interpreting() else 4 * _sm_count(sym.device)
+        chunk = -(-T // max(1, programs // (col_tiles * N)))
+        chunk = min(-(-chunk // BR) * BR, 65536)
+        kt.column_stats_kernel[(-(-T // chunk) * col_tiles, N)](sym, mn, mx, sm, amax, T, K, chunk, BR=BR, BK=BK)
 
     def reconstruct(self, symbols, step: float):
         if symbols.dim() != 2 or symbols.shape[1] != self.K:
