@@ -25,8 +25,8 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     X_DTYPE at each, 16-byte aligned, rounded to bf16 as it is read (a CUDA graph then reads new
     tensors where they are: no copy into its own).
 
-    STATS=False (int16 symbols): no statistics, the symbols saturated at the int16 range;
-    column_stats_kernel then reads them. The running statistics hold four registers a value besides
+    STATS=False (int16 symbols): no statistics, the symbols saturated at +-32767 and a NaN or Inf
+    stored as -32768; column_stats_kernel then reads them. The running statistics hold four registers a value besides
     the accumulator: compiled for sm_90, 246-255 registers a thread (64 x 64 tiles of 4 warps,
     128 x 64 of 8) against 118-122 without, so half as many programs fit on an SM.
 
@@ -82,6 +82,8 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
                 acc = tl.dot(a, b, acc)
         v = (acc - bias[None, :]) * inv_step
         m = rmask[:, None] & cmask[None, :]
+        if not STATS:  # NaN and Inf as -32768, the rest saturated at +-32767 (column_stats_kernel tells them apart)
+            nonfinite = (v != v) | (tl.abs(v) == float("inf"))
         v = tl.where(v == v, tl.minimum(tl.maximum(v, -clamp), clamp), clamp)  # refused by the caller via amax
         sym_at = sym_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
         if STATS:
@@ -91,8 +93,8 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
             run_mx = tl.maximum(run_mx, tl.where(m, s, -big - 1))
             run_sum += tl.where(m, s, 0).to(tl.int64)
         else:
-            s = tl.floor(tl.minimum(tl.maximum(v, -32768.0), 32767.0) + 0.5).to(tl.int32)
-            tl.store(sym_at, s, mask=m)
+            s = tl.floor(tl.minimum(tl.maximum(v, -32767.0), 32767.0) + 0.5).to(tl.int32)
+            tl.store(sym_at, tl.where(nonfinite, -32768, s), mask=m)
     if STATS:
         _fold_column_stats(run_mn, run_mx, run_sum, cols, cmask, mn_ptr, mx_ptr, sum_ptr, amax_ptr, clamp)
 
@@ -119,9 +121,10 @@ def column_stats_kernel(sym_ptr, mn_ptr, mx_ptr, sum_ptr, amax_ptr, T, K, rows_p
     folded into mn/mx/sum with atomics, and the largest |value| into amax; program_id(0) = row
     chunk x column tiles of BK (the tile fastest): rows_per_program rows (at most 65536, so its
     int32 sums cannot wrap), BR at a time.
-    The projection's STATS=False symbols are saturated at the int16 range, so a value at its ends
-    may stand for one beyond it: such an end is reported one past it (max 32768, min -32769), which
-    the coder takes as a reason to code the tensor again from int32 symbols."""
+    The projection's STATS=False symbols are saturated at +-32767, so a value there may stand for
+    one beyond it: such an end is reported one past int16 (max 32768, min -32769), which the coder
+    takes as a reason to code the tensor again from int32 symbols; -32768 stands for NaN or Inf,
+    and makes amax inf (the coder refuses the tensor)."""
     seg = tl.program_id(1).to(tl.int64)
     sym_ptr += seg * T * K
     n_c = tl.cdiv(K, BK)
@@ -142,13 +145,14 @@ def column_stats_kernel(sym_ptr, mn_ptr, mx_ptr, sum_ptr, amax_ptr, T, K, rows_p
         run_sum += v
     col_mn = tl.min(run_mn, 0)
     col_mx = tl.max(run_mx, 0)
-    col_mn = tl.where(col_mn == -32768, -32769, col_mn)
+    nonfinite = tl.max(tl.where(cmask & (col_mn == -32768), 1, 0), 0) > 0
+    col_mn = tl.where(col_mn == -32767, -32769, col_mn)
     col_mx = tl.where(col_mx == 32767, 32768, col_mx)
     tl.atomic_min(mn_ptr + seg * K + cols, col_mn, mask=cmask)
     tl.atomic_max(mx_ptr + seg * K + cols, col_mx, mask=cmask)
     tl.atomic_add(sum_ptr + seg * K + cols, tl.sum(run_sum.to(tl.int64), 0), mask=cmask)
     ext = tl.maximum(tl.abs(tl.where(cmask, col_mn, 0)), tl.where(cmask, col_mx, 0)).to(tl.float32)
-    tl.atomic_max(amax_ptr + seg, tl.max(ext, 0))
+    tl.atomic_max(amax_ptr + seg, tl.where(nonfinite, float("inf"), tl.max(ext, 0)))
 
 
 @triton.jit

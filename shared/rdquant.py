@@ -29,6 +29,7 @@ from .errors import BackendUnavailable, BitstreamError, InvalidTensorError
 
 INT32_MAX = 2**31 - 1
 IN_PLACE_DTYPES = ("bfloat16", "float16", "float32")  # inputs CudaProjection.quantize_many can read by address
+NARROW_STATS_PASS = True  # int16 symbols: projection without statistics + column_stats_kernel (else fused statistics)
 _MAGIC = b"RDQ1"
 _HEAD = struct.Struct("<4sdIB")  # magic, step, K, has_keep_mask
 
@@ -538,13 +539,13 @@ class CudaProjection:
         """bf16 CUDA [N, T, D] (a stacked projection's N tensors) -> symbols [N, T, K], their
         (min, max, sum) [N, K] each, and the largest |scaled value| of each [N] (inf: NaN, Inf or
         beyond int32); one launch (two with narrow).
-        narrow: int16 symbols (half the bytes to write, and for the coder to read), saturated at
-        the int16 range, with their statistics from a second, memory-bound pass over them (the
-        fused statistics made the projection spill: 256 MB on an NVIDIA H200, 376 us). A value
-        at either end of int16 may stand for one beyond it, so it shows in min or max one past it
-        (-32769, 32768), and amax is then at most 32769: a caller tells from min and max whether
-        the symbols hold (rans_cuda's coder codes such a tensor again from int32 symbols, whose
-        statistics and amax are exact: inf for NaN/Inf).
+        narrow: int16 symbols (half the bytes to write, and for the coder to read). With
+        NARROW_STATS_PASS, saturated at +-32767 (NaN and Inf stored as -32768, amax then inf), their
+        statistics from a second, memory-bound pass (the fused statistics double the projection's
+        registers): a value at +-32767 may stand for one beyond it, so it shows in min or max one
+        past int16 (-32769, 32768). Else wrapped beyond int16, with the int32 values' statistics.
+        Either way a caller tells from min and max whether the symbols hold (rans_cuda's coder
+        codes such a tensor again from int32 symbols, whose statistics and amax are exact).
         addresses: optional int64 CUDA [N], where each tensor is (contiguous [T, D] of xs's dtype,
         one of IN_PLACE_DTYPES, 16-byte aligned), read by the kernel instead of xs's data, which
         then only give the shape (a CUDA graph replays this with new tensors by rewriting the
@@ -577,14 +578,14 @@ class CudaProjection:
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
             grid = (min(-(-T // b["BM"]), self.ROW_PROGRAMS) * -(-K // b["BN"]), N)
-            kt.project_quantize_kernel[grid](*args, UPCAST=True, STATS=not narrow, **variant, **b)
-        elif narrow:  # saturated int16 symbols, then their statistics in a second, memory-bound pass
+            kt.project_quantize_kernel[grid](*args, UPCAST=True, STATS=not (narrow and NARROW_STATS_PASS), **variant, **b)
+        elif narrow and NARROW_STATS_PASS:  # saturated int16 symbols, then their statistics in a second pass
             kt.project_saturate_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False, STATS=False,
                                                                                   **variant)
         else:
             kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False,
                                                                                  **variant)
-        if narrow:
+        if narrow and NARROW_STATS_PASS:
             self._column_stats(sym, mn, mx, sm, amax)
         return sym, (mn, mx, sm), amax
 
