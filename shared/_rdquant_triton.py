@@ -10,9 +10,9 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
                             T, D, K, inv_step_ptr, SIZE_CLASS,
                             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr,
                             ROW_WAVES: tl.constexpr = 0, X_TABLE: tl.constexpr = False,
-                            X_DTYPE: tl.constexpr = tl.bfloat16, STATS: tl.constexpr = True):
-    """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K] (int16 where sym_ptr is: wrapped
-    beyond it with STATS, saturated without); with bias = mean @ basis; for tensor s = program_id(2) of a batch of
+                            X_DTYPE: tl.constexpr = tl.bfloat16):
+    """sym = round(((x @ basis) - bias) * inv_step), int32 [T, K] (int16 where sym_ptr is,
+    wrapped beyond it); with bias = mean @ basis; for tensor s = program_id(2) of a batch of
     same-shape tensors, each with its own basis and step.
 
     Also folds each column's min, max and integer sum into mn/mx/sum (atomics), and the largest
@@ -24,11 +24,6 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     an NVIDIA H200: 644 -> 532 us). X_TABLE: x_ptr holds int64 addresses instead, one contiguous [T, D] tensor of
     X_DTYPE at each, 16-byte aligned, rounded to bf16 as it is read (a CUDA graph then reads new
     tensors where they are: no copy into its own).
-
-    STATS=False (int16 symbols): no statistics, the symbols saturated at +-32767 and a NaN or Inf
-    stored as -32768; column_stats_kernel then reads them. The running statistics hold four registers a value besides
-    the accumulator: compiled for sm_90, 246-255 registers a thread (64 x 64 tiles of 4 warps,
-    128 x 64 of 8) against 118-122 without, so half as many programs fit on an SM.
 
     Grid: (row programs x column tiles, N), the column tile varying fastest, so the programs that
     read the same rows of x run side by side and all but the first find them in L2.
@@ -82,28 +77,12 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
                 acc = tl.dot(a, b, acc)
         v = (acc - bias[None, :]) * inv_step
         m = rmask[:, None] & cmask[None, :]
-        if not STATS:  # NaN and Inf as -32768, the rest saturated at +-32767 (column_stats_kernel tells them apart)
-            nonfinite = (v != v) | (tl.abs(v) == float("inf"))
         v = tl.where(v == v, tl.minimum(tl.maximum(v, -clamp), clamp), clamp)  # refused by the caller via amax
-        sym_at = sym_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
-        if STATS:
-            s = tl.floor(v + 0.5).to(tl.int32)
-            tl.store(sym_at, s, mask=m)
-            run_mn = tl.minimum(run_mn, tl.where(m, s, big))
-            run_mx = tl.maximum(run_mx, tl.where(m, s, -big - 1))
-            run_sum += tl.where(m, s, 0).to(tl.int64)
-        else:
-            s = tl.floor(tl.minimum(tl.maximum(v, -32767.0), 32767.0) + 0.5).to(tl.int32)
-            tl.store(sym_at, tl.where(nonfinite, -32768, s), mask=m)
-    if STATS:
-        _fold_column_stats(run_mn, run_mx, run_sum, cols, cmask, mn_ptr, mx_ptr, sum_ptr, amax_ptr, clamp)
-
-
-@triton.jit
-def _fold_column_stats(run_mn, run_mx, run_sum, cols, cmask, mn_ptr, mx_ptr, sum_ptr, amax_ptr, clamp):
-    """A program's running column statistics into the global ones (atomics), and its largest
-    |value| into amax: inf where a value reached the clamp (NaN, Inf or beyond int32)."""
-    big = 2147483647
+        s = tl.floor(v + 0.5).to(tl.int32)
+        tl.store(sym_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], s, mask=m)
+        run_mn = tl.minimum(run_mn, tl.where(m, s, big))
+        run_mx = tl.maximum(run_mx, tl.where(m, s, -big - 1))
+        run_sum += tl.where(m, s, 0).to(tl.int64)
     col_mn = tl.min(run_mn, 0)
     col_mx = tl.max(run_mx, 0)
     tl.atomic_min(mn_ptr + cols, col_mn, mask=cmask)
@@ -112,47 +91,6 @@ def _fold_column_stats(run_mn, run_mx, run_sum, cols, cmask, mn_ptr, mx_ptr, sum
     # |symbol| < clamp exactly where the scaled value was finite and within it
     ext = tl.maximum(tl.abs(tl.where(cmask, col_mn, 0).to(tl.float32)), tl.where(cmask, col_mx, 0).to(tl.float32))
     tl.atomic_max(amax_ptr, tl.max(tl.where(ext >= clamp, float("inf"), ext), 0))
-
-
-@triton.jit
-def column_stats_kernel(sym_ptr, mn_ptr, mx_ptr, sum_ptr, amax_ptr, T, K, rows_per_program,
-                        BR: tl.constexpr, BK: tl.constexpr):
-    """Each column's min, max and integer sum of int16 symbols [N, T, K] (program_id(1): the tensor),
-    folded into mn/mx/sum with atomics, and the largest |value| into amax; program_id(0) = row
-    chunk x column tiles of BK (the tile fastest): rows_per_program rows (at most 65536, so its
-    int32 sums cannot wrap), BR at a time.
-    The projection's STATS=False symbols are saturated at +-32767, so a value there may stand for
-    one beyond it: such an end is reported one past int16 (max 32768, min -32769), which the coder
-    takes as a reason to code the tensor again from int32 symbols; -32768 stands for NaN or Inf,
-    and makes amax inf (the coder refuses the tensor)."""
-    seg = tl.program_id(1).to(tl.int64)
-    sym_ptr += seg * T * K
-    n_c = tl.cdiv(K, BK)
-    cols = (tl.program_id(0) % n_c) * BK + tl.arange(0, BK)
-    cmask = cols < K
-    big = 2147483647
-    run_mn = tl.full([BR, BK], big, tl.int32)
-    run_mx = tl.full([BR, BK], -big - 1, tl.int32)
-    run_sum = tl.zeros([BR, BK], tl.int32)
-    first = (tl.program_id(0) // n_c) * rows_per_program
-    last = tl.minimum(first + rows_per_program, T)
-    for r0 in range(first, last, BR):
-        rows = r0 + tl.arange(0, BR)
-        m = (rows < last)[:, None] & cmask[None, :]
-        v = tl.load(sym_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=m, other=0).to(tl.int32)
-        run_mn = tl.minimum(run_mn, tl.where(m, v, big))
-        run_mx = tl.maximum(run_mx, tl.where(m, v, -big - 1))
-        run_sum += v
-    col_mn = tl.min(run_mn, 0)
-    col_mx = tl.max(run_mx, 0)
-    nonfinite = tl.max(tl.where(cmask & (col_mn == -32768), 1, 0), 0) > 0
-    col_mn = tl.where(col_mn == -32767, -32769, col_mn)
-    col_mx = tl.where(col_mx == 32767, 32768, col_mx)
-    tl.atomic_min(mn_ptr + seg * K + cols, col_mn, mask=cmask)
-    tl.atomic_max(mx_ptr + seg * K + cols, col_mx, mask=cmask)
-    tl.atomic_add(sum_ptr + seg * K + cols, tl.sum(run_sum.to(tl.int64), 0), mask=cmask)
-    ext = tl.maximum(tl.abs(tl.where(cmask, col_mn, 0)), tl.where(cmask, col_mx, 0)).to(tl.float32)
-    tl.atomic_max(amax_ptr + seg, tl.where(nonfinite, float("inf"), tl.max(ext, 0)))
 
 
 @triton.jit
@@ -236,14 +174,6 @@ def reconstruct_grid(T: int, D: int, N: int):
 
 project_quantize_tuned = triton.autotune(_PROJECT_CONFIGS, key=["D", "K", "SIZE_CLASS"], reset_to_zero=["sum_ptr"])(
     project_quantize_kernel)
-# Without statistics (int16 symbols) a thread holds only its accumulator, so wider tiles fit
-_SATURATE_CONFIGS = [
-    triton.Config(dict(BM=bm, BN=bn, BD=64), num_warps=w, num_stages=st)
-    for bm, bn, w, st in [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3),
-                          (128, 128, 8, 3), (64, 64, 4, 4)]
-]
-project_saturate_tuned = triton.autotune(_SATURATE_CONFIGS, key=["D", "K", "SIZE_CLASS"])(project_quantize_kernel)
-COLUMN_STATS_VALUES = 4096  # values a column_stats_kernel step reads (BR rows x BK <= 256 columns; 4 warps)
 _RECON_CONFIGS = [triton.Config(dict(BM=c.kwargs["BM"], BN=c.kwargs["BN"], BK=c.kwargs["BD"]),
                                 num_warps=c.num_warps, num_stages=c.num_stages) for c in _MATMUL_CONFIGS]
 reconstruct_tuned = triton.autotune(_RECON_CONFIGS, key=["D", "K", "SIZE_CLASS"])(reconstruct_kernel)

@@ -29,7 +29,6 @@ from .errors import BackendUnavailable, BitstreamError, InvalidTensorError
 
 INT32_MAX = 2**31 - 1
 IN_PLACE_DTYPES = ("bfloat16", "float16", "float32")  # inputs CudaProjection.quantize_many can read by address
-NARROW_STATS_PASS = True  # int16 symbols: projection without statistics + column_stats_kernel (else fused statistics)
 _MAGIC = b"RDQ1"
 _HEAD = struct.Struct("<4sdIB")  # magic, step, K, has_keep_mask
 
@@ -538,14 +537,10 @@ class CudaProjection:
     def quantize_many(self, xs, steps, addresses=None, narrow: bool = False):
         """bf16 CUDA [N, T, D] (a stacked projection's N tensors) -> symbols [N, T, K], their
         (min, max, sum) [N, K] each, and the largest |scaled value| of each [N] (inf: NaN, Inf or
-        beyond int32); one launch (two with narrow).
-        narrow: int16 symbols (half the bytes to write, and for the coder to read). With
-        NARROW_STATS_PASS, saturated at +-32767 (NaN and Inf stored as -32768, amax then inf), their
-        statistics from a second, memory-bound pass (the fused statistics double the projection's
-        registers): a value at +-32767 may stand for one beyond it, so it shows in min or max one
-        past int16 (-32769, 32768). Else wrapped beyond int16, with the int32 values' statistics.
-        Either way a caller tells from min and max whether the symbols hold (rans_cuda's coder
-        codes such a tensor again from int32 symbols, whose statistics and amax are exact).
+        beyond int32); one launch.
+        narrow: int16 symbols (half the bytes to write, and for the coder to read), stored
+        wrapped where a value is beyond int16; the statistics are always the int32 values', so
+        a caller tells from min and max whether the symbols hold (rans_cuda's coder does).
         addresses: optional int64 CUDA [N], where each tensor is (contiguous [T, D] of xs's dtype,
         one of IN_PLACE_DTYPES, 16-byte aligned), read by the kernel instead of xs's data, which
         then only give the shape (a CUDA graph replays this with new tensors by rewriting the
@@ -561,12 +556,12 @@ class CudaProjection:
         if addresses is not None and (addresses.dtype != torch.int64 or addresses.shape != (N,)):
             raise ValueError(f"addresses must be int64 [{N}], got {addresses.dtype} {tuple(addresses.shape)}")
         x = xs.to(torch.bfloat16).contiguous() if addresses is None else addresses
-        variant = {}
+        in_place = {}
         if addresses is not None:
             name = str(xs.dtype).removeprefix("torch.")
             if name not in IN_PLACE_DTYPES:
                 raise ValueError(f"inputs read by address must be one of {IN_PLACE_DTYPES}, got {name}")
-            variant = dict(X_TABLE=True, X_DTYPE=getattr(kt.tl, name))  # Triton's types carry torch's names
+            in_place = dict(X_TABLE=True, X_DTYPE=getattr(kt.tl, name))  # Triton's types carry torch's names
         K, dev = self.K, x.device
         sym = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
         mn = torch.full((N, K), 2**31 - 1, dtype=torch.int32, device=dev)
@@ -578,30 +573,11 @@ class CudaProjection:
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
             grid = (min(-(-T // b["BM"]), self.ROW_PROGRAMS) * -(-K // b["BN"]), N)
-            kt.project_quantize_kernel[grid](*args, UPCAST=True, STATS=not (narrow and NARROW_STATS_PASS), **variant, **b)
-        elif narrow and NARROW_STATS_PASS:  # saturated int16 symbols, then their statistics in a second pass
-            kt.project_saturate_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False, STATS=False,
-                                                                                  **variant)
+            kt.project_quantize_kernel[grid](*args, UPCAST=True, **in_place, **b)
         else:
             kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False,
-                                                                                 **variant)
-        if narrow and NARROW_STATS_PASS:
-            self._column_stats(sym, mn, mx, sm, amax)
+                                                                                 **in_place)
         return sym, (mn, mx, sm), amax
-
-    def _column_stats(self, sym, mn, mx, sm, amax):
-        """The statistics of saturated int16 symbols [N, T, K] (see column_stats_kernel): about four
-        programs per SM, each over a chunk of at most 65536 rows."""
-        from . import _rdquant_triton as kt
-
-        N, T, K = sym.shape
-        BK = min(256, 1 << max(0, K - 1).bit_length())
-        BR = kt.COLUMN_STATS_VALUES // BK
-        col_tiles = -(-K // BK)
-        programs = self.ROW_PROGRAMS if _interpreting() else 4 * _sm_count(sym.device)
-        chunk = -(-T // max(1, programs // (col_tiles * N)))
-        chunk = min(-(-chunk // BR) * BR, 65536)
-        kt.column_stats_kernel[(-(-T // chunk) * col_tiles, N)](sym, mn, mx, sm, amax, T, K, chunk, BR=BR, BK=BK)
 
     def reconstruct(self, symbols, step: float):
         if symbols.dim() != 2 or symbols.shape[1] != self.K:
