@@ -91,8 +91,9 @@ class EarlyRead:
     """A small device tensor read to the host as soon as the work queued so far has made it, while
     later work (a reconstruction GEMM) is queued behind it: start() queues the copy into pinned
     memory and an event, wait() waits for that event alone and returns the host tensor, so the
-    host's remaining work overlaps the GPU's instead of following it. One object per call site,
-    reused: its pinned buffer and event are made once."""
+    host's remaining work overlaps the GPU's instead of following it. A caller that keeps the object
+    (the decode graph) reuses its pinned buffer and event; a new one per call makes both anew, as
+    read_on_host(t) without a host buffer does."""
 
     def __init__(self):
         self.host, self.event = None, None
