@@ -581,7 +581,9 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
     holding its basis and step): one blob per tensor, each decodable and checked alone. CUDA
     tensors on the compute codec are coded on their GPU, tensors of one shape together in one
     launch per kernel, with one host synchronization for the whole list, and come back as uint8
-    CUDA tensors (views into one buffer); the rest as bytes.
+    CUDA tensors (views into one buffer); the rest as bytes. When every tensor is coded on a GPU,
+    the result is a rans_cuda.Containers: a sequence of those views, each made when first
+    indexed, whose `buffer` and `spans` a transport can send whole and decode_many reads directly.
 
     stream: a torch.cuda.Stream to queue the GPU work on (it first waits for the current stream,
     which made the inputs); the host synchronization then waits for that stream alone.
@@ -595,16 +597,20 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
     if len(codecs) != len(tensors):
         raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
     out = [None] * len(tensors)
-    gpu = [i for i, (c, x) in enumerate(zip(codecs, tensors)) if c.symbols and getattr(x, "is_cuda", False)]
+    if all(map(_SYMBOLS, codecs)) and all(getattr(x, "is_cuda", False) for x in tensors):
+        gpu = range(len(tensors))  # the common case, without a Python loop over the list
+    else:
+        gpu = [i for i, (c, x) in enumerate(zip(codecs, tensors)) if c.symbols and getattr(x, "is_cuda", False)]
     if not sync and len(gpu) != len(tensors):
         raise ConfigurationError("sync=False needs every tensor on a GPU and every codec a compute codec "
                                  "(backend='rans'); encode the others with sync=True")
+    everything = len(gpu) == len(tensors)
     for i in sorted(set(range(len(tensors))) - set(gpu)):
         out[i] = codecs[i].encode(tensors[i])
     if not gpu:
         return out
     with _on_stream(stream):
-        cs, xs = [codecs[i] for i in gpu], [tensors[i] for i in gpu]
+        cs, xs = (list(codecs), list(tensors)) if everything else ([codecs[i] for i in gpu], [tensors[i] for i in gpu])
         key = _graph_key(cs, xs) if sync else None
         plan = _GRAPHS.get(key)
         if not isinstance(plan, _EncodeGraph):  # a repeat skips the checks: the key pins every codec and shape
@@ -620,6 +626,8 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
             if not sync:
                 return pending
             blobs = pending.result()
+    if everything:  # a rans_cuda.Containers: views made as they are indexed
+        return blobs
     for i, blob in zip(gpu, blobs):
         out[i] = blob
     return out
@@ -702,7 +710,7 @@ def _graph_key(codecs, xs):
             tuple(map(torch.Tensor.get_device, xs)), torch.cuda.current_stream(xs[0].device))
 
 
-_NBYTES, _DTYPE = operator.attrgetter("nbytes"), operator.attrgetter("dtype")
+_NBYTES, _DTYPE, _SYMBOLS = operator.attrgetter("nbytes"), operator.attrgetter("dtype"), operator.attrgetter("symbols")
 _QUANTIZER, _PROJ, _LANE_TOKENS = (operator.attrgetter(a) for a in ("quantizer", "_proj", "lane_tokens"))
 
 
@@ -946,7 +954,8 @@ def _decode_graph_key(codecs, blobs, device, max_elements):
     if rans_cuda._interpreting() or not blobs or GRAPH_MAX_BYTES <= 0:
         return None
     try:
-        gpus = set(map(torch.Tensor.get_device, blobs))
+        gpus = {blobs.buffer.get_device()} if isinstance(blobs, rans_cuda.Containers) \
+            else set(map(torch.Tensor.get_device, blobs))
     except TypeError:  # a blob that is not a tensor
         return None
     if len(gpus) != 1 or -1 in gpus or torch.cuda.is_current_stream_capturing():

@@ -588,6 +588,12 @@ def test_decode_many_replays_a_graph_that_checks_each_container_on_the_gpu(monke
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     again = decode_many(codecs, blobs[0], device="cuda")
     assert all(torch.equal(x, y) for x, y in zip(again, eager[0])) and torch.equal(got[3][0], eager[3][0])
+    # the replay reads an encoder's Containers from its one buffer, or the same containers as a list of views
+    from shared.codecs.rans_cuda import Containers
+
+    assert isinstance(blobs[1], Containers)
+    as_list = decode_many(codecs, list(blobs[1]), device="cuda")
+    assert all(torch.equal(x, y) for x, y in zip(as_list, eager[1]))
     other = TensorCodec(basis, backend="rans", step=codecs[2].quantizer.step * 1.5)
     swapped = list(blobs[1])
     swapped[2] = other.encode(calls[1][2])

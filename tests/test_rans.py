@@ -312,6 +312,11 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
             np.testing.assert_array_equal(y.numpy(), x)
         many = rans_cuda.encode_many_cuda([torch.from_numpy(np.ascontiguousarray(x)) for x in xs], lane_tokens=64)
         assert [bytes(m.numpy()) for m in many] == payloads
+        # one buffer, views made on demand: the spans, slices and a list built from it agree
+        assert isinstance(many, rans_cuda.Containers) and len(many) == len(xs)
+        assert [bytes(many.buffer[a:a + n].numpy()) for a, n in many.spans.tolist()] == payloads
+        assert [bytes(m.numpy()) for m in many[2:4] + many[-1:]] == payloads[2:4] + payloads[-1:]
+        assert many[1] is many[1] and many.spans[:, 0].min() % 16 == 0
         # containers: each front (its last 8 bytes the payload length), payload, zero back; the
         # deferred form gives the same bytes at its spans before any host synchronization
         fronts = [bytes(range(16 * (1 + i % 3))) for i in range(len(xs))]
@@ -526,6 +531,12 @@ def test_slot_decoder_places_only_what_fits_and_uploads_addresses_only_when_they
     moved = [blobs[0], torch.ones(4000, dtype=torch.uint8)]
     dec.set_sources(moved)
     assert dec.sources.tolist() == [[blobs[0].data_ptr(), 1000], [moved[1].data_ptr(), 4000]]
+    # an encoder's Containers: placed from its buffer and spans, the same addresses its views have
+    buffer = torch.zeros(9000, dtype=torch.uint8)
+    held = rans_cuda.Containers(buffer, np.array([4096, 0]), np.array([8192, 1000]))
+    assert dec.placed(held) == ([v.data_ptr() for v in held], [4096, 1000])
+    too_long = rans_cuda.Containers(buffer, np.array([0, 4096]), np.array([4097, 4100]))
+    assert dec.placed(too_long) is None and dec.placed(rans_cuda.Containers(buffer, np.array([0]), np.array([8]))) is None
 
 
 def test_decode_graphs_are_keyed_only_for_containers_on_one_gpu():

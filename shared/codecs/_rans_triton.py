@@ -104,68 +104,93 @@ def recip_step(x, e, PROB_BITS: tl.constexpr):
 
 
 @triton.jit
-def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_lanes, R,
-                HS: tl.constexpr, HCAP: tl.constexpr, BLOCK: tl.constexpr, WIDE_INDEX: tl.constexpr):
+def _packed_bin(acc, q, one, Q: tl.constexpr):
+    return acc + tl.where(q == Q, one, 0)
+
+
+@triton.jit
+def _flush_bins(acc, counts_ptr, row_ptr, c0, ok, FIRST: tl.constexpr):
+    """The four 8-bit counters packed in acc ([rows, components]), summed over the rows, added to
+    bins c0 + FIRST .. c0 + FIRST + 3 of each component's histogram row."""
+    for b in tl.static_range(4):
+        n = tl.sum((acc >> (8 * b)) & 255, 0)
+        tl.atomic_add(counts_ptr + row_ptr + c0 + FIRST + b, n, mask=ok & (n > 0), sem="relaxed")
+
+
+@triton.jit
+def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
+                     HS: tl.constexpr, CHUNKS: tl.constexpr, KB: tl.constexpr, HCAP: tl.constexpr,
+                     WIDE_INDEX: tl.constexpr, NARROW: tl.constexpr):
     """Per-component histograms of the sampled rows (every R-th token) inside the first windows.
-    One thread walks HS sampled rows of one component (lanes like the coder's, so loads are
-    coalesced over components) and keeps the 8 bins around the component's mean in registers:
-    those take most of the hits and would otherwise serialize on a few global atomics. Other
-    bins get a global atomic each, relaxed (counts need no ordering), so the unrolled loop's loads
-    can all be in flight at once."""
+    A program takes CHUNKS x HS sampled rows of KB components; a thread, HS rows of one component.
+    The 32 bins around the component's mean (99% of the hits on a real K at cos 0.999, 81% for 8)
+    are 8-bit counters packed four to an int32 register (HS <= 255), summed over the program's
+    rows before one atomic per bin and component; the other in-window hits get a global atomic
+    each, relaxed (counts need no ordering). NARROW: int16 symbols, whose offsets fit int32.
+    On an NVIDIA H200 (60 x [1024, 192] / 64 MB of the real K): 78 / 50 us, where a thread per
+    component with 8 unpacked register bins took 86 / 66."""
     s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
+    n_kb = tl.cdiv(K, KB)
+    rb = tl.program_id(0) // n_kb
+    k = (tl.program_id(0) % n_kb) * KB + tl.arange(0, KB)
     sym_ptr += s * T * K
-    mn_ptr += s * K
-    mx_ptr += s * K
-    sm_ptr += s * K
     counts_ptr += s * K * HCAP
-    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    lane_ok = lane < n_lanes
-    p = lane // K
-    k = lane - p * K
-    mn = tl.load(mn_ptr + k, mask=lane_ok, other=0).to(tl.int64)
-    mx = tl.load(mx_ptr + k, mask=lane_ok, other=0).to(tl.int64)
-    sm = tl.load(sm_ptr + k, mask=lane_ok, other=0).to(tl.int64)
+    k_ok = k < K
+    mn = tl.load(mn_ptr + s * K + k, mask=k_ok, other=0).to(tl.int64)
+    mx = tl.load(mx_ptr + s * K + k, mask=k_ok, other=0).to(tl.int64)
+    sm = tl.load(sm_ptr + s * K + k, mask=k_ok, other=0).to(tl.int64)
     lo0, h0, centre = first_window(mn, mx, sm, T, HCAP)
-    c0 = centre - lo0 - 3  # first of the 8 register bins
+    c0 = (centre - lo0 - 15).to(tl.int32)  # first of the 32 packed bins
+    h0_32 = h0.to(tl.int32)
     row_ptr = k.to(tl.int64) * HCAP
-    n0 = tl.zeros([BLOCK], tl.int32)
-    n1 = tl.zeros([BLOCK], tl.int32)
-    n2 = tl.zeros([BLOCK], tl.int32)
-    n3 = tl.zeros([BLOCK], tl.int32)
-    n4 = tl.zeros([BLOCK], tl.int32)
-    n5 = tl.zeros([BLOCK], tl.int32)
-    n6 = tl.zeros([BLOCK], tl.int32)
-    n7 = tl.zeros([BLOCK], tl.int32)
-    row0 = p * HS
-    for i in tl.static_range(HS):  # rows past the sampled ones are past T, so masked
-        row = (row0 + i) * R
-        active = lane_ok & (row < T)
+    chunk = rb * CHUNKS + tl.arange(0, CHUNKS)
+    a0 = tl.zeros([CHUNKS, KB], tl.int32)
+    a1 = tl.zeros([CHUNKS, KB], tl.int32)
+    a2 = tl.zeros([CHUNKS, KB], tl.int32)
+    a3 = tl.zeros([CHUNKS, KB], tl.int32)
+    a4 = tl.zeros([CHUNKS, KB], tl.int32)
+    a5 = tl.zeros([CHUNKS, KB], tl.int32)
+    a6 = tl.zeros([CHUNKS, KB], tl.int32)
+    a7 = tl.zeros([CHUNKS, KB], tl.int32)
+    for i in tl.static_range(HS):
+        sampled = chunk * HS + i
+        active = (sampled < n_sampled)[:, None] & k_ok[None, :]
+        row = sampled * R
         if WIDE_INDEX:
-            off = row.to(tl.int64) * K + k
+            off = row.to(tl.int64)[:, None] * K + k[None, :]
         else:
-            off = row * K + k
-        v = tl.load(sym_ptr + off, mask=active, other=0).to(tl.int64)
-        idx = v - lo0
-        inw = active & (idx >= 0) & (idx < h0)
-        d = idx - c0
-        n0 += (inw & (d == 0)).to(tl.int32)
-        n1 += (inw & (d == 1)).to(tl.int32)
-        n2 += (inw & (d == 2)).to(tl.int32)
-        n3 += (inw & (d == 3)).to(tl.int32)
-        n4 += (inw & (d == 4)).to(tl.int32)
-        n5 += (inw & (d == 5)).to(tl.int32)
-        n6 += (inw & (d == 6)).to(tl.int32)
-        n7 += (inw & (d == 7)).to(tl.int32)
-        tail = inw & ((d < 0) | (d >= 8))
-        tl.atomic_add(counts_ptr + row_ptr + tl.where(tail, idx, 0), 1, mask=tail, sem="relaxed")
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 0, n0, mask=n0 > 0, sem="relaxed")
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 1, n1, mask=n1 > 0, sem="relaxed")
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 2, n2, mask=n2 > 0, sem="relaxed")
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 3, n3, mask=n3 > 0, sem="relaxed")
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 4, n4, mask=n4 > 0, sem="relaxed")
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 5, n5, mask=n5 > 0, sem="relaxed")
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 6, n6, mask=n6 > 0, sem="relaxed")
-    tl.atomic_add(counts_ptr + row_ptr + c0 + 7, n7, mask=n7 > 0, sem="relaxed")
+            off = row[:, None] * K + k[None, :]
+        v = tl.load(sym_ptr + off, mask=active, other=0)
+        if NARROW:
+            idx = v.to(tl.int32) - lo0.to(tl.int32)[None, :]
+            inw = active & (idx >= 0) & (idx < h0_32[None, :])
+        else:
+            idx64 = v.to(tl.int64) - lo0[None, :]
+            inw = active & (idx64 >= 0) & (idx64 < h0[None, :])
+            idx = tl.where(inw, idx64, 0).to(tl.int32)
+        d = idx - c0[None, :]
+        packed = inw & (d >= 0) & (d < 32)
+        one = tl.where(packed, 1 << ((d & 3) * 8), 0)
+        q = d >> 2
+        a0 = _packed_bin(a0, q, one, 0)
+        a1 = _packed_bin(a1, q, one, 1)
+        a2 = _packed_bin(a2, q, one, 2)
+        a3 = _packed_bin(a3, q, one, 3)
+        a4 = _packed_bin(a4, q, one, 4)
+        a5 = _packed_bin(a5, q, one, 5)
+        a6 = _packed_bin(a6, q, one, 6)
+        a7 = _packed_bin(a7, q, one, 7)
+        tail = inw & ~packed
+        tl.atomic_add(counts_ptr + row_ptr[None, :] + tl.where(tail, idx, 0), 1, mask=tail, sem="relaxed")
+    c0_64 = c0.to(tl.int64)
+    _flush_bins(a0, counts_ptr, row_ptr, c0_64, k_ok, 0)
+    _flush_bins(a1, counts_ptr, row_ptr, c0_64, k_ok, 4)
+    _flush_bins(a2, counts_ptr, row_ptr, c0_64, k_ok, 8)
+    _flush_bins(a3, counts_ptr, row_ptr, c0_64, k_ok, 12)
+    _flush_bins(a4, counts_ptr, row_ptr, c0_64, k_ok, 16)
+    _flush_bins(a5, counts_ptr, row_ptr, c0_64, k_ok, 20)
+    _flush_bins(a6, counts_ptr, row_ptr, c0_64, k_ok, 24)
+    _flush_bins(a7, counts_ptr, row_ptr, c0_64, k_ok, 28)
 
 
 # the encoder's scalar summary: one int64 slot per field, read by the host in its one synchronization

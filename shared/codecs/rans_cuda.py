@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -139,7 +140,10 @@ GROUPS_PER_PROGRAM = 1  # lane groups per Triton program on a GPU: one warp (wit
 # between layouts through shared memory: 195 / 173 instructions a step decoding / encoding instead of 130 / 117)
 INTERPRETER_GROUPS_PER_PROGRAM = 4  # under Triton's CPU interpreter (tests): the same lanes in a quarter of the programs
 USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by warp vote (see _rans_triton.lanes_before)
-HIST_TOKENS, HIST_BLOCK = 32, 128  # histogram: sampled tokens per thread, threads per program
+# histogram: sampled tokens per thread (<= 255: 8-bit packed counters), and a program's tile of
+# [row chunks, components]; on an NVIDIA H200 (60 x [1024, 192] / 64 MB): 8 x 16 78 / 50 us,
+# 16 x 16 88 / 59, 32 x 16 112 / 74, 8 x 32 95 / 63; 16 tokens a thread 137 / 80
+HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS = 32, 8, 16
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
 # (latency), one where there are many (throughput). On an NVIDIA H200, one 16 MB tensor (192 components):
@@ -271,11 +275,11 @@ class PendingEncode:
         self._host = read_on_host(self.summary, self._host, self.stream)
         return self._host.numpy()
 
-    def result(self, copy: bool = True) -> list:
+    def result(self, copy: bool = True):
         """The blobs (one host synchronization; a second only when a lane group escaped more
-        values than its first buffer held). copy: views into a compact copy of the buffer (each
-        container, and the copy's end, 16-byte aligned, so a decoder reads them in place), else
-        into the buffer itself (which holds every container's worst-case room). The host work
+        values than its first buffer held). copy: a Containers over a compact copy of the buffer
+        (each container, and the copy's end, 16-byte aligned, so a decoder reads them in place),
+        else a list of views into the buffer itself (which holds every container's worst-case room). The host work
         after the synchronization is on every call's critical path (the GPU idles through it), so
         the common case is a few numpy operations on the summary table: Python loops over 60
         tensors' rows cost ~70 us, and a dozen numpy calls ~150 us, on an NVIDIA H100's host."""
@@ -302,20 +306,9 @@ class PendingEncode:
                 new += (end - off + 15) // 16 * 16
             buf = self.torch.cat(parts)
             moved = starts + np.repeat(shift, np.diff(bounds))
-        if self.n_t == 1:
-            a = int(moved[0])
-            return [buf[a:a + int(lengths[0])]]
-        # one split into blobs and the gaps between them (one call, not a slice per blob)
-        order = np.argsort(moved, kind="stable")
-        a, n = moved[order], lengths[order]
-        sizes = np.empty(2 * self.n_t + 1, np.int64)
-        sizes[0:-1:2] = a - np.concatenate([[0], (a + n)[:-1]])
-        sizes[1:-1:2] = n
-        sizes[-1] = buf.numel() - (a[-1] + n[-1])
-        pieces = buf.split(sizes.tolist())
-        piece = np.empty(self.n_t, np.int64)
-        piece[self._caller[order]] = 2 * np.arange(self.n_t) + 1
-        return [pieces[k] for k in piece.tolist()]
+        starts, ends = np.empty(self.n_t, np.int64), np.empty(self.n_t, np.int64)
+        starts[self._caller], ends[self._caller] = moved, moved + lengths
+        return Containers(buf, starts, ends)
 
     def _refused_or_retried(self, rows, copy: bool) -> list:
         """result() where a summary row is flagged or a lane group outgrew its escape buffer: the
@@ -340,6 +333,50 @@ class PendingEncode:
         self._assemble()
         self.retried = True
         return self.result(copy)
+
+
+class Containers(Sequence):
+    """The containers of one encode: a sequence of 1-D uint8 CUDA tensors, each a view into one
+    compact buffer, made when first indexed. A transport sends `buffer` whole (with `spans`), and
+    decode_many reads the containers from it without a view apiece: a view costs ~0.5-1 us of host
+    time, so making 60 of them on every call cost more than coding a small tensor.
+
+    buffer: uint8 CUDA tensor; starts, ends: int64 numpy [N], container i is buffer[starts[i]:ends[i]]."""
+
+    __slots__ = ("buffer", "starts", "ends", "_views")
+
+    def __init__(self, buffer, starts, ends):
+        self.buffer, self.starts, self.ends = buffer, starts, ends
+        self._views = [None] * len(starts)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        view = self._views[i]
+        if view is None:
+            view = self._views[i] = self.buffer[int(self.starts[i]):int(self.ends[i])]
+        return view
+
+    def __add__(self, other) -> list:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + list(self)
+
+    @property
+    def lengths(self):
+        return self.ends - self.starts
+
+    @property
+    def spans(self):
+        """int64 numpy [N, 2]: each container's (start, length) in buffer."""
+        return np.stack([self.starts, self.lengths], 1)
+
+    def __repr__(self) -> str:
+        return f"Containers({len(self)} in {self.buffer.numel()} bytes on {self.buffer.device})"
 
 
 def _stacked(torch, ts):
@@ -401,10 +438,10 @@ class _EncodeBatch:
         R = hist_row_stride(T)
         n_sampled = triton_cdiv(T, R)
         counts = torch.zeros((N, K, HCAP), dtype=torch.int32, device=dev)
-        n_hist = triton_cdiv(n_sampled, HIST_TOKENS) * K
-        kern["hist"][(triton_cdiv(n_hist, HIST_BLOCK), N)](
-            t, mn, mx, sm, counts, T, K, n_hist, R, HS=HIST_TOKENS, HCAP=HCAP, BLOCK=HIST_BLOCK,
-            WIDE_INDEX=wide_index, num_warps=HIST_BLOCK // 32)
+        grid = (triton_cdiv(n_sampled, HIST_CHUNKS * HIST_TOKENS) * triton_cdiv(K, HIST_COMPONENTS), N)
+        kern["hist"][grid](t, mn, mx, sm, counts, T, K, n_sampled, R, HS=HIST_TOKENS, CHUNKS=HIST_CHUNKS,
+                           KB=HIST_COMPONENTS, HCAP=HCAP, WIDE_INDEX=wide_index, NARROW=t.dtype == torch.int16,
+                           num_warps=HIST_CHUNKS * HIST_COMPONENTS // 32)
         lo = torch.empty((N, K), dtype=torch.int64, device=dev)
         W, A = torch.empty_like(lo), torch.empty_like(lo)
         codes = torch.empty((N, K, HCAP), dtype=torch.uint8, device=dev)
@@ -872,6 +909,11 @@ class SlotDecoder:
         torch = _torch()
         if len(blobs) != self.N:
             return None
+        if isinstance(blobs, Containers):  # one buffer: no map over views
+            lens = blobs.lengths
+            if blobs.buffer.get_device() != self.device_index or lens.max() > self.cap:
+                return None
+            return (blobs.starts + blobs.buffer.data_ptr()).tolist(), lens.tolist()
         try:
             if set(map(torch.Tensor.get_device, blobs)) != {self.device_index} \
                     or set(map(_DTYPE, blobs)) != {torch.uint8} or set(map(torch.Tensor.dim, blobs)) != {1}:
