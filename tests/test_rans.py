@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.codecs import rans, rans_cuda
+from shared.codecs import rans, rans_cuda, rans_tables
 from shared.errors import BitstreamError, InvalidTensorError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def test_round_trip_settings(settings):
 @pytest.mark.parametrize("name", list(cases()))
 def test_round_trip_with_sampled_tables(name, monkeypatch):
     """Tables from every 50th-or-so token: values the sample missed must still be coded."""
-    monkeypatch.setattr(rans, "HIST_SAMPLE_ROWS", 10)
+    monkeypatch.setattr(rans_tables, "HIST_SAMPLE_ROWS", 10)
     x = cases()[name]
     np.testing.assert_array_equal(rans.decode(rans.encode(x)), x)
 
@@ -84,20 +84,20 @@ def test_default_precision_follows_the_tensor_length():
 def test_sampled_tables_cost_little():
     x = pca_like(40000, 16, seed=5)
     full = len(rans.encode(x))
-    rans_stride = rans.hist_row_stride(len(x))
+    rans_stride = rans_tables.hist_row_stride(len(x))
     assert rans_stride == 1
-    old = rans.HIST_SAMPLE_ROWS
+    old = rans_tables.HIST_SAMPLE_ROWS
     try:
-        rans.HIST_SAMPLE_ROWS = 4000  # stride 10
+        rans_tables.HIST_SAMPLE_ROWS = 4000  # stride 10
         sampled = len(rans.encode(x))
     finally:
-        rans.HIST_SAMPLE_ROWS = old
+        rans_tables.HIST_SAMPLE_ROWS = old
     assert full <= sampled < 1.01 * full
 
 
 def test_model_tables_are_their_formulas():
     """The committed integer tables (every machine decodes with these) match their formulas."""
-    made, stored = rans.make_model_tables(), rans.model_tables()
+    made, stored = rans_tables.make_model_tables(), rans_tables.model_tables()
     assert made.keys() == stored.keys()
     for name in made:
         assert made[name].shape == stored[name].shape
@@ -117,7 +117,7 @@ def test_wide_windows_keep_a_table_where_a_model_mean_would_not_fit(monkeypatch)
     """At prob_bits 15 a window of up to 8191 symbols can have its mean past index 2047, where the
     stored int16 mean (16 x index) would wrap: such a component keeps its explicit table, so the
     payload decodes (a model there once made the reference coder write undecodable payloads)."""
-    monkeypatch.setattr(rans, "HIST_SAMPLE_ROWS", 64)
+    monkeypatch.setattr(rans_tables, "HIST_SAMPLE_ROWS", 64)
     x = cases()["heavy_tails"][:300]
     payload = rans.encode(x, lane_tokens=64, prob_bits=15)
     np.testing.assert_array_equal(rans.decode(payload), x)
@@ -238,13 +238,13 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip inst
 
 
 @needs_triton
-@pytest.mark.parametrize("sample_rows,escape_slots", [(rans.HIST_SAMPLE_ROWS, rans_cuda.ESCAPES_PER_GROUP), (64, 2)])
+@pytest.mark.parametrize("sample_rows,escape_slots", [(rans_tables.HIST_SAMPLE_ROWS, rans_cuda.ESCAPES_PER_GROUP), (64, 2)])
 def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
     """Every case, with the histogram over all tokens and over a sample (stride 4); with room for
     2 escapes per lane group the encoder must code the lanes again with more room."""
     run_interpreted(f"""
         import torch
-        rans.HIST_SAMPLE_ROWS = {sample_rows}
+        rans_tables.HIST_SAMPLE_ROWS = {sample_rows}
         rans_cuda.ESCAPES_PER_GROUP = {escape_slots}
         all_cases = cases()
         for name, x in [("pca_like_small", pca_like(300, 20)), ("heavy_tails", all_cases["heavy_tails"][:300]),

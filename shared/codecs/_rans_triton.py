@@ -1,7 +1,7 @@
 """Triton kernels of the GPU rANS coder (rans.py holds the format, rans_cuda.py the host code).
 
 Imported only when a GPU coder function is first called, so importing rans.py needs no Triton.
-Every integer rule here mirrors the numpy coder in rans.py exactly; tests compare the bytes.
+Every integer rule here mirrors the numpy coder (rans.py, rans_tables.py) exactly; tests compare the bytes.
 """
 import triton
 import triton.language as tl
@@ -58,7 +58,7 @@ def normalize_row(w, j, PROB_BITS: tl.constexpr):
 
 @triton.jit
 def first_window(mn, mx, sm, T, A_MAX: tl.constexpr):
-    """initial_windows() of rans.py for int64 (min, max, sum): returns (lo0, h0, centre)."""
+    """initial_windows() of rans_tables.py for int64 (min, max, sum): returns (lo0, h0, centre)."""
     span = mx - mn + 1
     wide = span > A_MAX
     h0 = tl.where(wide, A_MAX - 1, span)
@@ -213,7 +213,7 @@ SEG_FIELDS = ("base", "len", "lo_el", "wflag_el", "model", "mu16_el", "scale", "
 
 @triton.jit
 def model_row(shapes_ptr, inv_ptr, shape, code, mu16, W, has_esc, j64, SHAPE_STEPS: tl.constexpr):
-    """rans.model_weights() for one component: the parametric weights of its HCAP symbols."""
+    """rans_tables.model_weights() for one component: the parametric weights of its HCAP symbols."""
     inv = tl.load(inv_ptr + code)
     idx = tl.minimum((tl.abs(16 * j64 - mu16) * inv) >> 24, SHAPE_STEPS - 1)
     w = tl.maximum(tl.load(shapes_ptr + shape * SHAPE_STEPS + idx).to(tl.int64), 1)
@@ -228,7 +228,7 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
                   N_SHAPES: tl.constexpr, SEARCH: tl.constexpr, SHAPE_STEPS: tl.constexpr,
                   PARAM_BYTES: tl.constexpr, MIN_SHARE: tl.constexpr, TRY_BLOCK: tl.constexpr,
                   CHUNK: tl.constexpr, NARROW: tl.constexpr = False, RECIP: tl.constexpr = False):
-    """choose_tables() and fit_models() of rans.py for one component, then its rANS table (RECIP:
+    """choose_tables() and fit_models() of rans_tables.py for one component, then its rANS table (RECIP:
     int64 entries of recip_entry for the encoder's division-free step; else int32 c << 16 | f); sums,
     counts and extremes of the results go to the scalar summary. guard (optional): a float the
     producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too).
@@ -293,7 +293,7 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     code0 = tl.sum((tl.load(sig2_ptr + c256) < var16).to(tl.int64), 0)
     model = best * 0
     best_code = best * 0
-    # searched only where a model can pay, and where its mean fits the stored int16 (as rans.fit_models)
+    # searched only where a model can pay, and where its mean fits the stored int16 (as rans_tables.fit_models)
     n_try = tl.where((MIN_SHARE * 8 * 65536 * A >= best) & (mu16 <= 32767), N_SHAPES * (2 * SEARCH + 1), 0)
     # The candidates (shape, scale code) in fit_models' order, TRY_BLOCK at a time, over the A
     # symbols only (CHUNK at a time; weights past A are 0): the first of the cheapest below the

@@ -5,9 +5,9 @@
     symbols = rans_cpu.decode(payload)        # bytes -> numpy int32 [T, K], identical to rans.decode
     rans_cpu.AVAILABLE, rans_cpu.WHY_NOT      # numba importable here? if not, why
 
-The format, the table rules and every integer formula are those of rans.py (its docstring is the
-specification; the numpy coder there stays the readable reference, the tests compare the two byte
-for byte). Here they run as loops compiled by numba: one pass for each column's min, max and sum
+The format, the table rules and every integer formula are those of rans.py and rans_tables.py (rans.py's
+docstring is the specification; the numpy coder there stays the readable reference, the tests compare
+the two byte for byte). Here they run as loops compiled by numba: one pass for each column's min, max and sum
 (skipped when the caller passes `stats=`, as TensorCodec does from its quantizer's pass), one for
 the histogram (row after row), one over components for windows, parametric models and frequency
 tables, and one coding pass over lane groups (parallel over groups with numba's prange when
@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
-from . import rans
+from . import rans, rans_tables
 
 try:
     import numba
@@ -127,7 +127,7 @@ def _model_weight(j, W, esc, shape, code, mu16, shapes, inv_sigma):
 
 @njit(**_JIT)
 def _normalize(w, A, M, prob_bits, f):
-    """f[:A] = the frequencies of weights w[:A] summing to M (rans.normalize_weights); False if impossible."""
+    """f[:A] = the frequencies of weights w[:A] summing to M (rans_tables.normalize_weights); False if impossible."""
     total = 0
     for j in range(A):
         total += w[j]
@@ -215,7 +215,7 @@ def _histogram(sym, stride, lo0, h0, H, nchunk):
 @njit(parallel=True, **_JIT)
 def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_sigma, sigma16_sq, nlog,
             escape_cost, entry_cost, param_bytes, min_share, search):
-    """rans.choose_tables + rans.fit_models + rans.normalize_weights, one component at a time.
+    """rans_tables.choose_tables + rans_tables.fit_models + rans_tables.normalize_weights, one component at a time.
 
     Returns lo, W, esc, codes [K, H+1] uint8, model, scale, mu16, freq/cum [K, H+1] int64, ok [K]."""
     K, H = counts.shape
@@ -292,7 +292,7 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
                     codes[k, j] = _minifloat_encode(max(kept[j] >> shift, 1))
                     w[j] = _minifloat_decode(np.int64(codes[k, j]))
             lo[k], W[k], esc[k] = lok, Wk, ek
-            # parametric models (rans.fit_models): moments of the in-window counts
+            # parametric models (rans_tables.fit_models): moments of the in-window counts
             n = 0
             s1 = 0
             for j in range(min(Wk, H + 1)):
@@ -332,7 +332,7 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
                         n_nz += 1
                 for shape in range(n_shapes):
                     srow = shapes32[shape]
-                    for d in range(n_d):  # the order of rans.fit_models: ties keep the first
+                    for d in range(n_d):  # the order of rans_tables.fit_models: ties keep the first
                         tot = ek
                         for j in range(Wk):
                             w32[j] = max(srow[idx[d, j]], 1)
@@ -603,15 +603,15 @@ def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int =
         if not mn.shape == mx.shape == sm.shape == (K,):
             raise InvalidTensorError(f"stats must be three arrays of {K} column statistics (min, max, sum), got "
                                      f"shapes {mn.shape}, {mx.shape}, {sm.shape}")
-    lo0, h0 = rans.initial_windows(mn, mx, sm, T, prob_bits)
-    stride = rans.hist_row_stride(T)
+    lo0, h0 = rans_tables.initial_windows(mn, mx, sm, T, prob_bits)
+    stride = rans_tables.hist_row_stride(T)
     H = int(h0.max())
     counts, n_sampled = _histogram(sym, stride, lo0, h0, H, numba.get_num_threads())
-    tab = rans.model_tables()
+    tab = rans_tables.model_tables()
     lo, W, esc, codes, model, scale, mu16, freq, cum, ok = _tables(
         counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, tab["shapes"], tab["inv_sigma"], tab["sigma16_sq"],
-        rans._neg_log2_table(prob_bits), rans.ESCAPE_COST, rans.TABLE_ENTRY_COST, rans.PARAM_BYTES,
-        rans.MODEL_MIN_SHARE, rans.MODEL_SEARCH)
+        rans_tables._neg_log2_table(prob_bits), rans_tables.ESCAPE_COST, rans_tables.TABLE_ENTRY_COST, rans_tables.PARAM_BYTES,
+        rans_tables.MODEL_MIN_SHARE, rans_tables.MODEL_SEARCH)
     if not ok.all():
         raise BitstreamError("a component's frequency table cannot be normalized")
     lay = rans.Layout(T, K, S, G, 0, 0, 0)
@@ -843,7 +843,7 @@ def decode(payload, max_elements: int | None = None) -> np.ndarray:
         payload = payload.tobytes()
     hdr = parse(payload, max_elements)
     lay, n = hdr.layout, hdr.prob_bits
-    tab = rans.model_tables()
+    tab = rans_tables.model_tables()
     lut = np.empty((hdr.K, 1 << n), np.uint8 if int(hdr.A.max()) <= 256 else np.uint16)
     fc, lut, ok = _decode_tables(np.asarray(hdr.codes_flat), hdr.model, hdr.scale, hdr.mu16, hdr.W, hdr.esc, n,
                                  tab["shapes"], tab["inv_sigma"], lut)
@@ -977,15 +977,15 @@ def benchmark_cpu_pipeline(cases=None, threads: int = 1, reps: int = 9, check_re
             dst = np.empty_like(src)
             hdr = parse(payload)
             lay, n = hdr.layout, hdr.prob_bits
-            tab = rans.model_tables()
+            tab = rans_tables.model_tables()
             lut = np.empty((hdr.K, 1 << n), np.uint8 if int(hdr.A.max()) <= 256 else np.uint16)
             mn, mx, sm = stats
-            lo0, h0 = rans.initial_windows(mn, mx, sm, T, n)
-            stride, H = rans.hist_row_stride(T), int(h0.max())
+            lo0, h0 = rans_tables.initial_windows(mn, mx, sm, T, n)
+            stride, H = rans_tables.hist_row_stride(T), int(h0.max())
             counts, n_sampled = _histogram(sym, stride, lo0, h0, H, numba.get_num_threads())
             targs = (counts, h0, lo0, mn, mx, n_sampled, stride, n, tab["shapes"], tab["inv_sigma"], tab["sigma16_sq"],
-                     rans._neg_log2_table(n), rans.ESCAPE_COST, rans.TABLE_ENTRY_COST, rans.PARAM_BYTES,
-                     rans.MODEL_MIN_SHARE, rans.MODEL_SEARCH)
+                     rans_tables._neg_log2_table(n), rans_tables.ESCAPE_COST, rans_tables.TABLE_ENTRY_COST, rans_tables.PARAM_BYTES,
+                     rans_tables.MODEL_MIN_SHARE, rans_tables.MODEL_SEARCH)
             lo, W, esc, _, _, _, _, freq, cum, _ = _tables(*targs)
             fc_enc = _encode_table(freq, cum)
             fc, lut, _ = _decode_tables(np.asarray(hdr.codes_flat), hdr.model, hdr.scale, hdr.mu16, hdr.W, hdr.esc, n,

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
-from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, ESCAPE_COST, HEADER, MAGIC,
-                   MODEL_MIN_SHARE, MODEL_SEARCH, N_SHAPES, PARAM_BYTES, SHAPE_STEPS, TABLE_ENTRY_COST, VERSION,
-                   Layout, Parsed, _check_settings, _neg_log2_table, _parse_header_only, default_lane_tokens,
-                   default_prob_bits, hist_row_stride, max_alphabet, model_tables)
+from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, HEADER, MAGIC, VERSION, Layout, Parsed, _check_settings,
+                   _parse_header_only, default_lane_tokens, default_prob_bits)
+from .rans_tables import (ESCAPE_COST, MODEL_MIN_SHARE, MODEL_SEARCH, N_SHAPES, PARAM_BYTES, SHAPE_STEPS,
+                          TABLE_ENTRY_COST, _neg_log2_table, hist_row_stride, max_alphabet, model_tables)
 
 _DTYPE = operator.attrgetter("dtype")
 
