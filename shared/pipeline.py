@@ -596,21 +596,24 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
     copied into the graph's buffers, the blobs copied out of them."""
     if len(codecs) != len(tensors):
         raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
-    out = [None] * len(tensors)
-    if all(map(_SYMBOLS, codecs)) and all(getattr(x, "is_cuda", False) for x in tensors):
-        gpu = range(len(tensors))  # the common case, without a Python loop over the list
-    else:
-        gpu = [i for i, (c, x) in enumerate(zip(codecs, tensors)) if c.symbols and getattr(x, "is_cuda", False)]
-    if not sync and len(gpu) != len(tensors):
+    if not tensors:
+        return []
+    # the common case (every tensor on a GPU, every codec a compute codec) without a Python loop over the list
+    everything = all(map(_SYMBOLS, codecs)) and all(getattr(x, "is_cuda", False) for x in tensors)
+    if not sync and not everything:
         raise ConfigurationError("sync=False needs every tensor on a GPU and every codec a compute codec "
                                  "(backend='rans'); encode the others with sync=True")
-    everything = len(gpu) == len(tensors)
-    for i in sorted(set(range(len(tensors))) - set(gpu)):
-        out[i] = codecs[i].encode(tensors[i])
-    if not gpu:
-        return out
+    if everything:
+        cs, xs = list(codecs), list(tensors)
+    else:
+        out = [None] * len(tensors)
+        gpu = [i for i, (c, x) in enumerate(zip(codecs, tensors)) if c.symbols and getattr(x, "is_cuda", False)]
+        for i in sorted(set(range(len(tensors))) - set(gpu)):
+            out[i] = codecs[i].encode(tensors[i])
+        if not gpu:
+            return out
+        cs, xs = [codecs[i] for i in gpu], [tensors[i] for i in gpu]
     with _on_stream(stream):
-        cs, xs = (list(codecs), list(tensors)) if everything else ([codecs[i] for i in gpu], [tensors[i] for i in gpu])
         key = _graph_key(cs, xs) if sync else None
         plan = _GRAPHS.get(key)
         if not isinstance(plan, _EncodeGraph):  # a repeat skips the checks: the key pins every codec and shape

@@ -119,8 +119,8 @@ def _flush_bins(acc, counts_ptr, row_ptr, c0, ok, FIRST: tl.constexpr):
 
 @triton.jit
 def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
-                     HS: tl.constexpr, CHUNKS: tl.constexpr, KB: tl.constexpr, HCAP: tl.constexpr,
-                     WIDE_INDEX: tl.constexpr, NARROW: tl.constexpr):
+                HS: tl.constexpr, CHUNKS: tl.constexpr, KB: tl.constexpr, HCAP: tl.constexpr,
+                WIDE_INDEX: tl.constexpr, NARROW: tl.constexpr):
     """Per-component histograms of the sampled rows (every R-th token) inside the first windows.
     A program takes CHUNKS x HS sampled rows of KB components; a thread, HS rows of one component.
     The 32 bins around the component's mean (99% of the hits on a real K at cos 0.999, 81% for 8)

@@ -310,7 +310,7 @@ class PendingEncode:
         starts[self._caller], ends[self._caller] = moved, moved + lengths
         return Containers(buf, starts, ends)
 
-    def _refused_or_retried(self, rows, copy: bool) -> list:
+    def _refused_or_retried(self, rows, copy: bool):
         """result() where a summary row is flagged or a lane group outgrew its escape buffer: the
         error it names, or the list coded again (int32 symbols, or more escape room)."""
         overflow, bounds = rows[:, self._overflow], self._bounds
