@@ -40,9 +40,14 @@ def normalize_row(w, j, PROB_BITS: tl.constexpr):
         wn = w
     total = tl.sum(wn, 0)
     safe = tl.maximum(total, 1)
-    lo = total * 0 + 1
-    hi = total * 0 + 2 * M
-    for _ in tl.static_range(PROB_BITS + 2):
+    # The largest multiplier s with sum(max(w * s // total, 1)) <= M, as the reference's bisection
+    # over [1, 2M) finds it, from a narrower bracket: with nnz weights the sum lies in
+    # (s - nnz, s + nnz], so s = M - nnz fits and s = M + nnz does not. log2(2 nnz) steps instead of
+    # n + 2 (60 x [1024, 192], 11520 tables on an NVIDIA H200: most windows hold < 64 symbols).
+    nnz = tl.sum((wn > 0).to(wn.dtype), 0)
+    lo = tl.maximum(M - nnz, 1)
+    hi = tl.minimum(M + nnz, 2 * M)
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         f = tl.where(wn > 0, tl.maximum(wn * mid // safe, 1), 0)
         ok = tl.sum(f, 0) <= M
