@@ -390,8 +390,9 @@ def prefetch_l2(ptrs, mask):
 
 @triton.jit
 def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask):
-    """The G words of each lane group's stream just below its read position ptr ([GPP, G])."""
-    wp = tl.minimum(tl.maximum(base[:, None] + (ptr[:, None] - G + jg), 0), last_word)
+    """The G words of each lane group's stream just below its read position ptr ([GPP, G], the
+    group's position in each of its lanes; base [GPP])."""
+    wp = tl.minimum(tl.maximum(base[:, None] + (ptr - G + jg), 0), last_word)
     return tl.load(words_ptr + wp, mask=mask, other=0).to(tl.int32) & 0xFFFF
 
 
@@ -399,20 +400,24 @@ def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask):
 def lanes_before(flag, jg, VOTE: tl.constexpr):
     """For 0/1 int32 flags [GPP, G] of lane groups: how many lanes before each one in its group are
     flagged (an exclusive prefix count, the rank at which a lane writes or reads a shared stream),
-    and 1 where that count cannot be trusted. VOTE (G = 32, one group per warp): one warp vote and
-    a population count, where Triton's scan takes five shuffle rounds; it holds only while element
-    j of the group sits on lane j of the warp, which every call checks (the second result)."""
+    how many in its whole group (in every lane: the kernels keep a group's stream position in
+    each of its lanes, so no step reduces across the warp), and 1 where those counts cannot be
+    trusted. VOTE (G = 32, one group per warp): one warp vote and two population counts, where
+    Triton's scan and sum take five shuffle rounds each; it holds only while element j of the group
+    sits on lane j of the warp, which every call checks (the third result)."""
     if VOTE:
-        rank, wrong = tl.inline_asm_elementwise(
+        rank, count, wrong = tl.inline_asm_elementwise(
             asm="""{ .reg .pred p, q; .reg .b32 b, m, l;
-            setp.ne.b32 p, $2, 0; vote.sync.ballot.b32 b, p, 0xffffffff;
+            setp.ne.b32 p, $3, 0; vote.sync.ballot.b32 b, p, 0xffffffff; popc.b32 $1, b;
             mov.u32 m, %lanemask_lt; and.b32 b, b, m; popc.b32 $0, b;
-            mov.u32 l, %laneid; setp.ne.u32 q, l, $3; selp.u32 $1, 1, 0, q; }""",
-            constraints="=r,=r,r,r", args=[flag, jg], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+            mov.u32 l, %laneid; setp.ne.u32 q, l, $4; selp.u32 $2, 1, 0, q; }""",
+            constraints="=r,=r,=r,r,r", args=[flag, jg], dtype=(tl.int32, tl.int32, tl.int32), is_pure=True,
+            pack=1)
     else:
         rank = tl.cumsum(flag, 1) - flag
+        count = tl.sum(flag, 1)[:, None] + tl.zeros_like(flag)
         wrong = tl.zeros_like(flag)
-    return rank, wrong
+    return rank, count, wrong
 
 
 ENCODE_UNROLL = 8  # encode_kernel's steps a loop iteration (its software pipeline's depth)
@@ -440,11 +445,11 @@ def _encode_step(x, ptr, eptr, wrong, v, e, v_ahead, j, sym_ptr, off, tab_row, l
     if may_escape:
         esc_now = active & ((v < lo) | (v > hi))
         ee = esc_now.to(tl.int32)
-        erank, ewrong = lanes_before(ee, jg, VOTE)
+        erank, ecount, ewrong = lanes_before(ee, jg, VOTE)
         wrong |= ewrong
-        epos = eptr[:, None] + erank
+        epos = eptr + erank
         tl.store(esc_row + epos, v, mask=esc_now & (epos < ecap))
-        eptr += tl.sum(ee, 1)
+        eptr += ecount
     if RECIP:
         emit, x_next = recip_step(x, e, PROB_BITS)
     else:
@@ -455,10 +460,10 @@ def _encode_step(x, ptr, eptr, wrong, v, e, v_ahead, j, sym_ptr, off, tab_row, l
         q = xs // f
         x_next = (q << PROB_BITS) + (xs - q * f) + c
     em = emit.to(tl.int32)
-    rank, rwrong = lanes_before(em, jg, VOTE)
+    rank, count, rwrong = lanes_before(em, jg, VOTE)
     wrong |= rwrong
-    tl.store(out_row + (ptr[:, None] + rank), (x & 0xFFFF).to(tl.int32).to(tl.int16), mask=emit)
-    ptr += tl.sum(em, 1)
+    tl.store(out_row + (ptr + rank), (x & 0xFFFF).to(tl.int32).to(tl.int16), mask=emit)
+    ptr += count
     e_next = _entry_at(tab_row, v_ahead, lo, hi, W, top, j + 4, T, S, lane_ok, IDENTITY)
     v_next = _symbol_at(sym_ptr, off, top, j + 8, T, S, K, lane_ok)
     return x_next, ptr, eptr, wrong, e_next, v_next
@@ -505,8 +510,8 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     W = W64.to(tl.int32)
     tab_row = tab_ptr + k * HCAP
     x = tl.full([GPP, G], 65536, tl.uint32)
-    ptr = tl.zeros([GPP], tl.int32)
-    eptr = tl.zeros([GPP], tl.int32)
+    ptr = tl.zeros([GPP, G], tl.int32)  # each group's words and escapes so far, in each of its lanes
+    eptr = tl.zeros([GPP, G], tl.int32)
     row0 = p * S
     out_row = buf_ptr + grp.to(tl.int64)[:, None] * cap
     esc_row = ebuf_ptr + grp.to(tl.int64)[:, None] * ecap
@@ -548,6 +553,8 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
         x, ptr, eptr, wrong, e2, v6 = _encode_step(x, ptr, eptr, wrong, v6, e2, v2, j + 6, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
         x, ptr, eptr, wrong, e3, v7 = _encode_step(x, ptr, eptr, wrong, v7, e3, v3, j + 7, sym_ptr, off, tab_row, lo, hi, W, top, T, S, K, lane_ok, out_row, esc_row, ecap, jg, may_escape, PROB_BITS, VOTE, RECIP, IDENTITY)
     tl.store(state_ptr + lane, x.to(tl.int32, bitcast=True), mask=lane_ok)
+    ptr = tl.max(ptr, 1)
+    eptr = tl.max(eptr, 1)
     tl.store(glen_ptr + grp, ptr, mask=grp < n_groups)
     stored = tl.minimum(eptr, ecap)  # what the escape buffer holds (see above)
     tl.store(gesc_ptr + grp, stored, mask=grp < n_groups)
@@ -1130,10 +1137,10 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         reach = tl.maximum(tl.abs(lo.to(tl.float32)), tl.abs((lo + tl.maximum(W, 1) - 1).to(tl.float32))) * step
         bad |= (lane_ok & ~(reach <= bound)).to(tl.int32)
     glen = tl.load(glen_ptr + grp, mask=grp_ok, other=0)
-    ptr = glen
+    ptr = glen[:, None] + tl.zeros([GPP, G], tl.int32)  # each group's read position, in each of its lanes
     base = tl.load(gend_ptr + grp, mask=grp_ok, other=0) - glen
     gesc = tl.load(gesc_ptr + grp, mask=grp_ok, other=0)
-    eptr = gesc
+    eptr = gesc[:, None] + tl.zeros([GPP, G], tl.int32)
     ebase = tl.load(geend_ptr + grp, mask=grp_ok, other=0) - gesc
     last_esc = tl.maximum(n_esc - 1, 0)
     if tl.program_id(0) == 0:  # the groups' counts must add up to the stream's and the escapes'
@@ -1175,29 +1182,28 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             x = f * (x >> PROB_BITS) + (slot.to(tl.uint32) - c)
         need = x < 65536
         nd = need.to(tl.int32)
-        rank_w, rwrong = lanes_before(nd, jg, VOTE)
+        rank_w, tot, rwrong = lanes_before(nd, jg, VOTE)
         wrong |= rwrong
-        tot = tl.sum(nd, 1)
         ptr -= tot
-        bad |= (ptr < 0).to(tl.int32)[:, None]
+        bad |= (ptr < 0).to(tl.int32)
         # the lane of rank r reads word ptr + r, which is window slot G - tot + r
-        wd = tl.gather(window, tl.minimum(G - tot[:, None] + rank_w, G - 1), 1)
+        wd = tl.gather(window, tl.minimum(G - tot + rank_w, G - 1), 1)
         # the next step's window: the G words below the new read position (issued now, so its
         # latency overlaps the next lookup's)
         window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
         if PREFETCH:  # the stream's words a few steps ahead: the window's load then finds them in L2
-            ahead = base[:, None] + (ptr[:, None] - (STREAM_PREFETCH_GROUPS + 1) * G + jg)
+            ahead = base[:, None] + (ptr - (STREAM_PREFETCH_GROUPS + 1) * G + jg)
             prefetch_l2(words_ptr + tl.minimum(tl.maximum(ahead, 0), last_word), has_words & (ahead >= 0))
         x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
         val = lo32 + s  # wraps only for an escape symbol, whose value is replaced
         if may_escape:
             esc_now = active & (s == W) & (A > W)
             ee = esc_now.to(tl.int32)
-            eptr -= tl.sum(ee, 1)
-            bad |= (eptr < 0).to(tl.int32)[:, None]
-            erank, ewrong = lanes_before(ee, jg, VOTE)
+            erank, ecount, ewrong = lanes_before(ee, jg, VOTE)
             wrong |= ewrong
-            ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr[:, None] + erank), 0), last_esc)
+            eptr -= ecount
+            bad |= (eptr < 0).to(tl.int32)
+            ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr + erank), 0), last_esc)
             val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
             if NARROW:
                 wide |= esc_now & ((val < -32768) | (val > 32767))
@@ -1209,7 +1215,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             tl.store(out_ptr + off, val, mask=active)
         off += row_w
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
-    bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)[:, None]
+    bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)
     bad |= 4 * wrong
     if NARROW:
         bad |= 8 * wide.to(tl.int32)
