@@ -421,6 +421,9 @@ def _sm_count(dev) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
+SUM32_MAX_TOKENS = 32 * 65535  # int16 symbols of shorter tensors: the projection sums them in int32
+
+
 class CudaProjection:
     """The compute codec's dense stages on a GPU, fused into one Triton kernel each way:
 
@@ -570,12 +573,14 @@ class CudaProjection:
         amax = torch.zeros(N, dtype=torch.float32, device=dev)
         inv = floats_on([1.0 / s for s in steps], dev)
         args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv, T.bit_length())
+        # int16 symbols: int32 running sums, while no program can walk 2^16 row tiles (tiles >= 32 rows)
+        sum32 = narrow and T < SUM32_MAX_TOKENS
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
             grid = (min(-(-T // b["BM"]), self.ROW_PROGRAMS) * -(-K // b["BN"]), N)
-            kt.project_quantize_kernel[grid](*args, UPCAST=True, **in_place, **b)
+            kt.project_quantize_kernel[grid](*args, UPCAST=True, SUM32=sum32, **in_place, **b)
         else:
-            kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False,
+            kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](*args, UPCAST=False, SUM32=sum32,
                                                                                  **in_place)
         return sym, (mn, mx, sm), amax
 

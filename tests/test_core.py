@@ -464,6 +464,23 @@ def test_int16_and_int32_symbols_write_the_same_bytes(tokens):
     assert all(torch.equal(narrow.encode(x), want) for _ in range(4)) and not narrow._wide_symbols
 
 
+def test_decoded_tensors_are_views_of_one_stacked_tensor_made_when_indexed():
+    import torch
+
+    from shared import pipeline
+
+    stacked = torch.arange(24, dtype=torch.float32).view(4, 3, 2)
+    out = pipeline.Tensors(stacked)
+    assert len(out) == 4 and out._views == [None] * 4
+    assert torch.equal(out[1], stacked[1]) and out[1] is out[1] and out[1].data_ptr() == stacked[1].data_ptr()
+    assert torch.equal(out[-1], stacked[3]) and out._views[3] is not None and out._views[2] is None
+    assert isinstance(out[1:3], list) and [t.tolist() for t in out[1:3]] == stacked[1:3].tolist()
+    assert isinstance(out + [stacked[0]], list) and len([stacked[0]] + out) == 5
+    assert [t.tolist() for t in out] == stacked.tolist() and "4 x [3, 2]" in repr(out)
+    with pytest.raises(IndexError):
+        out[4]
+
+
 @pytest.mark.gpu
 def test_encode_many_equals_single_calls_and_names_the_corrupt_blob():
     """encode_many over 12 layers' tensors (each its own basis and calibrated step) writes the
@@ -588,6 +605,7 @@ def test_decode_many_replays_a_graph_that_checks_each_container_on_the_gpu(monke
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     again = decode_many(codecs, blobs[0], device="cuda")
     assert all(torch.equal(x, y) for x, y in zip(again, eager[0])) and torch.equal(got[3][0], eager[3][0])
+    assert isinstance(again, pipeline.Tensors) and again.stacked.shape == (6, 256, 64)
     # the replay reads an encoder's Containers from its one buffer, or the same containers as a list of views
     from shared.codecs.rans_cuda import Containers
 
