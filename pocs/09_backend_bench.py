@@ -46,10 +46,10 @@ the CPU decoder's. Repeated encodes and decodes of up to pipeline.GRAPH_MAX_BYTE
 per input byte).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
-    api S=def       4.00    10417   4.57  0.9990     13.04     16.48     48.64     46.47
-    api S=def      64.00   166667   4.60  0.9990    101.82    184.44     54.48     54.58
-    api S=def     256.00   666667   4.61  0.9990    203.47    271.28     55.14     55.21
-    api_batched    23.59 60x1024 S=def    4.51  0.9990     27.44     43.73     53.59     53.80
+    api S=def       4.00    10417   4.57  0.9990     11.76     14.40     47.25     46.77
+    api S=def      64.00   166667   4.60  0.9990    143.47    197.29     54.69     54.64
+    api S=def     256.00   666667   4.61  0.9990    238.73    310.19     55.08     55.23
+    api_batched    23.59 60x1024 S=def    4.51  0.9990     35.44     51.99     53.73     53.63
 
 Where the API's GPU time goes (`--profile`, about 1 min on an NVIDIA H200): each kernel's GPU time per
 eager call (CUDA graphs off) from torch.profiler, encode and decode of 64 and 256 MB tensors and of the
