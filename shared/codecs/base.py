@@ -19,11 +19,44 @@ part on real hardware (NVENC/NVDEC) and in FFmpeg, so benchmarks keep sessions o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Callable
 
 import numpy as np
 
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError, UnknownBackend
+
+
+class LazyViews(Sequence):
+    """The results of a many-tensor call as one sequence of views into a shared tensor, each made
+    when first indexed (a view costs ~0.5-1 us of host time, so making dozens on every call costs
+    more than coding a small tensor). Subclasses say how view i is made (_view); list(...), slicing
+    and + give plain lists."""
+
+    __slots__ = ("_views",)
+
+    def __init__(self, n: int):
+        self._views = [None] * n
+
+    def _view(self, i: int):
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        view = self._views[i]
+        if view is None:
+            view = self._views[i] = self._view(i)
+        return view
+
+    def __add__(self, other) -> list:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + list(self)
 
 
 def check_frames(frames: np.ndarray, width: int, height: int) -> np.ndarray:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
+from .base import LazyViews
 from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, HEADER, MAGIC, VERSION, Layout, Parsed, _check_settings,
                    _parse_header_only, default_lane_tokens, default_prob_bits)
 from .rans_tables import (ESCAPE_COST, MODEL_MIN_SHARE, MODEL_SEARCH, N_SHAPES, PARAM_BYTES, SHAPE_STEPS,
@@ -335,36 +335,22 @@ class PendingEncode:
         return self.result(copy)
 
 
-class Containers(Sequence):
+class Containers(LazyViews):
     """The containers of one encode: a sequence of 1-D uint8 CUDA tensors, each a view into one
-    compact buffer, made when first indexed. A transport sends `buffer` whole (with `spans`), and
-    decode_many reads the containers from it without a view apiece: a view costs ~0.5-1 us of host
-    time, so making 60 of them on every call cost more than coding a small tensor.
+    compact buffer, made when first indexed (base.LazyViews). A transport sends `buffer` whole (with
+    `spans`), and decode_many reads the containers from it without a view apiece: making 60 of them
+    on every call cost more than coding a small tensor.
 
     buffer: uint8 CUDA tensor; starts, ends: int64 numpy [N], container i is buffer[starts[i]:ends[i]]."""
 
-    __slots__ = ("buffer", "starts", "ends", "_views")
+    __slots__ = ("buffer", "starts", "ends")
 
     def __init__(self, buffer, starts, ends):
+        super().__init__(len(starts))
         self.buffer, self.starts, self.ends = buffer, starts, ends
-        self._views = [None] * len(starts)
 
-    def __len__(self) -> int:
-        return len(self._views)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        view = self._views[i]
-        if view is None:
-            view = self._views[i] = self.buffer[int(self.starts[i]):int(self.ends[i])]
-        return view
-
-    def __add__(self, other) -> list:
-        return list(self) + list(other)
-
-    def __radd__(self, other) -> list:
-        return list(other) + list(self)
+    def _view(self, i: int):
+        return self.buffer[int(self.starts[i]):int(self.ends[i])]
 
     @property
     def lengths(self):
