@@ -126,6 +126,12 @@ def test_fused_projection_in_triton_interpreter():
         s = sym.numpy()
         assert (mn.numpy() == s.min(0)).all() and (mx.numpy() == s.max(0)).all()
         assert (sm.numpy() == s.astype(np.int64).sum(0)).all()
+        # the basis hoisted out of the row-tile loop (D <= 3 BD, as above) or read per tile in a loop over D
+        looped = CudaProjection(mean, comps, device="cpu")
+        looped.BLOCK = dict(proj.BLOCK, BD=8)
+        assert proj.D <= 3 * proj.BLOCK["BD"] and looped.D > 3 * looped.BLOCK["BD"]
+        sym_l, (mn_l, mx_l, sm_l) = looped.quantize(xt, step)
+        assert torch.equal(sym_l, sym) and torch.equal(mn_l, mn) and torch.equal(mx_l, mx) and torch.equal(sm_l, sm)
         payload = rans_cuda.encode_cuda(sym, stats=(mn, mx, sm))
         assert bytes(payload.numpy()) == rans.encode(s)
         # inputs read in place through an address table (a CUDA graph's way): the same symbols, also
