@@ -142,8 +142,9 @@ INTERPRETER_GROUPS_PER_PROGRAM = 4  # under Triton's CPU interpreter (tests): th
 USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by warp vote (see _rans_triton.lanes_before)
 # histogram: sampled tokens per thread (<= 255: 8-bit packed counters), and a program's tile of
 # [row chunks, components]; on an NVIDIA H200 (60 x [1024, 192] / 64 MB): 8 x 16 78 / 50 us,
-# 16 x 16 88 / 59, 32 x 16 112 / 74, 8 x 32 95 / 63; 16 tokens a thread 137 / 80
-HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS = 32, 8, 16
+# 16 x 16 88 / 59, 32 x 16 112 / 74, 8 x 32 95 / 63; 16 tokens a thread 137 / 80 (32 a thread
+# for those); 64 tokens a thread halve the programs, so the atomics that flush their bins
+HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS = 64, 8, 16
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
 # (latency), one where there are many (throughput). On an NVIDIA H200, one 16 MB tensor (192 components):
