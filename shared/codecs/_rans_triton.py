@@ -9,15 +9,10 @@ import triton.language as tl
 
 @triton.jit
 def bitlen(v):
-    """Bits of v >= 0 (0 for 0), for v < 2^32: a binary search over the shift, five halvings and a
-    last bit, where counting 32 shifted copies took six times the instructions."""
     n = v * 0
-    for b in tl.static_range(5):
-        half: tl.constexpr = 16 >> b
-        up = (v >> half) > 0
-        n += tl.where(up, half, 0)
-        v = tl.where(up, v >> half, v)
-    return n + (v > 0).to(n.dtype)
+    for b in tl.static_range(32):
+        n += ((v >> b) > 0).to(tl.int64)
+    return n
 
 @triton.jit
 def mf_encode(v):
