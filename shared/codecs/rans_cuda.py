@@ -143,7 +143,8 @@ USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by wa
 # histogram: sampled tokens per thread (<= 255: 8-bit packed counters), and a program's tile of
 # [row chunks, components]; on an NVIDIA H200 (60 x [1024, 192] / 64 MB): 8 x 16 78 / 50 us,
 # 16 x 16 88 / 59, 32 x 16 112 / 74, 8 x 32 95 / 63; 16 tokens a thread 137 / 80 (32 a thread
-# for those); 64 tokens a thread halve the programs, so the atomics that flush their bins
+# for those); 64 tokens a thread halve the programs, so the atomics that flush their bins:
+# 80 / 48 us, and 256 MB 54 -> 50 (within the spread between runs)
 HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS = 64, 8, 16
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
