@@ -1,0 +1,167 @@
+"""Every Triton kernel of the compute codec compiles for an NVIDIA H200 (sm_90) on a machine
+without a GPU.
+
+The other CPU tests run the kernels under Triton's interpreter, which executes them as Python and
+so accepts code that Triton's compiler refuses (a `tl.constexpr` assigned twice in a static loop ran
+interpreted and failed to compile on the GPU). Here a small interpreted encode and decode records
+every launch (kernel, argument types, constants, warps, stages); each is then compiled down to a
+cubin for sm_90, with the GPU's own choices where the interpreter's differ (bf16 tensor-core products,
+the warp vote, the stream prefetch, one lane group a program) and with every tile the projection's
+autotuner tries on a GPU.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_TRITON = subprocess.run([sys.executable, "-c", "import triton, torch"], capture_output=True).returncode == 0
+
+RECORD = """
+import inspect, json, sys
+sys.path[:0] = ["tests", "."]
+import numpy as np, torch
+import triton.language as tl
+from test_rans import enable_interpreter
+enable_interpreter()
+from triton.runtime.interpreter import InterpretedFunction
+
+POINTERS = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
+            torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8",
+            torch.bool: "*i1"}
+launches = {}
+interpret = InterpretedFunction.run
+
+def recorded(self, *args, grid, warmup, **kwargs):
+    params = list(inspect.signature(self.fn).parameters.values())
+    given = dict(zip([p.name for p in params], args), **kwargs)
+    types, consts = {}, {}
+    for p in params:
+        if p.name not in given:
+            continue  # a constant left at its default
+        v = given[p.name]
+        if p.annotation is tl.constexpr:
+            consts[p.name] = {"dtype": v.name} if isinstance(v, tl.dtype) else (v.item() if hasattr(v, "item") else v)
+        elif isinstance(v, torch.Tensor):
+            types[p.name] = POINTERS[v.dtype]
+        elif isinstance(v, (bool, np.bool_)):
+            types[p.name] = "i1"
+        elif isinstance(v, (int, np.integer)):
+            types[p.name] = "i32" if -2**31 <= int(v) < 2**31 else "i64"
+        else:
+            types[p.name] = "fp32"
+    launch = dict(module=self.fn.__module__, name=self.fn.__name__, types=types, consts=consts,
+                  num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))
+    launches[json.dumps(launch, sort_keys=True)] = launch
+    return interpret(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+InterpretedFunction.run = recorded
+
+from shared.codecs import rans, rans_cuda
+from shared.rdquant import CudaProjection
+
+rng = np.random.default_rng(0)
+x = (rng.standard_normal((96, 24)) @ rng.standard_normal((24, 24))).astype(np.float32)
+mean = x.mean(0)
+comps = np.linalg.svd(x - mean, full_matrices=False)[2].T[:, :16].copy()
+proj = CudaProjection(mean, comps, device="cpu")
+xt = torch.from_numpy(x).to(torch.bfloat16)
+sym, (mn, mx, sm), amax = proj.quantize_many(xt.unsqueeze(0), [0.05], narrow=True)
+xh = xt.half()
+proj.quantize_many(xh.unsqueeze(0), [0.05], addresses=torch.tensor([xh.data_ptr()]))
+proj.reconstruct_many(sym, [0.05])
+blobs = rans_cuda.encode_many_cuda([sym[0], sym[0].int()], lane_tokens=32, stats=[(mn[0], mx[0], sm[0])] * 2)
+rans_cuda.decode_many_cuda(list(blobs))
+rans_cuda.decode_many_cuda(list(blobs), scales=[(0.05, 1e30, proj.coefficient_width(), 16)] * 2)
+payload = bytes(blobs[0].numpy())
+front = bytes(range(16))
+box = front[:-8] + len(payload).to_bytes(8, "little") + payload + bytes(4)
+dec = rans_cuda.SlotDecoder([front], [payload], rans.read_header(payload), (2 * len(box) + 64) // 16 * 16, "cpu")
+dec.set_sources([torch.frombuffer(bytearray(box), dtype=torch.uint8)])
+dec.launch()
+json.dump(list(launches.values()), open(sys.argv[1], "w"))
+"""
+
+COMPILE = """
+import importlib, json, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from shared import _rdquant_triton
+from shared.codecs import rans_cuda
+
+DTYPES = {d.name: d for d in (tl.bfloat16, tl.float16, tl.float32)}
+H200 = GPUTarget("cuda", 90, 32)
+
+
+def on_the_gpu(launch):
+    \"\"\"The launch as a GPU makes it: bf16 products, the warp vote, the stream prefetch, and
+    GROUPS_PER_PROGRAM lane groups a program (with its warps).\"\"\"
+    c = dict(launch["consts"])
+    out = dict(launch, consts=c)
+    if "UPCAST" in c:
+        c["UPCAST"] = False
+    if "PREFETCH" in c:
+        c["PREFETCH"] = True
+    if "GPP" in c:
+        c["GPP"] = rans_cuda.GROUPS_PER_PROGRAM
+        out["num_warps"] = max(1, min(16, c["GPP"] * c["G"] // 32))
+    if "VOTE" in c:
+        c["VOTE"] = rans_cuda.USE_WARP_VOTE and c["G"] == 32 and c["GPP"] == 1
+    return out
+
+
+def variants(launch):
+    yield on_the_gpu(launch)
+    if launch["name"] == "project_quantize_kernel":  # every tile the autotuner tries, with the basis hoisted
+        for cfg in _rdquant_triton._PROJECT_CONFIGS:
+            c = dict(launch["consts"], **cfg.kwargs, HOIST=True, UPCAST=False)
+            yield dict(launch, consts=c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if launch["name"] == "reconstruct_kernel":
+        for cfg in _rdquant_triton._RECON_CONFIGS:
+            yield dict(launch, consts=dict(launch["consts"], **cfg.kwargs, UPCAST=False), num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages)
+
+
+failed, done = [], 0
+for launch in json.load(open(sys.argv[1])):
+    fn = getattr(importlib.import_module(launch["module"]), launch["name"])
+    for v in variants(launch):
+        consts = {k: DTYPES[x["dtype"]] if isinstance(x, dict) else x for k, x in v["consts"].items()}
+        signature = {name: "constexpr" if name in consts else v["types"].get(name) for name in fn.arg_names
+                     if name in consts or name in v["types"]}
+        try:
+            triton.compile(ASTSource(fn, signature, constexprs=consts), target=H200,
+                           options=dict(num_warps=v["num_warps"], num_stages=v["num_stages"]))
+            done += 1
+        except Exception as e:
+            failed.append(f"{launch['name']} {v['consts']}: {str(e)[-600:]}\n  cause: {e.__cause__!r}"[:2000])
+print(f"compiled {done} kernel variants for sm_90")
+for f in failed:
+    print("FAILED", f)
+sys.exit(1 if failed else 0)
+"""
+
+
+def _run(code: str, env: dict, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", **env))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton and torch")
+def test_every_kernel_compiles_for_the_h200(tmp_path):
+    launches = tmp_path / "launches.json"
+    r = _run(RECORD, dict(TRITON_INTERPRET="1"), str(launches))
+    assert r.returncode == 0, f"recording the interpreted launches failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    names = {launch["name"] for launch in json.loads(launches.read_text())}
+    # the encoder's and the decoder's kernels, the projection and its inverse, the slot decoder's staging
+    assert {"project_quantize_kernel", "reconstruct_kernel", "hist_kernel", "tables_kernel", "encode_kernel",
+            "decode_meta_kernel", "decode_kernel", "checksum_kernel"} <= names, names
+    r = _run(COMPILE, dict(TRITON_INTERPRET="0"), str(launches))
+    assert r.returncode == 0, f"a kernel does not compile for sm_90:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    assert "compiled" in r.stdout
