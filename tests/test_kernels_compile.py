@@ -139,7 +139,7 @@ for launch in json.load(open(sys.argv[1])):
                            options=dict(num_warps=v["num_warps"], num_stages=v["num_stages"]))
             done += 1
         except Exception as e:
-            failed.append(f"{launch['name']} {v['consts']}: {str(e)[-600:]}\n  cause: {e.__cause__!r}"[:2000])
+            failed.append(f"{launch['name']} {v['consts']}: {str(e)[-600:]}\\n  cause: {repr(e.__cause__)[-500:]}")
 print(f"compiled {done} kernel variants for sm_90")
 for f in failed:
     print("FAILED", f)
