@@ -5,7 +5,8 @@ The other CPU tests run the kernels under Triton's interpreter, which executes t
 so accepts code that Triton's compiler refuses (a `tl.constexpr` assigned twice in a static loop ran
 interpreted and failed to compile on the GPU). Here a small interpreted encode and decode records
 every launch (kernel, argument types, constants, warps, stages); each is then compiled down to a
-cubin for sm_90, with the GPU's own choices where the interpreter's differ (bf16 tensor-core products,
+cubin for sm_90 (its 16-byte-aligned arguments marked as Triton's launcher marks them), with the
+GPU's own choices where the interpreter's differ (bf16 tensor-core products,
 the warp vote, the stream prefetch, one lane group a program) and with every tile the projection's
 autotuner tries on a GPU.
 """
@@ -39,7 +40,7 @@ interpret = InterpretedFunction.run
 def recorded(self, *args, grid, warmup, **kwargs):
     params = list(inspect.signature(self.fn).parameters.values())
     given = dict(zip([p.name for p in params], args), **kwargs)
-    types, consts = {}, {}
+    types, consts, aligned = {}, {}, []
     for p in params:
         if p.name not in given:
             continue  # a constant left at its default
@@ -48,13 +49,17 @@ def recorded(self, *args, grid, warmup, **kwargs):
             consts[p.name] = {"dtype": v.name} if isinstance(v, tl.dtype) else (v.item() if hasattr(v, "item") else v)
         elif isinstance(v, torch.Tensor):
             types[p.name] = POINTERS[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                aligned.append(p.name)
         elif isinstance(v, (bool, np.bool_)):
             types[p.name] = "i1"
         elif isinstance(v, (int, np.integer)):
             types[p.name] = "i32" if -2**31 <= int(v) < 2**31 else "i64"
+            if int(v) % 16 == 0:
+                aligned.append(p.name)
         else:
             types[p.name] = "fp32"
-    launch = dict(module=self.fn.__module__, name=self.fn.__name__, types=types, consts=consts,
+    launch = dict(module=self.fn.__module__, name=self.fn.__name__, types=types, consts=consts, aligned=aligned,
                   num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))
     launches[json.dumps(launch, sort_keys=True)] = launch
     return interpret(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -134,8 +139,11 @@ for launch in json.load(open(sys.argv[1])):
         consts = {k: DTYPES[x["dtype"]] if isinstance(x, dict) else x for k, x in v["consts"].items()}
         signature = {name: "constexpr" if name in consts else v["types"].get(name) for name in fn.arg_names
                      if name in consts or name in v["types"]}
+        # arguments a GPU launch would find 16-byte aligned (pointers) or divisible by 16 (ints), as
+        # Triton's launcher specializes them, so the loads vectorize as they do on the GPU
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in v["aligned"] if n not in consts}
         try:
-            triton.compile(ASTSource(fn, signature, constexprs=consts), target=H200,
+            triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs), target=H200,
                            options=dict(num_warps=v["num_warps"], num_stages=v["num_stages"]))
             done += 1
         except Exception as e:
