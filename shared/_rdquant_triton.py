@@ -198,6 +198,11 @@ _PROJECT_CONFIGS = [
 ]
 
 
+def hoists(D: int, BD: int) -> bool:
+    """Whether project_quantize_kernel can hold its basis slice as the three [BD, BN] blocks of HOIST."""
+    return D <= 3 * BD
+
+
 def project_grid(T: int, K: int, N: int, sms: int):
     """The projection's launch grid for a config's BM, BN and ROW_WAVES (0: a program per row tile)."""
     def grid(meta):

@@ -578,11 +578,11 @@ class CudaProjection:
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
             grid = (min(-(-T // b["BM"]), self.ROW_PROGRAMS) * -(-K // b["BN"]), N)
-            kt.project_quantize_kernel[grid](*args, UPCAST=True, SUM32=sum32, HOIST=self.D <= 3 * b["BD"],
+            kt.project_quantize_kernel[grid](*args, UPCAST=True, SUM32=sum32, HOIST=kt.hoists(self.D, b["BD"]),
                                              **in_place, **b)
         else:
             kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](
-                *args, UPCAST=False, SUM32=sum32, HOIST=self.D <= 3 * kt.PROJECT_BD, **in_place)
+                *args, UPCAST=False, SUM32=sum32, HOIST=kt.hoists(self.D, kt.PROJECT_BD), **in_place)
         return sym, (mn, mx, sm), amax
 
     def reconstruct(self, symbols, step: float):

@@ -104,19 +104,19 @@ H200 = GPUTarget("cuda", 90, 32)
 
 
 def on_the_gpu(launch):
-    \"\"\"The launch as a GPU makes it: bf16 products, the warp vote, the stream prefetch, and
-    GROUPS_PER_PROGRAM lane groups a program (with its warps).\"\"\"
+    \"\"\"The launch as a GPU makes it: bf16 products, and the lanes kernels' settings from rans_cuda's
+    own rules, which this process (not interpreting) answers as on a GPU.\"\"\"
     c = dict(launch["consts"])
     out = dict(launch, consts=c)
     if "UPCAST" in c:
         c["UPCAST"] = False
     if "PREFETCH" in c:
-        c["PREFETCH"] = True
+        c["PREFETCH"] = rans_cuda.USE_STREAM_PREFETCH and rans_cuda._ptx()
     if "GPP" in c:
-        c["GPP"] = rans_cuda.GROUPS_PER_PROGRAM
-        out["num_warps"] = max(1, min(16, c["GPP"] * c["G"] // 32))
+        c["GPP"] = rans_cuda._groups_per_program()
+        out["num_warps"] = rans_cuda._warps(c["G"])
     if "VOTE" in c:
-        c["VOTE"] = rans_cuda.USE_WARP_VOTE and c["G"] == 32 and c["GPP"] == 1
+        c["VOTE"] = rans_cuda._vote(c["G"])
     return out
 
 
