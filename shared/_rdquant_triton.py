@@ -59,7 +59,7 @@ def project_quantize_kernel(x_ptr, basis_ptr, bias_ptr, sym_ptr, mn_ptr, mx_ptr,
     reads the basis again; with the basis loaded per tile inside a loop over D, that three-step
     loop was the pipelined one. On an NVIDIA H200, the real K (PoC 09 --profile): 64 MB 94 -> 61
     us, 256 MB 342 -> 226, 60 x [1024, 192] 51 -> 38 (cuBLAS's GEMM alone, no quantizer or
-    statistics: 40 / 135 at 64 / 256 MB); random bf16: 133 -> 82 and 430 -> 233."""
+    statistics: 40 / 135 at 64 / 256 MB)."""
     n_n = tl.cdiv(K, BN)
     pid_m = tl.program_id(0) // n_n
     n_m = tl.num_programs(0) // n_n
