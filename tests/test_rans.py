@@ -338,6 +338,44 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
     """)
 
 
+# Compiling a kernel for sm_90 on this (GPU-less) machine and reading its SASS: (address, line) of
+# each instruction, and the loops (backward branches; a warp's divergent-shuffle fallbacks past the
+# exit are not loops) as (first, last) addresses.
+SASS_TOOLS = r"""
+import os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def sass(fn, signature, consts, num_warps):
+    src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return [(int(m.group(1), 16), l) for l in text.splitlines() if (m := re.search(r"/\*([0-9a-f]{4,})\*/\s+\S", l))]
+
+
+def loops(lines):
+    return [(int(b.group(1), 16), a) for a, l in lines if (b := re.search(r"\bBRA (0x[0-9a-f]+)", l))
+            and int(b.group(1), 16) < a]
+"""
+
+
+def _run_sass_script(body: str) -> dict:
+    """Runs SASS_TOOLS + body in a fresh process (Triton compiling, not interpreting); returns the
+    JSON its last line prints, or skips where Triton's CUDA tools do not run."""
+    code = SASS_TOOLS + textwrap.dedent(body)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
+        pytest.skip(f"Triton's CUDA tools are not usable here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 # SASS instructions a step on sm_90 (when written: encode 71 with reciprocals and 87 dividing, decode 93,
 # scaled decode 102, both with the stream's prefetch)
 LANES_LOOP_BUDGET = {"encode": 80, "encode_divide": 100, "decode": 100, "decode_scaled": 105}
@@ -348,12 +386,9 @@ def test_lanes_kernels_compile_to_lean_loops_for_hopper():
     """The lanes kernels compiled for sm_90 on this (GPU-less) machine, with the settings a GPU
     run uses: their per-step loop holds no barrier (values moved between layouts through shared
     memory cost the 4-group programs 17 a step) and stays within its instruction budget."""
-    code = textwrap.dedent(r"""
-        import inspect, json, os, re, subprocess, sys, tempfile
+    loops_found = _run_sass_script(r"""
+        import inspect, json, sys
         sys.path[:0] = ['.']
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
         from shared.codecs import _rans_triton as kt, rans_cuda
         G, GPP = 32, rans_cuda.GROUPS_PER_PROGRAM
         types = {"buf_ptr": "*i16", "b16": "*i16", "b32": "*i32", "state_ptr": "*i32", "scal_ptr": "*i64",
@@ -374,31 +409,61 @@ def test_lanes_kernels_compile_to_lean_loops_for_hopper():
             tab = {"tab_ptr": "*i64" if consts.get("RECIP") else "*i32"} if fn is kt.encode_kernel else {}
             sig = {a: "constexpr" if a in consts else {**types, **tab}.get(a, "*i32" if a.endswith("_ptr") else "i32")
                    for a in fn.arg_names}
-            src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=GPP * G // 32))
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                f.write(k.asm["cubin"])
-            tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-            lines = [(int(m.group(1), 16), l) for l in sass.splitlines() if (m := re.search(r"/\*([0-9a-f]{4,})\*/", l))]
-            loops = [(int(b.group(1), 16), a) for a, l in lines if (b := re.search(r"BRA (0x[0-9a-f]+)", l))
-                     and int(b.group(1), 16) < a]
-            lo, hi = max(loops, key=lambda r: r[1] - r[0])  # the longest backward branch: the per-step loop
+            lines = sass(fn, sig, consts, GPP * G // 32)
+            lo, hi = max(loops(lines), key=lambda r: r[1] - r[0])  # the longest backward branch: the per-step loop
             body = [l for a, l in lines if lo <= a <= hi]
             steps = kt.ENCODE_UNROLL if fn is kt.encode_kernel else 1  # the encoder's loop runs 8 steps
             out[name] = dict(instructions=len(body) / steps, barriers=sum("BAR.SYNC" in l for l in body),
                              spills=sum("LDL" in l or "STL" in l for l in body))
         print(json.dumps(out))
     """)
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
-    if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
-        pytest.skip(f"Triton's CUDA tools are not usable here: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-4000:]
-    loops = json.loads(r.stdout.strip().splitlines()[-1])
-    for name, stats in loops.items():
+    for name, stats in loops_found.items():
         assert stats["barriers"] == 0 and stats["spills"] == 0, (name, stats)
         assert stats["instructions"] <= LANES_LOOP_BUDGET[name], (name, stats)
+
+
+# The encoder's tables kernel for one component of a short tensor (9-bit tables, one warp, as for a KV
+# step's 60 x 192 components), SASS on sm_90: instructions outside its loops (when written 2660; 3400
+# while bit lengths took a 32-step loop and the reciprocals' multipliers a float64 division each) and
+# one step of its model search when the alphabet fits one chunk (607; 906 with two passes over it)
+TABLES_BUDGET = {"outside_loops": 2800, "search_step": 650}
+
+
+@needs_triton
+def test_tables_kernel_compiles_lean_for_hopper():
+    """The tables kernel's straight-line code and model-search step stay within their budgets: at
+    60 x 192 components a call, a few hundred instructions more per component cost microseconds."""
+    stats = _run_sass_script(r"""
+        import json, sys
+        sys.path[:0] = ['.']
+        from shared.codecs import _rans_triton as kt, rans_cuda, rans_tables
+        fn = kt.tables_kernel
+        types = dict(counts_ptr="*i32", mn_ptr="*i32", mx_ptr="*i32", codes_ptr="*u8", T="i32", R="i32", n_sampled="i32")
+        sig = {a: types.get(a, "*i64") for a in fn.arg_names}
+        consts = dict(HCAP=rans_tables.max_alphabet(9), PROB_BITS=9, ESC_COST=rans_tables.ESCAPE_COST,
+                      ENTRY_COST=rans_tables.TABLE_ENTRY_COST, HAS_GUARD=False, N_SHAPES=rans_tables.N_SHAPES,
+                      SEARCH=rans_tables.MODEL_SEARCH, SHAPE_STEPS=rans_tables.SHAPE_STEPS,
+                      PARAM_BYTES=rans_tables.PARAM_BYTES, MIN_SHARE=rans_tables.MODEL_MIN_SHARE,
+                      TRY_BLOCK=rans_cuda.TABLE_TRY_BLOCK, CHUNK=rans_cuda.TABLE_CHUNK, NARROW=False, RECIP=True)
+        sig.update({k: "constexpr" for k in consts})
+        lines = sass(fn, sig, consts, 1)
+        end = min(a for a, l in lines if re.search(r"\s EXIT ;", l))  # the fallbacks past it run only on divergence
+        found = [(lo, hi) for lo, hi in loops(lines) if hi < end]
+        inside = {a for lo, hi in found for a, _ in lines if lo <= a <= hi}
+        search = max(found, key=lambda r: r[1] - r[0])  # the model search: candidates, TRY_BLOCK at a time
+        # the branch for an alphabet of one chunk ends in a jump over the two-pass one, which holds
+        # the loops nested in the search
+        first_nested = min(lo for lo, hi in found if search[0] < lo and hi < search[1])
+        jumps = [(a, int(m.group(1), 16)) for a, l in lines if search[0] <= a < first_nested
+                 and (m := re.search(r"^\s+/\*[0-9a-f]+\*/\s+BRA (0x[0-9a-f]+)", l))]
+        jump, past = max(jumps, default=(search[1], search[1]))  # none: every step takes the whole loop
+        one_pass = [a for a, _ in lines if search[0] <= a <= jump or past <= a <= search[1]]
+        print(json.dumps(dict(outside_loops=sum(1 for a, _ in lines if a < end and a not in inside),
+                              search_step=len(one_pass))))
+    """)
+    print("tables kernel, SASS instructions on sm_90:", stats)
+    for name, n in stats.items():
+        assert n <= TABLES_BUDGET[name], (name, stats)
 
 
 @needs_triton

@@ -9,10 +9,10 @@ import triton.language as tl
 
 @triton.jit
 def bitlen(v):
-    n = v * 0
-    for b in tl.static_range(32):
-        n += ((v >> b) > 0).to(tl.int64)
-    return n
+    """Bits in v (0 <= v < 2^53; int64): the exponent field of float64(v), which the conversion
+    gives exactly below 2^53; a loop over 32 shifts cost ~7 instructions per bit on the GPU."""
+    e = (v.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1022
+    return tl.where(v > 0, e, 0)
 
 @triton.jit
 def mf_encode(v):
@@ -77,19 +77,19 @@ RECIP_MAX_PROB_BITS = 14  # recip_entry packs M - f, c and the shift into 32 bit
 
 
 @triton.jit
-def recip_entry(f, c, PROB_BITS: tl.constexpr):
+def recip_entry(f, c, mult_ptr, PROB_BITS: tl.constexpr):
     """An encoder table entry (int64) that codes a symbol of frequency f (0 < f <= 2^n) and
     cumulative frequency c without a division: the high word holds m = ceil(2^(32+l) / f) - 2^32
     with l = ceil(log2 f), so floor(x / f) = (mulhi(x, m) + x) >> l for every 32-bit x (the
     round-up method of Granlund and Montgomery with a 33-bit multiplier); the low word holds
-    2^n - f (bits 0-13), c (14-27) and l (28-31). Unused symbols (f = 0) get the identity entry."""
+    2^n - f (bits 0-13), c (14-27) and l (28-31). Unused symbols (f = 0) get the identity entry.
+    mult_ptr: m for f = 0..2^n (rans_cuda.recip_multipliers), read where a float64 division per
+    entry cost ~70 instructions."""
     M: tl.constexpr = 1 << PROB_BITS
     fs = tl.maximum(f, 1)
     # ceil(log2 f) from the exponent of float(f - 1), exact below 2^24
     l = tl.maximum(((fs - 1).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0).to(tl.int64)
-    # ceil(2^(32+l) / f) in float64: the quotient is an integer (f a power of 2) or at least 1/f
-    # from one, far more than the division's rounding error (2^-20), so its ceiling is exact
-    m = tl.math.ceil(((fs * 0 + 1) << (32 + l)).to(tl.float64) / fs.to(tl.float64)).to(tl.int64) - (1 << 32)
+    m = tl.load(mult_ptr + fs).to(tl.int64)
     low = tl.where(f > 0, (M - f) | (c << 14) | (l << 28), PROB_BITS << 28)
     return tl.where(f > 0, m, 0) << 32 | low
 
@@ -226,15 +226,29 @@ def model_row(shapes_ptr, inv_ptr, shape, code, mu16, W, has_esc, j64, SHAPE_STE
 
 
 @triton.jit
+def _proxy_cost(wp, wsum, kept_ptr, jc, n, nlog_ptr, PROB_BITS: tl.constexpr):
+    """fit_models()' cost proxy of one chunk of symbols for a block of candidate models: their weights wp
+    ([candidates, chunk]) normalized by the sums wsum without the table's rule, against the chunk's
+    counts (the first n of kept_ptr's)."""
+    if PROB_BITS <= 11:  # model weights are < 2^16, so the proxy's products fit int32
+        wp = wp.to(tl.int32)
+        wsum = wsum.to(tl.int32)
+    fp = tl.where(wp > 0, tl.maximum(wp * (1 << PROB_BITS) // wsum[:, None], 1), 0)
+    kc = tl.load(kept_ptr + jc, mask=jc < n, other=0).to(tl.int64)
+    return tl.sum(kc[None, :] * tl.load(nlog_ptr + fp), 1)
+
+
+@triton.jit
 def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, a_ptr, codes_ptr, tab_ptr,
-                  model_ptr, scale_ptr, mu16_ptr, shapes_ptr, inv_ptr, sig2_ptr, nlog_ptr,
+                  model_ptr, scale_ptr, mu16_ptr, shapes_ptr, inv_ptr, sig2_ptr, nlog_ptr, recip_ptr,
                   scal_ptr, T, R, n_sampled, HCAP: tl.constexpr, PROB_BITS: tl.constexpr,
                   ESC_COST: tl.constexpr, ENTRY_COST: tl.constexpr, HAS_GUARD: tl.constexpr,
                   N_SHAPES: tl.constexpr, SEARCH: tl.constexpr, SHAPE_STEPS: tl.constexpr,
                   PARAM_BYTES: tl.constexpr, MIN_SHARE: tl.constexpr, TRY_BLOCK: tl.constexpr,
                   CHUNK: tl.constexpr, NARROW: tl.constexpr = False, RECIP: tl.constexpr = False):
     """choose_tables() and fit_models() of rans_tables.py for one component, then its rANS table (RECIP:
-    int64 entries of recip_entry for the encoder's division-free step; else int32 c << 16 | f); sums,
+    int64 entries of recip_entry, whose multipliers recip holds, for the encoder's division-free step;
+    else int32 c << 16 | f); sums,
     counts and extremes of the results go to the scalar summary. guard (optional): a float the
     producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too).
     NARROW: the symbols are int16 stored from int32 values whose min and max these are; a
@@ -309,27 +323,26 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
         tl.debug_barrier()
     tb = tl.arange(0, TRY_BLOCK)
     jc = tl.arange(0, CHUNK)
+    kept_row = tab_ptr + k * HCAP
     for t0 in range(0, n_try, TRY_BLOCK):
         t = t0 + tb
         shape = tl.minimum(t // (2 * SEARCH + 1), N_SHAPES - 1)
         scode = tl.minimum(tl.maximum(code0 + (t % (2 * SEARCH + 1)) - SEARCH, 0), 255)
-        wsum = tl.zeros([TRY_BLOCK], tl.int64)
-        for j0 in range(0, A, CHUNK):
-            jj = (j0 + jc).to(tl.int64)[None, :]
-            wsum += tl.sum(model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc, jj,
-                                     SHAPE_STEPS), 1)
-        if PROB_BITS <= 11:  # model weights are < 2^16, so the proxy's products fit int32
-            wsum_n = wsum.to(tl.int32)
+        if A <= CHUNK:  # the whole alphabet in one chunk: its weights are made once, not once a pass
+            wp = model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc,
+                           jc.to(tl.int64)[None, :], SHAPE_STEPS)
+            cost = _proxy_cost(wp, tl.sum(wp, 1), kept_row, jc, A, nlog_ptr, PROB_BITS)
         else:
-            wsum_n = wsum
-        cost = tl.zeros([TRY_BLOCK], tl.int64)
-        for j0 in range(0, A, CHUNK):
-            jj = (j0 + jc).to(tl.int64)[None, :]
-            wp = model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc, jj,
-                           SHAPE_STEPS).to(wsum_n.dtype)
-            fp = tl.where(wp > 0, tl.maximum(wp * (1 << PROB_BITS) // wsum_n[:, None], 1), 0)  # cost proxy
-            kc = tl.load(tab_ptr + k * HCAP + j0 + jc, mask=j0 + jc < A, other=0).to(tl.int64)
-            cost += tl.sum(kc[None, :] * tl.load(nlog_ptr + fp), 1)
+            wsum = tl.zeros([TRY_BLOCK], tl.int64)
+            for j0 in range(0, A, CHUNK):
+                jj = (j0 + jc).to(tl.int64)[None, :]
+                wsum += tl.sum(model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc, jj,
+                                         SHAPE_STEPS), 1)
+            cost = tl.zeros([TRY_BLOCK], tl.int64)
+            for j0 in range(0, A, CHUNK):
+                wp = model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc,
+                               (j0 + jc).to(tl.int64)[None, :], SHAPE_STEPS)
+                cost += _proxy_cost(wp, wsum, kept_row + j0, jc, A - j0, nlog_ptr, PROB_BITS)
         cost = tl.where(t < n_try, cost * R + 8 * 65536 * PARAM_BYTES, 1 << 62)
         c_min = tl.min(cost, 0)
         i = tl.argmin(cost, 0, tie_break_left=True)
@@ -346,7 +359,7 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
         c = cm
     tl.store(codes_ptr + k * HCAP + j, code.to(tl.uint8))
     if RECIP:
-        tl.store(tab_ptr + k * HCAP + j, recip_entry(f, c, PROB_BITS))
+        tl.store(tab_ptr + k * HCAP + j, recip_entry(f, c, recip_ptr, PROB_BITS))
     else:
         tl.store(tab_ptr + k * HCAP + j, ((c << 16) | f).to(tl.int32))
     tl.store(lo_ptr + k, lo)

@@ -439,7 +439,8 @@ class _EncodeBatch:
         scal = _summary_start(torch, dev).view(1, -1).repeat(N, 1)
         mt = _model_tables_on(torch, dev, n)
         kern["tables"][(K, N)](counts, mn, mx, sm, guard if has_guard else scal, lo, W, A, codes, tab,
-                               model, scale, mu16, mt["shapes"], mt["inv_sigma"], mt["sigma16_sq"], mt["nlog"], scal,
+                               model, scale, mu16, mt["shapes"], mt["inv_sigma"], mt["sigma16_sq"], mt["nlog"],
+                               mt["recip"] if recip else mt["nlog"], scal,
                                T, R, n_sampled, HCAP=HCAP, PROB_BITS=n, ESC_COST=ESCAPE_COST,
                                ENTRY_COST=TABLE_ENTRY_COST, HAS_GUARD=has_guard, N_SHAPES=N_SHAPES,
                                SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
@@ -569,11 +570,23 @@ def _index_on(torch, dev, members):
 _MODEL_TABLES_ON = {}
 
 
+def recip_multipliers(prob_bits: int) -> np.ndarray:
+    """The high words of the encoder's division-free table entries (_rans_triton.recip_entry):
+    ceil(2^(32+l) / f) - 2^32 with l = ceil(log2 f), for f = 0..2^n (0 for f = 0); exact integers."""
+    f = np.arange(1 << prob_bits | 1, dtype=np.int64)
+    fs = np.maximum(f, 1)
+    l = np.frexp((fs - 1).astype(np.float64))[1].astype(np.int64)  # bits of f - 1 = ceil(log2 f)
+    return np.where(f > 0, ((np.int64(1) << (32 + l)) + fs - 1) // fs - (1 << 32), 0)
+
+
 def _model_tables_on(torch, dev, prob_bits: int) -> dict:
-    """The parametric model's integer tables (and -log2 f for the encoder's costs) on a device, cached."""
+    """The parametric model's integer tables (and -log2 f for the encoder's costs, and its
+    reciprocals' multipliers where prob_bits allows them) on a device, cached."""
     key = (str(dev), prob_bits)
     if key not in _MODEL_TABLES_ON:
         t = dict(model_tables(), nlog=_neg_log2_table(prob_bits))
+        if prob_bits <= _kernels()["recip_max_prob_bits"]:
+            t["recip"] = recip_multipliers(prob_bits)
         _MODEL_TABLES_ON[key] = {name: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for name, v in t.items()}
     return _MODEL_TABLES_ON[key]
 
