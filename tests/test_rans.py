@@ -338,6 +338,60 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
     """)
 
 
+def _quotients_by_reciprocal(x, d):
+    """floor(x / d) as the kernels take it without dividing: (mulhi(x, m) + x) >> l with
+    l = ceil(log2 d) and m = ceil(2^(32+l) / d) - 2^32 (x < 2^32, uint64 arithmetic)."""
+    x, d = np.asarray(x, np.uint64), np.asarray(d, np.uint64)
+    l = np.array([int(v - 1).bit_length() for v in d.ravel()], np.uint64).reshape(d.shape)
+    m = ((np.uint64(1) << (np.uint64(32) + l)) + d - np.uint64(1)) // d - (np.uint64(1) << np.uint64(32))
+    return (((x * m) >> np.uint64(32)) + x) >> l, m
+
+
+def test_division_free_quotients_are_exact():
+    """The rule behind the encoder lanes' reciprocals (frequencies up to 2^14, rans_cuda.recip_multipliers)
+    and the tables kernel's quotients by a row's weight sum (up to 2^28, _rans_triton.divided): exact for
+    every 32-bit numerator tried, near every multiple of the divisor and at the ends of the range."""
+    rng = np.random.default_rng(3)
+    powers = [(1 << b) + e for b in range(1, 29) for e in (-1, 0, 1)]
+    ds = np.concatenate([np.arange(1, (1 << 14) + 1), powers, rng.integers(1, 1 << 28, 4000)]).astype(np.uint64)
+    top = np.uint64((1 << 32) - 1)
+    for d in np.array_split(ds, 16):
+        k = (top // d)[:, None]  # the largest multiple below 2^32, and multiples near random ones
+        mult = np.concatenate([k, rng.integers(0, k + 1, (len(d), 6)).astype(np.uint64), np.ones_like(k)], 1) * d[:, None]
+        x = np.concatenate([mult, np.minimum(mult + 1, top), mult - 1, np.full_like(k, top),
+                            rng.integers(0, 1 << 32, (len(d), 8)).astype(np.uint64)], 1)
+        x[x > top] = 0  # 0 - 1 wrapped
+        q, m = _quotients_by_reciprocal(x, d[:, None])
+        np.testing.assert_array_equal(q, x // d[:, None])
+        assert (m < (np.uint64(1) << np.uint64(32))).all()
+    for n in (9, 11, 14):
+        f = np.arange(1, (1 << n) + 1, dtype=np.uint64)
+        np.testing.assert_array_equal(rans_cuda.recip_multipliers(n)[1:], _quotients_by_reciprocal(f, f)[1].astype(np.int64))
+
+
+@needs_triton
+def test_triton_interpreter_divides_by_reciprocal():
+    """_rans_triton.divisor / divided, as the tables kernel runs them, give floor(x / d)."""
+    run_interpreted("""
+        import torch, triton, triton.language as tl
+        from shared.codecs._rans_triton import divisor, divided
+
+        @triton.jit
+        def quotients(x_ptr, d_ptr, q_ptr, B: tl.constexpr):
+            i = tl.program_id(0) * B + tl.arange(0, B)
+            m, l = divisor(tl.load(d_ptr + i))
+            tl.store(q_ptr + i, divided(tl.load(x_ptr + i), m, l))
+
+        rng = np.random.default_rng(4)
+        d = np.concatenate([np.arange(1, 4097), rng.integers(1, 1 << 28, 4096)]).astype(np.int64)
+        x = np.concatenate([rng.integers(0, 1 << 31, 4096), (rng.integers(0, 1 << 31, 4096) // d[4096:]) * d[4096:] - 1])
+        x = np.maximum(x, 0).astype(np.int32)
+        q = torch.empty(len(d), dtype=torch.int32)
+        quotients[(len(d) // 1024,)](torch.from_numpy(x), torch.from_numpy(d), q, B=1024)
+        np.testing.assert_array_equal(q.numpy(), x // d)
+    """)
+
+
 # Compiling a kernel for sm_90 on this (GPU-less) machine and reading its SASS: (address, line) of
 # each instruction, and the loops (backward branches; a warp's divergent-shuffle fallbacks past the
 # exit are not loops) as (first, last) addresses.
@@ -423,10 +477,11 @@ def test_lanes_kernels_compile_to_lean_loops_for_hopper():
 
 
 # The encoder's tables kernel for one component of a short tensor (9-bit tables, one warp, as for a KV
-# step's 60 x 192 components), SASS on sm_90: instructions outside its loops (when written 2660; 3400
-# while bit lengths took a 32-step loop and the reciprocals' multipliers a float64 division each) and
-# one step of its model search when the alphabet fits one chunk (607; 906 with two passes over it)
-TABLES_BUDGET = {"outside_loops": 2800, "search_step": 650}
+# step's 60 x 192 components), SASS on sm_90, when written: 2646 instructions outside its loops (3400
+# while bit lengths took a 32-step loop and the reciprocals' multipliers a float64 division each), 582
+# in a step of its model search when the alphabet fits one chunk (906 with two passes over it), 40 in
+# a step of a table's normalization (91 dividing by the weights' sum)
+TABLES_BUDGET = {"outside_loops": 2800, "search_step": 650, "bisection_step": 50}
 
 
 @needs_triton
@@ -458,8 +513,10 @@ def test_tables_kernel_compiles_lean_for_hopper():
                  and (m := re.search(r"^\s+/\*[0-9a-f]+\*/\s+BRA (0x[0-9a-f]+)", l))]
         jump, past = max(jumps, default=(search[1], search[1]))  # none: every step takes the whole loop
         one_pass = [a for a, _ in lines if search[0] <= a <= jump or past <= a <= search[1]]
+        # the normalizations' bisections: the loops outside the search
+        bisections = [hi - lo for lo, hi in found if hi < search[0] or lo > search[1]]
         print(json.dumps(dict(outside_loops=sum(1 for a, _ in lines if a < end and a not in inside),
-                              search_step=len(one_pass))))
+                              search_step=len(one_pass), bisection_step=max(bisections) // 16 + 1)))
     """)
     print("tables kernel, SASS instructions on sm_90:", stats)
     for name, n in stats.items():

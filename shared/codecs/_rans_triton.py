@@ -29,17 +29,51 @@ def mf_decode(c):
     return tl.where(c < 32, c, (16 + (c & 15)) << tl.maximum(e - 1, 0))
 
 @triton.jit
+def divisor(d):
+    """(m, l) with floor(x / d) = (mulhi(x, m) + x) >> l for every 32-bit x, for 0 < d < 2^31 (int64):
+    l = ceil(log2 d), m = ceil(2^(32+l) / d) - 2^32 < 2^32, Granlund and Montgomery's round-up
+    method as in recip_entry; one integer division for all the quotients by d."""
+    l = bitlen(d - 1)
+    m = (((d * 0 + 1) << (32 + l)) + d - 1) // d - (1 << 32)
+    return m, l
+
+
+@triton.jit
+def divided(x, m, l):
+    """floor(x / d) for 0 <= x < 2^32, with (m, l) = divisor(d): a multiply-high, an add and a shift
+    where a 32-bit division takes about 20 instructions."""
+    xu = x.to(tl.uint32)
+    t = tl.umulhi(xu, m.to(tl.uint32))
+    return ((t.to(tl.uint64) + xu.to(tl.uint64)) >> l.to(tl.uint64)).to(x.dtype)
+
+
+@triton.jit
+def _quotient(x, d, m, l, PROB_BITS: tl.constexpr):
+    """x // d in normalize_row: by (m, l) = divisor(d) where its products fit 32 bits (n <= 11)."""
+    if PROB_BITS <= 11:
+        return divided(x, m, l)
+    else:
+        return x // d
+
+
+@triton.jit
 def normalize_row(w, j, PROB_BITS: tl.constexpr):
     """Same integer rule as numpy normalize(); returns (freq, cum, ok)."""
     M: tl.constexpr = 1 << PROB_BITS
     # every weight is < 2^19 (the largest minifloat weight; model weights are < 2^16) and the
-    # bisection's mid <= 2^(n+1): for n <= 11 the products and the sum fit int32, whose division is cheaper
+    # bisection's mid <= 2^(n+1): for n <= 11 the products and the sum fit int32, and the quotients by
+    # the sum are multiplies by its reciprocal (divisor / divided)
     if PROB_BITS <= 11:
         wn = w.to(tl.int32)
     else:
         wn = w
     total = tl.sum(wn, 0)
     safe = tl.maximum(total, 1)
+    if PROB_BITS <= 11:  # total < 2^28 (at most 2^(n-2) weights below 2^19)
+        m, l = divisor(safe.to(tl.int64))
+    else:
+        m = safe * 0
+        l = m
     # The largest multiplier s with sum(max(w * s // total, 1)) <= M, as the reference's bisection
     # over [1, 2M) finds it, from a narrower bracket: with nnz weights the sum lies in
     # (s - nnz, s + nnz], so s = M - nnz fits and s = M + nnz does not. log2(2 nnz) steps instead of
@@ -49,11 +83,11 @@ def normalize_row(w, j, PROB_BITS: tl.constexpr):
     hi = tl.minimum(M + nnz, 2 * M)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        f = tl.where(wn > 0, tl.maximum(wn * mid // safe, 1), 0)
+        f = tl.where(wn > 0, tl.maximum(_quotient(wn * mid, safe, m, l, PROB_BITS), 1), 0)
         ok = tl.sum(f, 0) <= M
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid)
-    f = tl.where(wn > 0, tl.maximum(wn * lo // safe, 1), 0).to(tl.int64)
+    f = tl.where(wn > 0, tl.maximum(_quotient(wn * lo, safe, m, l, PROB_BITS), 1), 0).to(tl.int64)
     total = total.to(tl.int64)
     top = tl.argmax(w, 0, tie_break_left=True)
     f = f + tl.where(j == top, M - tl.sum(f, 0), 0)
