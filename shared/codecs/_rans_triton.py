@@ -30,9 +30,9 @@ def mf_decode(c):
 
 @triton.jit
 def divisor(d):
-    """(m, l) with floor(x / d) = (mulhi(x, m) + x) >> l for every 32-bit x, for 0 < d < 2^31 (int64):
-    l = ceil(log2 d), m = ceil(2^(32+l) / d) - 2^32 < 2^32, Granlund and Montgomery's round-up
-    method as in recip_entry; one integer division for all the quotients by d."""
+    """(m, l) with floor(x / d) = (mulhi(x, m) + x) >> l for every 32-bit x, for int64 0 < d <= 2^30
+    (so that 2^(32+l) fits): l = ceil(log2 d), m = ceil(2^(32+l) / d) - 2^32 < 2^32, Granlund and
+    Montgomery's round-up method as in recip_entry; one integer division for all the quotients by d."""
     l = bitlen(d - 1)
     m = (((d * 0 + 1) << (32 + l)) + d - 1) // d - (1 << 32)
     return m, l
@@ -121,7 +121,8 @@ def recip_entry(f, c, mult_ptr, PROB_BITS: tl.constexpr):
     entry cost ~70 instructions."""
     M: tl.constexpr = 1 << PROB_BITS
     fs = tl.maximum(f, 1)
-    # ceil(log2 f) from the exponent of float(f - 1), exact below 2^24
+    # ceil(log2 f) from the exponent of float(f - 1), exact below 2^24 (float32: 16 instructions a
+    # component fewer than bitlen's float64 here)
     l = tl.maximum(((fs - 1).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0).to(tl.int64)
     m = tl.load(mult_ptr + fs).to(tl.int64)
     low = tl.where(f > 0, (M - f) | (c << 14) | (l << 28), PROB_BITS << 28)

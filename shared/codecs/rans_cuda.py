@@ -19,7 +19,7 @@ from .base import LazyViews
 from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, HEADER, MAGIC, VERSION, Layout, Parsed, _check_settings,
                    _parse_header_only, default_lane_tokens, default_prob_bits)
 from .rans_tables import (ESCAPE_COST, MODEL_MIN_SHARE, MODEL_SEARCH, N_SHAPES, PARAM_BYTES, SHAPE_STEPS,
-                          TABLE_ENTRY_COST, _neg_log2_table, hist_row_stride, max_alphabet, model_tables)
+                          TABLE_ENTRY_COST, _bitlen, _neg_log2_table, hist_row_stride, max_alphabet, model_tables)
 
 _DTYPE = operator.attrgetter("dtype")
 
@@ -575,7 +575,7 @@ def recip_multipliers(prob_bits: int) -> np.ndarray:
     ceil(2^(32+l) / f) - 2^32 with l = ceil(log2 f), for f = 0..2^n (0 for f = 0); exact integers."""
     f = np.arange(1 << prob_bits | 1, dtype=np.int64)
     fs = np.maximum(f, 1)
-    l = np.frexp((fs - 1).astype(np.float64))[1].astype(np.int64)  # bits of f - 1 = ceil(log2 f)
+    l = _bitlen(fs - 1)  # ceil(log2 f)
     return np.where(f > 0, ((np.int64(1) << (32 + l)) + fs - 1) // fs - (1 << 32), 0)
 
 
