@@ -145,7 +145,7 @@ USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by wa
 # 16 x 16 88 / 59, 32 x 16 112 / 74, 8 x 32 95 / 63; 16 tokens a thread 137 / 80 (32 a thread
 # for those); 64 tokens a thread halve the programs, so the atomics that flush their bins:
 # 80 / 48 us, and 256 MB 54 -> 50 (within the spread between runs)
-HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS = 64, 8, 16
+HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS, HIST_WARPS = 16, 32, 16, 4
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
 # (latency), one where there are many (throughput). On an NVIDIA H200, one 16 MB tensor (192 components):
@@ -429,7 +429,7 @@ class _EncodeBatch:
         grid = (triton_cdiv(n_sampled, HIST_CHUNKS * HIST_TOKENS) * triton_cdiv(K, HIST_COMPONENTS), N)
         kern["hist"][grid](t, mn, mx, sm, counts, T, K, n_sampled, R, HS=HIST_TOKENS, CHUNKS=HIST_CHUNKS,
                            KB=HIST_COMPONENTS, HCAP=HCAP, WIDE_INDEX=wide_index, NARROW=t.dtype == torch.int16,
-                           num_warps=HIST_CHUNKS * HIST_COMPONENTS // 32)
+                           num_warps=HIST_WARPS)
         lo = torch.empty((N, K), dtype=torch.int64, device=dev)
         W, A = torch.empty_like(lo), torch.empty_like(lo)
         codes = torch.empty((N, K, HCAP), dtype=torch.uint8, device=dev)
