@@ -8,7 +8,8 @@ every launch (kernel, argument types, constants, warps, stages); each is then co
 cubin for sm_90 (its 16-byte-aligned arguments marked as Triton's launcher marks them), with the
 GPU's own choices where the interpreter's differ (bf16 tensor-core products,
 the warp vote, the stream prefetch, one lane group a program) and with every tile the projection's
-autotuner tries on a GPU.
+autotuner tries on a GPU. No variant may take more than COMPILE_SECONDS_MAX to compile, as a
+user's first call waits for each kernel it launches.
 """
 import json
 import os
@@ -92,7 +93,7 @@ json.dump(list(launches.values()), open(sys.argv[1], "w"))
 """
 
 COMPILE = """
-import importlib, json, sys
+import importlib, json, sys, time
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -101,6 +102,10 @@ from shared.codecs import rans_cuda
 
 DTYPES = {d.name: d for d in (tl.bfloat16, tl.float16, tl.float32)}
 H200 = GPUTarget("cuda", 90, 32)
+# seconds one variant may take to compile here: a user's first call waits for every kernel it launches
+# (on a 2-core CPU machine the codec's kernels take 0.1-3 s each; a histogram whose 64 sampled rows
+# were unrolled took 61-75 s, and a GPU test run ran out of time compiling its specializations)
+COMPILE_SECONDS_MAX = 20
 
 
 def on_the_gpu(launch):
@@ -132,7 +137,7 @@ def variants(launch):
                        num_stages=cfg.num_stages)
 
 
-failed, done = [], 0
+failed, done, slowest = [], 0, (0.0, "")
 for launch in json.load(open(sys.argv[1])):
     fn = getattr(importlib.import_module(launch["module"]), launch["name"])
     for v in variants(launch):
@@ -143,12 +148,16 @@ for launch in json.load(open(sys.argv[1])):
         # Triton's launcher specializes them, so the loads vectorize as they do on the GPU
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in v["aligned"] if n not in consts}
         try:
+            start = time.perf_counter()
             triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs), target=H200,
                            options=dict(num_warps=v["num_warps"], num_stages=v["num_stages"]))
+            slowest = max(slowest, (time.perf_counter() - start, launch["name"]))
             done += 1
         except Exception as e:
             failed.append(f"{launch['name']} {v['consts']}: {str(e)[-600:]}\\n  cause: {repr(e.__cause__)[-500:]}")
-print(f"compiled {done} kernel variants for sm_90")
+print(f"compiled {done} kernel variants for sm_90; slowest {slowest[1]} {slowest[0]:.1f} s")
+if slowest[0] > COMPILE_SECONDS_MAX:
+    failed.append(f"{slowest[1]} took {slowest[0]:.0f} s to compile (limit {COMPILE_SECONDS_MAX} s): a user's first call waits for it")
 for f in failed:
     print("FAILED", f)
 sys.exit(1 if failed else 0)
@@ -170,6 +179,8 @@ def test_every_kernel_compiles_for_the_h200(tmp_path):
     # the encoder's and the decoder's kernels, the projection and its inverse, the slot decoder's staging
     assert {"project_quantize_kernel", "reconstruct_kernel", "hist_kernel", "tables_kernel", "encode_kernel",
             "decode_meta_kernel", "decode_kernel", "checksum_kernel"} <= names, names
-    r = _run(COMPILE, dict(TRITON_INTERPRET="0"), str(launches))
+    # compiled afresh (no kernel from Triton's cache), so that the compile times are real
+    r = _run(COMPILE, dict(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_ALWAYS_COMPILE="1"),
+             str(launches))
     assert r.returncode == 0, f"a kernel does not compile for sm_90:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
     assert "compiled" in r.stdout
