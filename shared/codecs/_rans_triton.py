@@ -168,13 +168,15 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
                 HS: tl.constexpr, CHUNKS: tl.constexpr, KB: tl.constexpr, HCAP: tl.constexpr,
                 WIDE_INDEX: tl.constexpr, NARROW: tl.constexpr):
     """Per-component histograms of the sampled rows (every R-th token) inside the first windows.
-    A program takes CHUNKS x HS sampled rows of KB components; a thread, HS rows of one component.
-    The 32 bins around the component's mean (99% of the hits on a real K at cos 0.999, 81% for 8)
-    are 8-bit counters packed four to an int32 register (HS <= 255), summed over the program's
-    rows before one atomic per bin and component; the other in-window hits get a global atomic
-    each, relaxed (counts need no ordering). NARROW: int16 symbols, whose offsets fit int32.
-    On an NVIDIA H200 (60 x [1024, 192] / 64 MB of the real K): 78 / 50 us, where a thread per
-    component with 8 unpacked register bins took 86 / 66."""
+    A program takes CHUNKS x HS sampled rows of KB components, a [CHUNKS, KB] tile a step. The 32
+    bins around the component's mean (99% of the hits on a real K at cos 0.999, 81% for 8) are 8-bit
+    counters packed four to an int32 register (HS <= 255), summed over the program's rows before one
+    atomic per bin and component; the other in-window hits get a global atomic each, relaxed (counts
+    need no ordering). NARROW: int16 symbols, whose offsets fit int32. On an NVIDIA H200 (60 x
+    [1024, 192] / 64 MB of the real K): 78 / 50 us, where a thread per component with 8 unpacked
+    register bins took 86 / 66 (tiles compared at HIST_TOKENS in rans_cuda). The rows are a loop,
+    not unrolled: 64 unrolled rows took 60-80 s to compile for sm_90, once per specialization at a
+    user's first call, and ran no faster (80 / 48 us unrolled at code b7b3624, as a loop at 3611c08)."""
     tl.static_assert(HS <= 255 and CHUNKS * HS <= 65535)  # the packed counters, their 16-bit sums
     s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
     n_kb = tl.cdiv(K, KB)
@@ -295,7 +297,10 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     producer wants checked below 2^31 (the fused quantizer's largest |value|; NaN fails too).
     NARROW: the symbols are int16 stored from int32 values whose min and max these are; a
     component beyond int16 (stored wrapped) sets overflow 3, and the caller codes it again
-    from int32 symbols."""
+    from int32 symbols. Bit lengths from float64 exponents, the reciprocals' multipliers from a
+    table, one pass per model candidate over a one-chunk alphabet and the normalization's quotients
+    by multiply-high: 60 x [1024, 192] of the real K on an NVIDIA H200, 177 -> 152 us (PoC 09
+    --profile at code b7b3624 and 3611c08)."""
     k = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
     nk = tl.num_programs(0).to(tl.int64)

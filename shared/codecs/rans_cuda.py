@@ -140,12 +140,14 @@ GROUPS_PER_PROGRAM = 1  # lane groups per Triton program on a GPU: one warp (wit
 # between layouts through shared memory: 195 / 173 instructions a step decoding / encoding instead of 130 / 117)
 INTERPRETER_GROUPS_PER_PROGRAM = 4  # under Triton's CPU interpreter (tests): the same lanes in a quarter of the programs
 USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by warp vote (see _rans_triton.lanes_before)
-# histogram: sampled tokens per thread (<= 255: 8-bit packed counters), and a program's tile of
-# [row chunks, components]; on an NVIDIA H200 (60 x [1024, 192] / 64 MB): 8 x 16 78 / 50 us,
-# 16 x 16 88 / 59, 32 x 16 112 / 74, 8 x 32 95 / 63; 16 tokens a thread 137 / 80 (32 a thread
-# for those); 64 tokens a thread halve the programs, so the atomics that flush their bins:
-# 80 / 48 us, and 256 MB 54 -> 50 (within the spread between runs)
-HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS, HIST_WARPS = 16, 32, 16, 4
+# histogram: sampled tokens a thread walks (<= 255: 8-bit packed counters), a program's tile of
+# [row chunks, components] and its warps. On an NVIDIA H200 (60 x [1024, 192] / 64 MB), one value a
+# thread a step: 8 x 16 78 / 50 us, 16 x 16 88 / 59, 32 x 16 112 / 74, 8 x 32 95 / 63; 16 tokens a
+# thread 137 / 80 (32 a thread for those); 64 tokens a thread halve the programs, so the atomics that
+# flush their bins: 80 / 48 us. Same run (code 3611c08): 64 x [8 x 16] 80 / 48 us; 16 steps of a
+# [32 x 16] tile (4 values a thread a step, one vector load) 77 / 51; 8 steps of [64 x 16] 153 / 84.
+# So the loads' latency is not what bounds it, but its ~70 instructions a sampled value.
+HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS, HIST_WARPS = 64, 8, 16, 4
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
 # (latency), one where there are many (throughput). On an NVIDIA H200, one 16 MB tensor (192 components):
