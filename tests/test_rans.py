@@ -81,18 +81,18 @@ def test_default_precision_follows_the_tensor_length():
         rans.encode(short, prob_bits=8)
 
 
-def test_sampled_tables_cost_little():
+def test_sampled_tables_cost_little(monkeypatch):
+    """Every token below 1024 tokens, every 2nd up to 65535, about 32768 from 65536 on; the
+    tables from every 2nd token (or every 10th) of 40000 cost under 0.5% (1%) more bytes than
+    from every token (0.26% here; 0.00-0.14% on SmolLM2's real K and V)."""
+    assert [rans_tables.hist_row_stride(T) for T in (1, 1023, 1024, 65535, 65536, 10**6)] == [1, 1, 2, 2, 2, 30]
     x = pca_like(40000, 16, seed=5)
+    rule = len(rans.encode(x))
+    monkeypatch.setattr(rans_tables, "HIST_HALF_TOKENS", 10**9)  # every token
     full = len(rans.encode(x))
-    rans_stride = rans_tables.hist_row_stride(len(x))
-    assert rans_stride == 1
-    old = rans_tables.HIST_SAMPLE_ROWS
-    try:
-        rans_tables.HIST_SAMPLE_ROWS = 4000  # stride 10
-        sampled = len(rans.encode(x))
-    finally:
-        rans_tables.HIST_SAMPLE_ROWS = old
-    assert full <= sampled < 1.01 * full
+    monkeypatch.setattr(rans_tables, "HIST_SAMPLE_ROWS", 4000)  # every 10th
+    sampled = len(rans.encode(x))
+    assert full <= rule < 1.005 * full and full <= sampled < 1.01 * full
 
 
 def test_model_tables_are_their_formulas():
