@@ -767,6 +767,18 @@ def plot(csv: str = "09_backend_bench", name: str = "09_backend_bench"):
     save_figure(fig, name, f"{csv}.csv")
 
 
+def merge_rows(path: Path, frame, replaced: list[str]) -> None:
+    """Writes `frame` into the CSV at path, in place of its rows of the `path` kinds in replaced;
+    the file's other rows (other backends, sections measured on other machines) stay."""
+    import pandas as pd
+
+    if path.exists():
+        old = pd.read_csv(path, dtype=CSV_DTYPES)
+        frame = pd.concat([old[~old.get("path", pd.Series(index=old.index)).isin(replaced)], frame])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI-sized run: CPU backends, 256-pixel frames, small planes")
@@ -787,58 +799,44 @@ if __name__ == "__main__":
                     help="only the GPU time of each kernel of the API's eager calls (kernel-only rows path=profile, merged)")
     ap.add_argument("--api-cpu", action="store_true",
                     help="only the compute codec's CPU path on one core, stage by stage (rows path=api_cpu, merged)")
-    ap.add_argument("--out", default=None, help="CSV path (default results/09_backend_bench.csv)")
+    ap.add_argument("--out", default=None, help="CSV path (default results/09_backend_bench.csv); --api, --profile "
+                    "and --api-cpu merge their rows into it, and no figure is drawn")
     ap.add_argument("--merge", action="store_true",
                     help="replace only this run's backends in an existing CSV (runs split by the wheels they need)")
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.tokens, args.components, args.channels, args.cpu_repeats = "256", 1024, 512, 1024, 1
     if args.api and not args.plot_only:
-        import pandas as pd
         import torch
 
         if not torch.cuda.is_available():
             raise SystemExit("--api times the GPU path of the compute codec: it needs a CUDA GPU")
         res = ResultsWriter("09", "backend_bench", gpu=True)
-        path = res.path
-        old = pd.read_csv(path, dtype=CSV_DTYPES) if path.exists() else None
-        if old is not None:  # the other backends' rows stay; this run's API rows replace the earlier run's
-            old = old[~old.get("path", pd.Series(index=old.index)).isin(["api", "api_batched", "pcie_copy"])]
-
-        def saved():
-            pd.concat([old, res.frame()]).to_csv(path, index=False)
-
-        bench_api(res, torch, [float(s) for s in args.api_sizes.split(",")], API_REPEATS, saved)
+        path = Path(args.out) if args.out else res.path
+        # the other backends' rows stay; this run's API rows replace the earlier run's, saved after each size
+        bench_api(res, torch, [float(s) for s in args.api_sizes.split(",")], API_REPEATS,
+                  lambda: merge_rows(path, res.frame(), ["api", "api_batched", "pcie_copy"]))
         print(f"merged {len(res.rows)} API rows into {path}")
         args.plot_only = True
     if args.profile and not args.plot_only:
-        import pandas as pd
         import torch
 
         if not torch.cuda.is_available():
             raise SystemExit("--profile times the GPU path of the compute codec: it needs a CUDA GPU")
         res = ResultsWriter("09", "backend_bench", gpu=True)
         bench_profile(res, torch)
-        path = res.path
-        old = pd.read_csv(path, dtype=CSV_DTYPES) if path.exists() else None
-        if old is not None:
-            old = old[old.get("path", pd.Series(index=old.index)) != "profile"]
-        pd.concat([old, res.frame()]).to_csv(path, index=False)
+        path = Path(args.out) if args.out else res.path
+        merge_rows(path, res.frame(), ["profile"])
         print(f"merged {len(res.rows)} profile rows into {path}")
         raise SystemExit(0)
     if args.api_cpu and not args.plot_only:
-        import pandas as pd
-
         res = ResultsWriter("09", "backend_bench")
         bench_api_cpu(res, args.cpu_repeats if args.quick else CPU_API_REPEATS, quick=args.quick)
-        new, path = res.frame(), res.path
-        if path.exists():
-            old = pd.read_csv(path, dtype=CSV_DTYPES)
-            new = pd.concat([old[old.get("path", pd.Series(index=old.index)) != "api_cpu"], new])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new.to_csv(path, index=False)
+        path = Path(args.out) if args.out else res.path
+        merge_rows(path, res.frame(), ["api_cpu"])
         print(f"merged {len(res.rows)} CPU API rows into {path}")
-        plot_api_cpu(load("09_backend_bench"))
+        if args.out is None:
+            plot_api_cpu(load("09_backend_bench"))
         raise SystemExit(0)
     if not args.plot_only:
         res = run(args)
