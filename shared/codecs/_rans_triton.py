@@ -150,11 +150,11 @@ def _packed_bin(acc, q, one, Q: tl.constexpr):
 
 @triton.jit
 def _flush_bins(acc, counts_ptr, row_ptr, c0, ok, FIRST: tl.constexpr):
-    """The four 8-bit counters packed in acc ([rows, components]), summed over the rows, added to
+    """The four 8-bit counters packed in acc ([components, rows]), summed over the rows, added to
     bins c0 + FIRST .. c0 + FIRST + 3 of each component's histogram row. Two sums instead of four:
     bytes 0 and 2, then 1 and 3, each widened to 16 bits (a program's rows x HS <= 65535)."""
-    even = tl.sum(acc & 0x00FF00FF, 0)
-    odd = tl.sum((acc >> 8) & 0x00FF00FF, 0)
+    even = tl.sum(acc & 0x00FF00FF, 1)
+    odd = tl.sum((acc >> 8) & 0x00FF00FF, 1)
     at = counts_ptr + row_ptr + c0 + FIRST
     for b in tl.static_range(2):
         n = (even >> (16 * b)) & 0xFFFF
@@ -168,7 +168,7 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
                 HS: tl.constexpr, CHUNKS: tl.constexpr, KB: tl.constexpr, HCAP: tl.constexpr,
                 WIDE_INDEX: tl.constexpr, NARROW: tl.constexpr):
     """Per-component histograms of the sampled rows (every R-th token) inside the first windows.
-    A program takes CHUNKS x HS sampled rows of KB components, a [CHUNKS, KB] tile a step. The 32
+    A program takes CHUNKS x HS sampled rows of KB components, a [KB, CHUNKS] tile a step. The 32
     bins around the component's mean (99% of the hits on a real K at cos 0.999, 81% for 8) are 8-bit
     counters packed four to an int32 register (HS <= 255), summed over the program's rows before one
     atomic per bin and component; the other in-window hits get a global atomic each, relaxed (counts
@@ -193,31 +193,35 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
     h0_32 = h0.to(tl.int32)
     row_ptr = k.to(tl.int64) * HCAP
     chunk = rb * CHUNKS + tl.arange(0, CHUNKS)
-    a0 = tl.zeros([CHUNKS, KB], tl.int32)
-    a1 = tl.zeros([CHUNKS, KB], tl.int32)
-    a2 = tl.zeros([CHUNKS, KB], tl.int32)
-    a3 = tl.zeros([CHUNKS, KB], tl.int32)
-    a4 = tl.zeros([CHUNKS, KB], tl.int32)
-    a5 = tl.zeros([CHUNKS, KB], tl.int32)
-    a6 = tl.zeros([CHUNKS, KB], tl.int32)
-    a7 = tl.zeros([CHUNKS, KB], tl.int32)
+    # [components, rows] tiles: the loads' pointers are contiguous along dim 0, and the tail atomics'
+    # along none, so Triton gives both the same layout; as [rows, components] the loads took one with
+    # dim 1 fastest and the atomics another, and each value crossed between them through shared memory
+    # (4 block barriers a sampled value on sm_90)
+    a0 = tl.zeros([KB, CHUNKS], tl.int32)
+    a1 = tl.zeros([KB, CHUNKS], tl.int32)
+    a2 = tl.zeros([KB, CHUNKS], tl.int32)
+    a3 = tl.zeros([KB, CHUNKS], tl.int32)
+    a4 = tl.zeros([KB, CHUNKS], tl.int32)
+    a5 = tl.zeros([KB, CHUNKS], tl.int32)
+    a6 = tl.zeros([KB, CHUNKS], tl.int32)
+    a7 = tl.zeros([KB, CHUNKS], tl.int32)
     for i in range(HS):
         sampled = chunk * HS + i
-        active = (sampled < n_sampled)[:, None] & k_ok[None, :]
+        active = k_ok[:, None] & (sampled < n_sampled)[None, :]
         row = sampled * R
         if WIDE_INDEX:
-            off = row.to(tl.int64)[:, None] * K + k[None, :]
+            off = row.to(tl.int64)[None, :] * K + k[:, None]
         else:
-            off = row[:, None] * K + k[None, :]
+            off = row[None, :] * K + k[:, None]
         v = tl.load(sym_ptr + off, mask=active, other=0)
         if NARROW:
-            idx = v.to(tl.int32) - lo0.to(tl.int32)[None, :]
-            inw = active & (idx >= 0) & (idx < h0_32[None, :])
+            idx = v.to(tl.int32) - lo0.to(tl.int32)[:, None]
+            inw = active & (idx >= 0) & (idx < h0_32[:, None])
         else:
-            idx64 = v.to(tl.int64) - lo0[None, :]
-            inw = active & (idx64 >= 0) & (idx64 < h0[None, :])
+            idx64 = v.to(tl.int64) - lo0[:, None]
+            inw = active & (idx64 >= 0) & (idx64 < h0[:, None])
             idx = tl.where(inw, idx64, 0).to(tl.int32)
-        d = idx - c0[None, :]
+        d = idx - c0[:, None]
         packed = inw & (d >= 0) & (d < 32)
         one = tl.where(packed, 1 << ((d & 3) * 8), 0)
         q = d >> 2
@@ -230,7 +234,7 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
         a6 = _packed_bin(a6, q, one, 6)
         a7 = _packed_bin(a7, q, one, 7)
         tail = inw & ~packed
-        tl.atomic_add(counts_ptr + row_ptr[None, :] + tl.where(tail, idx, 0), 1, mask=tail, sem="relaxed")
+        tl.atomic_add(counts_ptr + row_ptr[:, None] + tl.where(tail, idx, 0), 1, mask=tail, sem="relaxed")
     c0_64 = c0.to(tl.int64)
     _flush_bins(a0, counts_ptr, row_ptr, c0_64, k_ok, 0)
     _flush_bins(a1, counts_ptr, row_ptr, c0_64, k_ok, 4)
