@@ -146,7 +146,9 @@ USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by wa
 # thread 137 / 80 (32 a thread for those); 64 tokens a thread halve the programs, so the atomics that
 # flush their bins: 80 / 48 us. Same run (code 3611c08): 64 x [8 x 16] 80 / 48 us; 16 steps of a
 # [32 x 16] tile (4 values a thread a step, one vector load) 77 / 51; 8 steps of [64 x 16] 153 / 84.
-# So the loads' latency is not what bounds it, but its ~70 instructions a sampled value.
+# So the loads' latency is not what bounds it, but the work per value of its loop: then 92 SASS instructions
+# on sm_90 (int16 symbols), 4 of them block barriers of two layout changes through shared memory; on
+# [components, rows] tiles since, 62 and none (test_histogram_loop_keeps_one_layout_on_hopper; not yet timed).
 HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS, HIST_WARPS = 64, 8, 16, 4
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 # warps per component of the encoder's and the decoder's table kernels: more for a few components

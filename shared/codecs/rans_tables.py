@@ -69,7 +69,7 @@ def hist_row_stride(T: int) -> int:
     """Rows between the tokens whose values make the frequency tables: every token below
     HIST_HALF_TOKENS tokens, every 2nd one up to 2 * HIST_SAMPLE_ROWS tokens, then about
     HIST_SAMPLE_ROWS evenly spaced ones (a sample this size costs ~0.3% of ratio). The GPU's
-    histogram is bound by its instructions per sampled value (PoC 09 --profile: 78 us for 60
+    histogram is bound by its work per sampled value (PoC 09 --profile: 78 us for 60
     tensors of [1024, 192], a sixth of their encoding), so every 2nd token halves its work for
     a few tenths of a percent of bytes (test_sampled_tables_cost_little); shorter tensors, where a
     sample costs more, keep every token."""
