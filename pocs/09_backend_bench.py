@@ -378,7 +378,7 @@ API_BATCH = 60                # tensors in one batched call: one 30-layer model'
 API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one layer's K of a 1K chunk)
 API_REPEATS = 10              # timed calls per point (median)
 API_WARMUP_S = 2.0            # seconds of GEMMs before the first size, so the GPU runs at its full clock
-API_BATCH_LANES = [None, 256]  # lane tokens of the batched rows: the default (1024 here), and shorter lanes
+API_BATCH_LANES = [None, 256]  # lane tokens of the batched rows: the default (512 for [1024, 192]), and shorter lanes
 API_SHORT_LANES_MB = (4, 128)  # single tensors of these sizes also run with 256-token lanes
 
 
