@@ -104,7 +104,7 @@ DTYPES = {d.name: d for d in (tl.bfloat16, tl.float16, tl.float32)}
 H200 = GPUTarget("cuda", 90, 32)
 # seconds one variant may take to compile here: a user's first call waits for every kernel it launches
 # (on a 2-core CPU machine the codec's kernels take 0.1-3 s each; a histogram whose 64 sampled rows
-# were unrolled took 61-75 s, and a GPU test run ran out of time compiling its specializations)
+# were unrolled took 61-79 s, and a GPU test run ran out of time compiling its specializations)
 COMPILE_SECONDS_MAX = 20
 
 

@@ -140,15 +140,16 @@ GROUPS_PER_PROGRAM = 1  # lane groups per Triton program on a GPU: one warp (wit
 # between layouts through shared memory: 195 / 173 instructions a step decoding / encoding instead of 130 / 117)
 INTERPRETER_GROUPS_PER_PROGRAM = 4  # under Triton's CPU interpreter (tests): the same lanes in a quarter of the programs
 USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by warp vote (see _rans_triton.lanes_before)
-# histogram: sampled tokens a thread walks (<= 255: 8-bit packed counters), a program's tile of
-# [row chunks, components] and its warps. On an NVIDIA H200 (60 x [1024, 192] / 64 MB), one value a
-# thread a step: 8 x 16 78 / 50 us, 16 x 16 88 / 59, 32 x 16 112 / 74, 8 x 32 95 / 63; 16 tokens a
-# thread 137 / 80 (32 a thread for those); 64 tokens a thread halve the programs, so the atomics that
-# flush their bins: 80 / 48 us. Same run (code 3611c08): 64 x [8 x 16] 80 / 48 us; 16 steps of a
-# [32 x 16] tile (4 values a thread a step, one vector load) 77 / 51; 8 steps of [64 x 16] 153 / 84.
-# So the loads' latency is not what bounds it, but the work per value of its loop: then 92 SASS instructions
-# on sm_90 (int16 symbols), 4 of them block barriers of two layout changes through shared memory; on
-# [components, rows] tiles since, 62 and none (test_histogram_loop_keeps_one_layout_on_hopper; not yet timed).
+# histogram: sampled tokens a thread walks (<= 255: 8-bit packed counters), a program's row chunks and
+# components (its tile, [components, row chunks] in the kernel) and its warps. On an NVIDIA H200 (60 x
+# [1024, 192] / 64 MB), one value a thread a step: 8 x 16 78 / 50 us, 16 x 16 88 / 59, 32 x 16 112 / 74,
+# 8 x 32 95 / 63; 16 tokens a thread 137 / 80 (32 a thread for those); 64 tokens a thread halve the
+# programs, so the atomics that flush their bins: 80 / 48 us. Same run (code 3611c08): 64 x [8 x 16]
+# 80 / 48 us; 16 steps of a [32 x 16] tile (4 values a thread a step, one vector load) 77 / 51; 8 steps
+# of [64 x 16] 153 / 84. So the loads' latency is not what bounds it, but the work per value of its
+# loop: then 92 SASS instructions on sm_90 (int16 symbols), 4 of them block barriers of two layout
+# changes through shared memory; on [components, rows] tiles since, 62 and none
+# (test_histogram_loop_keeps_one_layout_on_hopper; not yet timed).
 HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS, HIST_WARPS = 64, 8, 16, 4
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
