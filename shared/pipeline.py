@@ -600,6 +600,10 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
         raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
     if not tensors:
         return []
+    if sync and stream is None:  # a list seen before: its graph, before any other work (the key pins every check)
+        plan = _GRAPHS.get(_graph_key(codecs, tensors))
+        if isinstance(plan, _EncodeGraph):
+            return plan.run(tensors)
     # the common case (every tensor on a GPU, every codec a compute codec) without a Python loop over the list
     everything = all(map(_SYMBOLS, codecs)) and all(getattr(x, "is_cuda", False) for x in tensors)
     if not sync and not everything:
@@ -702,21 +706,37 @@ def _recode_wide(codecs, xs, prepared):
 def _graph_key(codecs, xs):
     """What a CUDA graph of encode_many depends on: each codec's quantizer, projection and lane
     setting (by identity: a new step or basis is a new object), each input's shape, dtype and
-    device, and the stream. None where no graph is kept (too large, under Triton's interpreter)."""
+    device, and the stream. None where no graph applies (graphs off, under Triton's interpreter,
+    during a capture, an input that is not a torch tensor or a codec without a projection). Runs
+    first on every call, so it maps over the lists (a Python loop over 60 tensors costs ~100 us on
+    an NVIDIA H200's host) and reads the stream as the tuple torch.cuda.current_stream() is made
+    from (that call costs ~7 us); _graph_plan applies the size limit."""
     import torch
 
     from .codecs import rans_cuda
 
-    if rans_cuda._interpreting() or sum(map(_NBYTES, xs)) > GRAPH_MAX_BYTES or torch.cuda.is_current_stream_capturing():
+    if GRAPH_MAX_BYTES <= 0 or rans_cuda._interpreting() or torch.cuda.is_current_stream_capturing():
         return None
-    # maps, not Python loops: this runs on every call (a loop over 60 tensors costs ~100 us on an H200's host)
-    return (tuple(map(id, codecs)), tuple(map(id, map(_QUANTIZER, codecs))), tuple(map(id, map(_PROJ, codecs))),
-            tuple(map(_LANE_TOKENS, codecs)), tuple(map(torch.Tensor.size, xs)), tuple(map(_DTYPE, xs)),
-            tuple(map(torch.Tensor.get_device, xs)), torch.cuda.current_stream(xs[0].device))
+    try:
+        devices = tuple(map(torch.Tensor.get_device, xs))
+        return (tuple(map(id, codecs)), tuple(map(id, map(_QUANTIZER, codecs))), tuple(map(_PROJ_LANES, codecs)),
+                tuple(map(torch.Tensor.size, xs)), tuple(map(_DTYPE, xs)), devices,
+                None if devices[0] < 0 else torch._C._cuda_getCurrentStream(devices[0]))
+    except (TypeError, AttributeError):  # not a torch tensor; a codec of another kind
+        return None
+
+
+def _key_stream(key):
+    """The torch.cuda.Stream a graph key names (its last field)."""
+    import torch
+
+    stream_id, device_index, device_type = key[-1]
+    return torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
 
 
 _NBYTES, _DTYPE, _SYMBOLS = operator.attrgetter("nbytes"), operator.attrgetter("dtype"), operator.attrgetter("symbols")
-_QUANTIZER, _PROJ, _LANE_TOKENS = (operator.attrgetter(a) for a in ("quantizer", "_proj", "lane_tokens"))
+_OFF_16 = 15  # an address's bits below 16-byte alignment
+_QUANTIZER, _PROJ_LANES = operator.attrgetter("quantizer"), operator.attrgetter("_proj", "lane_tokens")
 
 
 def _graph_plan(key, codecs, xs, prepared):
@@ -724,7 +744,7 @@ def _graph_plan(key, codecs, xs, prepared):
     while it runs eagerly (first call, no key, water-filled)."""
     from .rdquant import IN_PLACE_DTYPES
 
-    if key is None or any(_drops_components(p[1]) for p in prepared) \
+    if key is None or sum(map(_NBYTES, xs)) > GRAPH_MAX_BYTES or any(_drops_components(p[1]) for p in prepared) \
             or any(_dtype_name(x) not in IN_PLACE_DTYPES for x in xs):
         return None
     return _second_call_graph(_GRAPHS, key, lambda: _EncodeGraph(codecs, xs, prepared, key))
@@ -778,10 +798,12 @@ class _EncodeGraph:
 
         def capture():
             with torch.cuda.graph(self.graph):
-                return _encode_launch(codecs, xs, prepared, sync=True, addresses=self.addresses, retry=True)
+                pending = _encode_launch(codecs, xs, prepared, sync=True, addresses=self.addresses, retry=True)
+                pending.queue_summary_read()  # the summary's copy to the host is part of the replay
+                return pending
 
         self.pending = rans_cuda.holding_cached(self, capture)
-        self.pending.stream = None  # a replay runs on the caller's current stream
+        self.pending.stream = _key_stream(key)  # a replay runs on the current stream the key names
 
     @staticmethod
     def readable(xs, ptrs=None) -> bool:
@@ -789,7 +811,7 @@ class _EncodeGraph:
         import torch
 
         ptrs = ptrs or list(map(torch.Tensor.data_ptr, xs))
-        return all(map(torch.Tensor.is_contiguous, xs)) and not any(p % 16 for p in ptrs)
+        return all(map(torch.Tensor.is_contiguous, xs)) and not any(map(_OFF_16.__and__, ptrs))
 
     def place(self, xs):
         """Points the address table at xs (one small copy, none when they are where the last call's
@@ -968,7 +990,7 @@ def _decode_graph_key(codecs, blobs, device, max_elements):
         return None
     gpu = gpus.pop()
     return (tuple(map(id, codecs)), tuple(map(id, map(_BASIS, codecs))), gpu, str(device), max_elements,
-            torch.cuda.current_stream(gpu))
+            torch._C._cuda_getCurrentStream(gpu))  # what torch.cuda.current_stream() is made from (see _graph_key)
 
 
 _BASIS = operator.attrgetter("basis")
@@ -986,7 +1008,7 @@ def _decode_graph_plan(key, codecs, blobs, jobs):
     T, D = next(iter(shapes))[0]
     if len(jobs) * T * D * 2 > GRAPH_MAX_BYTES:
         return
-    _second_call_graph(_DECODE_GRAPHS, key, lambda: _DecodeGraph(codecs, blobs, jobs))  # jobs in blob order
+    _second_call_graph(_DECODE_GRAPHS, key, lambda: _DecodeGraph(codecs, blobs, jobs, key))  # jobs in blob order
 
 
 class _DecodeGraph:
@@ -997,7 +1019,7 @@ class _DecodeGraph:
     one host synchronization per call, on the decoder's error flags alone: the GEMM may still be
     running when the tensors are returned, ordered on the caller's stream like any torch result."""
 
-    def __init__(self, codecs, blobs, jobs):
+    def __init__(self, codecs, blobs, jobs, key):
         import torch
 
         from .codecs import rans_cuda
@@ -1021,14 +1043,22 @@ class _DecodeGraph:
         self.dec.launch()  # outside the capture: compiles and fills the caches the graph reads
         self.graph = torch.cuda.CUDAGraph()
 
+        # the error flags' copy to the host is part of the replay, and an event recorded after it
+        # marks the decoder's end: the host waits for that alone while the GEMM runs (a copy and an
+        # event record queued after each replay cost ~25 us of host time on an NVIDIA H200)
+        self.err_host = torch.zeros(len(jobs), dtype=torch.int32, pin_memory=True)
+        self.err_flags = self.err_host.numpy()
+
         def capture():
             with torch.cuda.graph(self.graph):
-                return self.dec.launch()
+                rows, err = self.dec.launch()
+                self.err_host.copy_(err, non_blocking=True)
+                return rows, err
 
         rows, self.err = rans_cuda.holding_cached(self, capture)
         self.rows = rans_cuda._stacked(torch, rows)  # [N, T, width], refilled by every replay
         self.proj.coefficient_weights()  # made before the first replay, not inside a timed call
-        self.err_read = rans_cuda.EarlyRead()
+        self.stream, self.decoded = _key_stream(key), torch.cuda.Event()
 
     def run(self, blobs):
         """The tensors, or None where a container differs from the checked one, is corrupt, or is
@@ -1043,9 +1073,10 @@ class _DecodeGraph:
             return None
         self.dec.set_sources(blobs, sources)
         self.graph.replay()
-        self.err_read.start(self.err)  # queued before the GEMM: the host waits for the decoder alone
+        self.decoded.record(self.stream)  # before the GEMM: the host waits for the decoder alone
         values = self.proj.reconstruct_coefficients(self.rows)
-        if self.err_read.wait().numpy().any():  # the one host synchronization
+        self.decoded.synchronize()  # the one host synchronization
+        if self.err_flags.any():
             return None
         return Tensors(values)
 

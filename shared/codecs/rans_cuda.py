@@ -157,7 +157,11 @@ CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per
 # tables 12.9 / 14.3 / 31.7 us at 4 / 2 / 1 warps, meta 7.8 / 8.2 / 10.0; 60 tensors of [1024, 192]
 # (11520): tables 350 / 220 / 184 us, meta 90 / 64 / 47
 TABLE_WARPS, META_WARPS = 4, 2  # up to MANY_COMPONENTS components in a launch
-MANY_COMPONENTS = 1024  # more in one launch: one warp each
+MANY_COMPONENTS = 1024  # more in one launch: one warp each (pack_meta too: 22 -> 12 us for the 60 x [1024, 192] list)
+# registers a thread of the tables kernel may hold with one warp a component: 128 without a bound, so 16
+# warps an SM; the list's tables kernel at 128 / 96 / 80 / 64: 154 / 133 / 128 / 130 us (NVIDIA H200,
+# bytes unchanged), though 80 spills 88 stores
+TABLE_MAXNREG = 80
 TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed at once, symbols per step
 USE_STREAM_PREFETCH = True  # decoder lanes: prefetch each group's stream into L2 a few steps ahead
 USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with the table's reciprocal (prob_bits <= 14),
@@ -241,8 +245,9 @@ class PendingEncode:
         dev = jobs[0].dev
         # the stream the work is queued on, which result() waits for (None: the caller's current one)
         self.stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
-        self._host = None
+        self._host, self._queued = None, False
         self._caller = np.concatenate([np.asarray(m, np.int64) for m in members])
+        self._in_order = bool((self._caller == np.arange(n_t)).all())
         self.spans = torch.empty((n_t, 2), dtype=torch.int64, device=dev)
         self.flags = torch.empty(n_t, dtype=torch.int64, device=dev)
         for job in jobs:
@@ -275,10 +280,28 @@ class PendingEncode:
         self._overflow, self._esc_max = fields.index("overflow"), fields.index("group_escapes_max")
         self._bounds = np.cumsum([0] + [job.N for job in self.jobs])
         self._ecap_rows = np.repeat([job.ecap for job in self.jobs], [job.N for job in self.jobs])
+        # result()'s test of the summary in one comparison: any overflow flag > 0, or escapes > the room
+        self._flagged_cols = [self._overflow, self._esc_max]
+        self._flagged_at = np.stack([np.zeros(len(self._ecap_rows), np.int64), self._ecap_rows], 1)
+        self._queued = False
+
+    def queue_summary_read(self):
+        """Queue the summary's copy into pinned memory now, behind the work queued so far (in a CUDA
+        graph: as part of every replay), so that result() only waits for the stream: the copy and
+        the current-stream lookup after a replay cost ~20 us of host time on an NVIDIA H200."""
+        torch = self.torch
+        if self.summary.device.type != "cuda":  # Triton's CPU interpreter (tests)
+            return
+        self._host = torch.empty(self.summary.shape, dtype=self.summary.dtype, pin_memory=True)
+        self._host.copy_(self.summary, non_blocking=True)
+        self._rows, self._queued = self._host.numpy(), True
 
     def _table(self):
         """Each tensor's summary and span, in the jobs' order, as int64 numpy [N, fields + 2] (a view
         of pinned memory, valid until the next call reads it back)."""
+        if self._queued:
+            self.stream.synchronize()
+            return self._rows
         self._host = read_on_host(self.summary, self._host, self.stream)
         return self._host.numpy()
 
@@ -291,7 +314,7 @@ class PendingEncode:
         the common case is a few numpy operations on the summary table: Python loops over 60
         tensors' rows cost ~70 us, and a dozen numpy calls ~150 us, on an NVIDIA H100's host."""
         rows = self._table()  # the host synchronization
-        if rows[:, self._overflow].any() or (rows[:, self._esc_max] > self._ecap_rows).any():
+        if (rows[:, self._flagged_cols] > self._flagged_at).any():
             return self._refused_or_retried(rows, copy)
         starts, lengths = rows[:, -2], rows[:, -1]
         if not copy:
@@ -302,8 +325,10 @@ class PendingEncode:
         if len(self.jobs) == 1:  # one shape: one slice of the buffer, its containers already in place
             off = self.offsets[0]
             end = int((starts + lengths).max())
-            buf = self.buffer[off:off + (end - off + 15) // 16 * 16].clone()  # within the job's capacity
+            buf = self.buffer.narrow(0, off, (end - off + 15) // 16 * 16).clone()  # within the job's capacity
             moved = starts - off
+            if self._in_order:
+                return Containers(buf, moved, moved + lengths)
         else:
             bounds, parts, shift, new = self._bounds, [], [], 0
             for j, off in enumerate(self.offsets):
@@ -451,7 +476,8 @@ class _EncodeBatch:
                                SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
                                MIN_SHARE=MODEL_MIN_SHARE, TRY_BLOCK=TABLE_TRY_BLOCK, CHUNK=TABLE_CHUNK,
                                NARROW=t.dtype == torch.int16, RECIP=recip,
-                               num_warps=TABLE_WARPS if N * K <= MANY_COMPONENTS else 1)
+                               **(dict(num_warps=TABLE_WARPS) if N * K <= MANY_COMPONENTS
+                                  else dict(num_warps=1, maxnreg=TABLE_MAXNREG)))
         # 3. the lanes: words and escaped values into per-group buffers
         lay = Layout(T, K, S, G, 0, 0, 0)
         self.NL, self.NG, self.cap = lay.n_lanes, lay.n_groups, G * S
@@ -510,7 +536,7 @@ class _EncodeBatch:
                              SEG_FIELDS=len(fields))
         kern["pack_meta"][(K, N)](self.lo, self.W, self.A, self.codes, self.states, self.model, self.scale, self.mu16,
                                   b8, b16, b32, segs, K, self.P, HCAP=self.HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
-                                  SEG_FIELDS=len(fields))
+                                  SEG_FIELDS=len(fields), num_warps=4 if N * K <= MANY_COMPONENTS else 1)
         kern["gather"][(self.NG, N)](self.buf, self.glen, self.gend, self.cap, self.ebuf, self.gesc, self.geend,
                                      self.ecap, b16, b32, segs, self.NG, BLOCK=1024, SEG_FIELDS=len(fields))
         sums = torch.zeros((N, 2), dtype=torch.int64, device=dev)
