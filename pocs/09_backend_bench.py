@@ -35,7 +35,7 @@ Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of 
     nvcomp-zstd      default    2048 gpu_batch         1.444     0.897      8.71     14.03   1.10  matches
     nvcomp-ans       default       - gpu_planes        0.403     0.255    166.51    262.88   1.41  matches
 
-The compute codec through its API on a GPU (`--api`, more than 6 min on an NVIDIA H200: give it 8; the CSV
+The compute codec through its API on a GPU (`--api`, about 1.5-2.5 min on an NVIDIA H200; the CSV
 is written after every point, so a run cut short keeps what it measured): the calls a
 user makes (`TensorCodec.encode` of a CUDA tensor, `decode(blob, device="cuda")`; `encode_many` /
 `decode_many` of 60 KV tensors of one step), wall clock, median of 10 after a warm-up, by tensor
@@ -46,10 +46,10 @@ the CPU decoder's. Repeated encodes and decodes of up to pipeline.GRAPH_MAX_BYTE
 per input byte).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
-    api S=def       4.00    10417   4.57  0.9990     11.76     14.40     47.25     46.77
-    api S=def      64.00   166667   4.60  0.9990    143.47    197.29     54.69     54.64
-    api S=def     256.00   666667   4.61  0.9990    238.73    310.19     55.08     55.23
-    api_batched    23.59 60x1024 S=def    4.51  0.9990     35.44     51.99     53.73     53.63
+    api S=def       4.00    10417   4.56  0.9990     17.82     14.88     46.21     45.17
+    api S=def      64.00   166667   4.60  0.9990    125.88    169.28     52.98     53.04
+    api S=def     256.00   666667   4.61  0.9990    283.80    320.12     54.04     54.03
+    api_batched    23.59 60x1024 S=def    4.51  0.9990     35.52     60.41     51.04     48.48
 
 Where the API's GPU time goes (`--profile`, about 1 min on an NVIDIA H200): each kernel's GPU time per
 eager call (CUDA graphs off) from torch.profiler, encode and decode of 64 and 256 MB tensors and of the
