@@ -38,13 +38,14 @@ Sample output (an NVIDIA H200, --backends raw,nvcomp, synthetic planes; GB/s of 
 The compute codec through its API on a GPU (`--api`, about 1.5-2.5 min on an NVIDIA H200; the CSV
 is written after every point, so a run cut short keeps what it measured): the calls a
 user makes (`TensorCodec.encode` of a CUDA tensor, `decode(blob, device="cuda")`; `encode_many` /
-`decode_many` of 60 KV tensors of one step), wall clock, median of 10 after a warm-up, by tensor
+`decode_many` of 60 KV tensors of one step), wall clock, median of 20 turns after a warm-up (each turn a call of
+encode, decode and both copies in a row, so that the host's drifts fall on the codec and the copy alike), by tensor
 size from 0.25 to 512 MB, beside the pinned PCIe copy of the same bytes timed in the same run.
 Every round trip is checked for cos >= 0.999 first, and up to 16 MB the GPU decode is compared with
 the CPU decoder's. Repeated encodes and decodes of up to pipeline.GRAPH_MAX_BYTES (1 GiB) replay a CUDA graph
 (columns encode_graph, decode_graph; metrics encode_graph_held / decode_graph_held: the GPU memory each graph keeps,
 per input byte).
-Sample output (an NVIDIA H200; GB/s of bf16):
+Sample output (an NVIDIA H200, code 261b354, each call then timed in its own block of 10; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s
     api S=def       4.00    10417   4.56  0.9990     17.82     14.88     46.21     45.17
     api S=def      64.00   166667   4.60  0.9990    125.88    169.28     52.98     53.04
@@ -376,7 +377,7 @@ API_TARGET_COS = 0.999        # the step is calibrated for this on held-out-free
 API_TARGET_PCIE = 5           # the figure's reference line: this many times the PCIe copy's rate
 API_BATCH = 60                # tensors in one batched call: one 30-layer model's K and V of one step
 API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one layer's K of a 1K chunk)
-API_REPEATS = 10              # timed calls per point (median)
+API_REPEATS = 20              # timed turns per point (median), each turn one call of encode, decode and both copies
 API_WARMUP_S = 2.0            # seconds of GEMMs before the first size, so the GPU runs at its full clock
 API_BATCH_LANES = [None, 256]  # lane tokens of the batched rows: the default (512 for [1024, 192]), and shorter lanes
 API_SHORT_LANES_MB = (4, 128)  # single tensors of these sizes also run with 256-token lanes
@@ -411,20 +412,26 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats, saved=lambda: None):
     basis = calibrate_step(fit_basis([calib], k=D), [calib], API_TARGET_COS)
     test_t = torch.from_numpy(test).to(torch.bfloat16)
 
-    def wall(fn):
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+    def in_turns(calls: dict) -> dict:
+        """{name: median seconds} of each call (wall clock, to its synchronize), timed in turns: one call
+        of each, repeats times. Runs of one code on one machine differed by 15-20% at a size when each
+        call was timed in its own block, as the host's speed drifts; in turns, a slow spell falls on
+        the codec and the copy it is compared with alike."""
+        for fn in calls.values():
             fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
+        torch.cuda.synchronize()
+        ts = {name: [] for name in calls}
+        for _ in range(repeats):
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                ts[name].append(time.perf_counter() - t0)
+        return {name: float(np.median(t)) for name, t in ts.items()}
 
     def add(path, metric, value, unit, mb, **kw):
         res.add(backend="rans", path=path, metric=metric, value=value, unit=unit, tensor_mb=mb, source=desc,
-                target_cos=API_TARGET_COS, **kw)
+                target_cos=API_TARGET_COS, timing="in turns", repeats=repeats, **kw)
 
     # an idle GPU sits at a low clock and takes a while to reach its full one: without this, the
     # first (smallest) sizes were timed partly at the low clock (4 MB encode: 8.4 GB/s, 14.1 in a probe)
@@ -453,15 +460,12 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats, saved=lambda: None):
         graph = nbytes <= pipeline.GRAPH_MAX_BYTES
         lanes = dict(lane_tokens=lane_tokens or "default", encode_graph=graph, decode_graph=graph)
         pipeline.drop_graphs()  # so the memory a graph holds is this size's alone
-        m0 = torch.cuda.memory_allocated()
-        t_enc = wall(lambda: codec.encode(x))
-        m1 = torch.cuda.memory_allocated()
-        t_dec = wall(lambda: codec.decode(blob, device="cuda"))
-        m2 = torch.cuda.memory_allocated()
+        m0, m1, m2 = graphs_made(lambda: codec.encode(x), lambda: codec.decode(blob, device="cuda"))
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         flat = x.view(-1).view(torch.uint8)
-        t_d2h = wall(lambda: pinned.copy_(flat, non_blocking=True))
-        t_h2d = wall(lambda: flat.copy_(pinned, non_blocking=True))
+        t = in_turns({"enc": lambda: codec.encode(x), "d2h": lambda: pinned.copy_(flat, non_blocking=True),
+                      "dec": lambda: codec.decode(blob, device="cuda"), "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
+        t_enc, t_dec, t_d2h, t_h2d = t["enc"], t["dec"], t["d2h"], t["h2d"]
         ratio = nbytes / blob.numel()
         for metric, t in (("encode_gbps", t_enc), ("decode_gbps", t_dec)):
             add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D, **lanes)
@@ -486,11 +490,27 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats, saved=lambda: None):
         saved()
 
     for lane_tokens in API_BATCH_LANES:
-        bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens)
+        bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, lane_tokens)
         saved()
 
 
-def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
+def graphs_made(encode, decode, calls: int = 3):
+    """GPU memory allocated before, after `calls` encodes and after as many decodes: the second call of
+    each makes its CUDA graph (pipeline._second_call_graph), so the differences are what the graphs keep."""
+    import torch
+
+    m0 = torch.cuda.memory_allocated()
+    for _ in range(calls):
+        encode()
+    torch.cuda.synchronize()
+    m1 = torch.cuda.memory_allocated()
+    for _ in range(calls):
+        decode()
+    torch.cuda.synchronize()
+    return m0, m1, torch.cuda.memory_allocated()
+
+
+def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, lane_tokens):
     """API_BATCH tensors of one step, one codec each, in one call per direction."""
     from shared.metrics import quality
     from shared import pipeline
@@ -506,15 +526,13 @@ def bench_api_batched(res, torch, basis, test_t, D, wall, add, lane_tokens):
     nbytes = sum(a.numel() * 2 for a in xs)
     mb = nbytes / 1e6
     pipeline.drop_graphs()
-    m0 = torch.cuda.memory_allocated()
-    t_enc = wall(lambda: encode_many(codecs, xs))
-    m1 = torch.cuda.memory_allocated()
-    t_dec = wall(lambda: decode_many(codecs, blobs, device="cuda"))
-    m2 = torch.cuda.memory_allocated()
+    m0, m1, m2 = graphs_made(lambda: encode_many(codecs, xs), lambda: decode_many(codecs, blobs, device="cuda"))
     flat = torch.cat([a.view(-1) for a in xs]).view(torch.uint8)
     pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    t_d2h = wall(lambda: pinned.copy_(flat, non_blocking=True))
-    t_h2d = wall(lambda: flat.copy_(pinned, non_blocking=True))
+    t = in_turns({"enc": lambda: encode_many(codecs, xs), "d2h": lambda: pinned.copy_(flat, non_blocking=True),
+                  "dec": lambda: decode_many(codecs, blobs, device="cuda"),
+                  "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
+    t_enc, t_dec, t_d2h, t_h2d = t["enc"], t["dec"], t["d2h"], t["h2d"]
     ratio = nbytes / sum(b.numel() for b in blobs)
     graph = nbytes <= pipeline.GRAPH_MAX_BYTES
     kw = dict(tokens=API_BATCH_TOKENS, channels=D, tensors=API_BATCH, lane_tokens=lane_tokens or "default",

@@ -408,12 +408,19 @@ def api_speed() -> str | None:
                      f"{lanes}{earlier}", f"{val('api_batched', 'ratio', mb, lanes):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
                      f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x", held("api_batched", mb, lanes)])
     source = df.source.dropna().iloc[0] if "source" in df else ""
+    api = df[df.path.isin(["api", "api_batched"])]
+    turns = api.timing.dropna() if "timing" in api else None
+    if turns is not None and len(turns) and (turns == "in turns").all():
+        timing = (f"median of {int(api.repeats.dropna().iloc[0])} turns, each a call of encode, decode and both "
+                  "copies in a row (so that the host's drifts fall on the codec and the copy alike)")
+    else:  # rows of runs before the turns: each call timed in its own block of 10
+        timing = "median of 10"
     return (_table(rows, ["MB of bf16", "call", "ratio", "encode GB/s", "decode GB/s", "pinned PCIe D2H / H2D GB/s",
                           "codec / PCIe (enc / dec)", "GPU memory a graph keeps (enc / dec, x input)"])
             + f"\n\nTensor: {source}; step calibrated for cos >= 0.999 (every row checked before timing). "
             + "Encode: `TensorCodec.encode(x_cuda)` -> the container in GPU memory; decode: "
             + "`TensorCodec.decode(blob, device=\"cuda\")` of it; batched: `encode_many` / `decode_many`. "
-            + "Wall clock of the call a user makes, median of 10; repeated calls replay a CUDA graph, whose "
+            + f"Wall clock of the call a user makes, {timing}; repeated calls replay a CUDA graph, whose "
             + "buffers stay on the GPU (last column; - : no graph). " + _source(df, "09_backend_bench"))
 
 

@@ -79,3 +79,24 @@ def test_series_styles_are_distinct():
     pairs = [tuple(results.series_style(i).values()) for i in range(70)]
     assert len(set(pairs)) == 70
     assert len({p[0] for p in pairs[:7]}) == 7 and len({p[1] for p in pairs[:7]}) == 7
+
+
+def test_api_table_names_how_its_rows_were_timed(tree, monkeypatch):
+    """The API table's caption follows its CSV: rows timed in turns say so with their repeats; rows
+    of runs before the turns (no timing column) keep the median of 10 they were made with."""
+    from shared import report
+
+    monkeypatch.setattr(report, "RESULTS", tree / "results")
+
+    def api_rows(**timing):
+        rows = [dict(poc="09", device="NVIDIA H200", backend="rans", path="api", metric=m, value=v, unit="u",
+                     tensor_mb=64.0, lane_tokens="default", source="demo", **timing)
+                for m, v in (("encode_gbps", 150.0), ("decode_gbps", 200.0), ("ratio", 4.6))]
+        rows += [dict(poc="09", device="NVIDIA H200", backend="rans", path="pcie_copy", metric=m, value=50.0,
+                      unit="GB/s", tensor_mb=64.0, source="demo", **timing) for m in ("d2h_gbps", "h2d_gbps")]
+        pd.DataFrame(rows).to_csv(tree / "results" / "09_backend_bench.csv", index=False)
+        return report.api_speed()
+
+    turns = api_rows(timing="in turns", repeats=20)
+    assert "median of 20 turns" in turns and "3.00x / 4.00x" in turns
+    assert "median of 10;" in api_rows()
