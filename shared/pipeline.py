@@ -715,13 +715,17 @@ def _graph_key(codecs, xs):
 
     from .codecs import rans_cuda
 
-    if GRAPH_MAX_BYTES <= 0 or rans_cuda._interpreting() or torch.cuda.is_current_stream_capturing():
+    if GRAPH_MAX_BYTES <= 0 or rans_cuda._interpreting():
         return None
     try:
         devices = tuple(map(torch.Tensor.get_device, xs))
+        # a host tensor is coded without a graph; checked before the capture query, which a
+        # CPU-only build of torch cannot answer
+        if not devices or min(devices) < 0 or torch.cuda.is_current_stream_capturing():
+            return None
         return (tuple(map(id, codecs)), tuple(map(id, map(_QUANTIZER, codecs))), tuple(map(_PROJ_LANES, codecs)),
                 tuple(map(torch.Tensor.size, xs)), tuple(map(_DTYPE, xs)), devices,
-                None if devices[0] < 0 else torch._C._cuda_getCurrentStream(devices[0]))
+                torch._C._cuda_getCurrentStream(devices[0]))
     except (TypeError, AttributeError):  # not a torch tensor; a codec of another kind
         return None
 

@@ -481,6 +481,28 @@ def test_decoded_tensors_are_views_of_one_stacked_tensor_made_when_indexed():
         out[4]
 
 
+def test_encode_many_on_host_tensors_equals_single_calls():
+    """encode_many / decode_many on CPU tensors (no GPU, or a CPU-only build of torch): the bytes
+    single calls write, the tensors single decodes return; nothing asks CUDA a question it cannot
+    answer without a GPU."""
+    from shared.pipeline import decode_many, encode_many
+    from shared.rdquant import calibrate_step
+
+    codecs, xs = [], []
+    for layer in range(3):
+        rows = torch.from_numpy(low_rank(512, 32, seed=layer)).to(torch.bfloat16)
+        basis = calibrate_step(fit_basis([rows[:256]], k=24), [rows[:256]], 0.999)
+        codecs.append(TensorCodec(basis, backend="rans"))
+        xs.append(rows[256:])
+    for _ in range(2):  # a repeat is where a GPU call would look for its graph
+        blobs = encode_many(codecs, xs)
+        assert [bytes(b) for b in blobs] == [bytes(c.encode(x)) for c, x in zip(codecs, xs)]
+        ys = decode_many(codecs, blobs)
+        for c, b, y, x in zip(codecs, blobs, ys, xs):
+            assert torch.equal(y, c.decode(b))
+            assert quality(x.float().numpy(), y.float().numpy())["cos_mean"] >= 0.99
+
+
 @pytest.mark.gpu
 def test_encode_many_equals_single_calls_and_names_the_corrupt_blob():
     """encode_many over 12 layers' tensors (each its own basis and calibrated step) writes the
