@@ -59,8 +59,8 @@ CHANNELS = 256         # columns (channels) of each synthetic tensor
 FRAME = 256            # frame side, pixels
 PRESET = "medium"      # x265 preset
 CODECS = [             # (backend, settings, label)
-    ("x265", {"qp": None}, "lossless"),
-    ("x265", {"qp": 18}, "qp18"),
+    ("x265", {"qp": None, "preset": PRESET}, "lossless"),
+    ("x265", {"qp": 18, "preset": PRESET}, "qp18"),
     ("ffv1", {}, "lossless"),
     ("zstd", {"level": 19}, "level19"),
 ]
@@ -108,7 +108,7 @@ def run(quick: bool) -> ResultsWriter:
         # low_rank_pca keeps only the 8 components that carry the signal: the point of the PCA step
         if basis is not None:
             basis = basis.truncate(8)
-        codec = TensorCodec(basis, backend=backend, frame_size=frame, preset=PRESET, **settings)
+        codec = TensorCodec(basis, backend=backend, frame_size=frame, **settings)
         t0 = time.perf_counter()
         blob = codec.encode(x)
         x_hat = codec.decode(blob)

@@ -249,6 +249,7 @@ class TensorCodec:
             self.backend = None
         else:
             self.backend = get_backend(backend)
+            self.backend.check_settings(codec_settings)  # a typo (QP=18) is an error here, not a silent default
         self.decoder = get_backend(decoder) if decoder else None
         if bits != 8:
             raise ConfigurationError(f"the frame path carries 8-bit planes; got bits={bits}")
@@ -442,7 +443,9 @@ class TensorCodec:
             "dtype": dtype,
             "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
             "quant": {"kind": "per_channel", "bits": self.bits},
-            "codec": {"id": codec_id, "settings": self.codec_settings},
+            # where the session ran (threads, gpu, stream) is not part of the stream
+            "codec": {"id": codec_id, "settings": {k: v for k, v in self.codec_settings.items()
+                                                   if k not in schema.RESERVED_SETTINGS}},
             "frames": layout.to_dict(),
             "fallback": fallback,
         }
@@ -518,7 +521,8 @@ class TensorCodec:
             backend = self.decoder
         layout = schema.frame_layout(header)
         quantizer = PerChannelQuantizer.from_bytes(chunks["QPAR"], bits=header["quant"]["bits"])
-        with backend.decoder(layout.width, layout.height, **header["codec"]["settings"]) as dec:
+        # the header names the encoder's settings; the decoder takes those it knows (the stream says the rest)
+        with backend.decoder(layout.width, layout.height, **backend.accepted(header["codec"]["settings"])) as dec:
             dec.expect_frames(layout.n_frames)
             dec.submit(chunks["DATA"])
             frames = dec.flush()

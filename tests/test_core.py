@@ -108,14 +108,14 @@ def smooth_frames(n=3, size=64):
     return np.stack([np.stack([base + 10 * c + 3 * i for c in range(3)]) for i in range(n)]).clip(0, 255).astype(np.uint8)
 
 
-@pytest.mark.parametrize("name,settings", [("x265", {}), ("ffv1", {}), ("zstd", {}), ("raw", {}),
-                                           ("ffmpeg-x265", {})])
+@pytest.mark.parametrize("name,settings", [("x265", {"preset": "ultrafast"}), ("ffv1", {}), ("zstd", {}), ("raw", {}),
+                                           ("ffmpeg-x265", {"preset": "ultrafast"})])
 def test_lossless_backends_are_bit_exact_across_session_reuse(name, settings):
     backend = get_backend(name)
     if backend.unavailable_reason():
         pytest.skip(backend.unavailable_reason())
     frames = smooth_frames()
-    with backend.encoder(64, 64, preset="ultrafast", **settings) as enc, backend.decoder(64, 64) as dec:
+    with backend.encoder(64, 64, **settings) as enc, backend.decoder(64, 64) as dec:
         for _ in range(2):  # a session is reusable after flush
             enc.submit(frames[:2])
             enc.submit(frames[2:])
@@ -167,6 +167,27 @@ def test_unknown_codec_id_is_named():
         get_backend("h266", from_bitstream=True)
 
 
+def test_a_setting_a_backend_does_not_know_is_named():
+    """A typo (QP= for qp=) or a setting of another backend is a configuration error that names it,
+    the close name and the ones the backend takes, when the codec is made and when a session opens;
+    decoders take their encoder's settings (a header carries them); a header does not carry where
+    a session ran (zstd's threads), so such a blob still decodes."""
+    x = torch.from_numpy(low_rank(256, 32, seed=3)).to(torch.bfloat16)
+    with pytest.raises(ConfigurationError, match=r"'QP' \(did you mean 'qp'\?\); it takes: intra, preset, qp"):
+        TensorCodec(None, backend="x265", QP=18)
+    with pytest.raises(ConfigurationError, match="'level'"):
+        TensorCodec(None, backend="x265", level=3)
+    with pytest.raises(ConfigurationError, match="zstd' encoder does not know the setting.*'qp'"):
+        get_backend("zstd").encoder(64, 64, qp=18)
+    with pytest.raises(ConfigurationError, match="'ffv1' encoder does not know.*it takes: no settings"):
+        get_backend("ffv1").encoder(64, 64, preset="fast")
+    get_backend("x265").decoder(64, 64, qp=18, preset="fast").close()  # a header's settings
+    codec = TensorCodec(None, backend="zstd", frame_size=64, level=5, threads=1)
+    blob = codec.encode(x)
+    assert read_header(blob)["codec"]["settings"] == {"level": 5}
+    assert torch.equal(codec.decode(blob), TensorCodec(None, backend="zstd", frame_size=64).decode(blob))
+
+
 def test_availability_prints_a_table():
     table = availability()
     text = str(table)
@@ -193,11 +214,11 @@ def make_tensor(dtype=torch.bfloat16, tokens=300, dim=64):
     return torch.from_numpy(low_rank(tokens, dim)).to(dtype)
 
 
-@pytest.mark.parametrize("backend", ["x265", "ffv1", "zstd"])
-def test_pipeline_roundtrip_preserves_shape_dtype_and_quality(backend):
+@pytest.mark.parametrize("backend,settings", [("x265", {"preset": "ultrafast"}), ("ffv1", {}), ("zstd", {})])
+def test_pipeline_roundtrip_preserves_shape_dtype_and_quality(backend, settings):
     x = make_tensor()
     basis = fit_basis([x], k=16)
-    codec = TensorCodec(basis, backend=backend, frame_size=64, preset="ultrafast")
+    codec = TensorCodec(basis, backend=backend, frame_size=64, **settings)
     blob = codec.encode(x)
     y = codec.decode(blob)
     assert y.shape == x.shape and y.dtype == torch.bfloat16

@@ -19,12 +19,13 @@ part on real hardware (NVENC/NVDEC) and in FFmpeg, so benchmarks keep sessions o
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Sequence
 from typing import Callable
 
 import numpy as np
 
-from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError, UnknownBackend
+from ..errors import BackendUnavailable, BitstreamError, ConfigurationError, InvalidTensorError, UnknownBackend
 
 
 class LazyViews(Sequence):
@@ -172,6 +173,11 @@ class Backend:
     lossless: True when decode(encode(x)) == x for every setting (zstd); None when it depends on
         the settings (x265 with qp=None is lossless, with qp=N is not).
     probe: returns None when the backend can run here, else a sentence saying why not and the fix.
+    settings: the settings its encoder takes (they travel in the bitstream header, so its decoder
+        takes them too and needs none of them: the stream says the rest); None where they go on
+        to a library that checks them itself (nvCOMP's codec options).
+    decoder_settings: settings only its decoder takes (where and how it runs on this machine).
+    A setting outside these is a ConfigurationError naming it (a typo such as QP= is not ignored).
     """
 
     name: str
@@ -184,6 +190,33 @@ class Backend:
     device: str = "cpu"  # "cpu" or "cuda": where its sessions do their work
     # Backends with the same stream format read each other's payloads (x265 -> NVDEC).
     stream_format: str | None = None
+    settings: tuple[str, ...] | None = ()
+    decoder_settings: tuple[str, ...] = ()
+
+    def check_settings(self, settings: dict, decoder: bool = False) -> None:
+        """Raise ConfigurationError naming each setting this backend's encoder (decoder=False) or
+        decoder does not take, with the closest known name and the full list."""
+        if self.settings is None:
+            return
+        known = set(self.settings) | (set(self.decoder_settings) if decoder else set())
+        unknown = sorted(set(settings) - known)
+        if not unknown:
+            return
+        lower = {k.lower(): k for k in known}
+        named = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key).lower(), list(lower), n=1)
+            named.append(f"{key!r}" + (f" (did you mean {lower[close[0]]!r}?)" if close else ""))
+        takes = ", ".join(sorted(known)) or "no settings"
+        raise ConfigurationError(f"codec backend '{self.name}' {'decoder' if decoder else 'encoder'} does not know the "
+                                 f"setting(s) {', '.join(named)}; it takes: {takes}")
+
+    def accepted(self, settings: dict) -> dict:
+        """The settings of a bitstream header this backend's decoder takes (a header written by
+        another backend of the same stream format names that backend's encoder settings)."""
+        if self.settings is None:
+            return dict(settings)
+        return {k: v for k, v in settings.items() if k in self.settings}
 
     def unavailable_reason(self) -> str | None:
         return self.probe()
@@ -194,10 +227,12 @@ class Backend:
             raise BackendUnavailable(f"codec backend '{self.name}' is not available here: {reason}")
 
     def encoder(self, width: int, height: int, **settings) -> EncoderSession:
+        self.check_settings(settings)
         self.require()
         return self.encoder_cls(width, height, **settings)
 
     def decoder(self, width: int, height: int, **settings) -> DecoderSession:
+        self.check_settings(settings, decoder=True)
         self.require()
         return self.decoder_cls(width, height, **settings)
 

@@ -76,7 +76,7 @@ class SubprocessDecoder(BufferedDecoder):
 
 
 FFMPEG_X265 = register(Backend(
-    name="ffmpeg-x265", kind="frames",
+    name="ffmpeg-x265", kind="frames", settings=("qp", "preset"),
     description="libx265 through one ffmpeg subprocess per call (the baseline); same stream format as 'x265'",
     encoder_cls=SubprocessEncoder, decoder_cls=SubprocessDecoder, probe=_probe, lossless=None,
     stream_format="hevc-annexb",

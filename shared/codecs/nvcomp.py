@@ -411,7 +411,7 @@ def _make_backend(key: str) -> Backend:
     enc = type(f"Nvcomp{ALGORITHMS[key]}Encoder", (_NvcompEncoder,), {"key": key})
     dec = type(f"Nvcomp{ALGORITHMS[key]}Decoder", (_NvcompDecoder,), {"key": key})
     return register(Backend(
-        name=f"nvcomp-{key}", kind="bytes",
+        name=f"nvcomp-{key}", kind="bytes", settings=None,  # chunk_size and nvcomp.Codec's options
         description=f"nvCOMP {ALGORITHMS[key]} on the GPU (plane bytes, {DEFAULT_CHUNK // 1024} KiB chunks by default)",
         encoder_cls=enc, decoder_cls=dec, probe=_probe, lossless=True, device="cuda",
     ))

@@ -474,6 +474,7 @@ class NvencEncoder(EncoderSession):
 
 NVDEC_HEVC = register(Backend(
     name=NAME, kind="frames", device="cuda", lossless=None, probe=probe,
+    settings=("qp", "preset", "gpu", "stream"), decoder_settings=("gpu", "stream", "bit_depth"),
     description="NVIDIA NVDEC HEVC 4:4:4 decode through PyNvVideoCodec (frames straight into CUDA tensors); "
                 "its encoder is NVENC, absent on the NVIDIA H200",
     encoder_cls=NvencEncoder, decoder_cls=NvdecDecoder, stream_format="hevc-annexb",

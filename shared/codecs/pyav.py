@@ -257,7 +257,7 @@ class FFV1Decoder(_AvDecoder):
 
 
 X265 = register(Backend(
-    name="x265", kind="frames",
+    name="x265", kind="frames", settings=("qp", "preset", "intra"),
     description="libx265 HEVC 4:4:4 8-bit in process (PyAV); qp=None lossless, else constant QP",
     encoder_cls=X265Encoder, decoder_cls=HevcDecoder, probe=lambda: _probe_av("libx265"), lossless=None,
     stream_format="hevc-annexb",

@@ -72,6 +72,6 @@ class ZstdDecoder(BufferedDecoder):
 
 
 ZSTD = register(Backend(
-    name="zstd", kind="bytes", description="zstd (level 19 by default) on the raw plane bytes, CPU",
+    name="zstd", kind="bytes", settings=("level", "threads"), description="zstd (level 19 by default) on the raw plane bytes, CPU",
     encoder_cls=ZstdEncoder, decoder_cls=ZstdDecoder, probe=_probe, lossless=True,
 ))
