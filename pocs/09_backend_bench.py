@@ -377,7 +377,8 @@ API_TARGET_COS = 0.999        # the step is calibrated for this on held-out-free
 API_TARGET_PCIE = 5           # the figure's reference line: this many times the PCIe copy's rate
 API_BATCH = 60                # tensors in one batched call: one 30-layer model's K and V of one step
 API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one layer's K of a 1K chunk)
-API_REPEATS = 20              # timed turns per point (median), each turn one call of encode, decode and both copies
+API_TURNS = 6                 # turns per point; each turn times encode, D2H copy, decode, H2D copy in a row
+API_BLOCK = 4                 # timed calls of each in a turn (median over turns), after one timed apart
 API_WARMUP_S = 2.0            # seconds of GEMMs before the first size, so the GPU runs at its full clock
 API_BATCH_LANES = [None, 256]  # lane tokens of the batched rows: the default (512 for [1024, 192]), and shorter lanes
 API_SHORT_LANES_MB = (4, 128)  # single tensors of these sizes also run with 256-token lanes
@@ -396,7 +397,7 @@ def api_source():
     return x[:4096], x[4096:], "synthetic PCA-like [T, 192] (no exported captures; run make planes)"
 
 
-def bench_api(res: ResultsWriter, torch, sizes_mb, repeats, saved=lambda: None):
+def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
     """Round trip checked first (quality, and GPU decode == CPU decode of the same container), then timed.
     saved() runs after each point (the CSV so far survives a run cut short)."""
     import time
@@ -412,26 +413,30 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats, saved=lambda: None):
     basis = calibrate_step(fit_basis([calib], k=D), [calib], API_TARGET_COS)
     test_t = torch.from_numpy(test).to(torch.bfloat16)
 
-    def in_turns(calls: dict) -> dict:
-        """{name: median seconds} of each call (wall clock, to its synchronize), timed in turns: one call
-        of each, repeats times. Runs of one code on one machine differed by 15-20% at a size when each
-        call was timed in its own block, as the host's speed drifts; in turns, a slow spell falls on
-        the codec and the copy it is compared with alike."""
+    def in_turns(calls: dict) -> tuple[dict, dict]:
+        """({name: median seconds} of each call in steady use, {name: median seconds} of its first call
+        after the others'), wall clock to its synchronize. The calls take turns (API_TURNS), so the
+        host's drifts fall on the codec and the copy it is compared with alike (runs of one code
+        differed by 15-20% at a size when each was timed in its own block); in each turn a call runs
+        once after the others' (timed apart: a PCIe copy leaves the SMs idle, and a codec call right
+        after one ran 5-30% slower on an NVIDIA H200 at a full SM clock), then API_BLOCK times in a row."""
         for fn in calls.values():
             fn()
         torch.cuda.synchronize()
-        ts = {name: [] for name in calls}
-        for _ in range(repeats):
+        steady, first = {name: [] for name in calls}, {name: [] for name in calls}
+        for _ in range(API_TURNS):
             for name, fn in calls.items():
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                ts[name].append(time.perf_counter() - t0)
-        return {name: float(np.median(t)) for name, t in ts.items()}
+                for i in range(1 + API_BLOCK):
+                    t0 = time.perf_counter()
+                    fn()
+                    torch.cuda.synchronize()
+                    (first if i == 0 else steady)[name].append(time.perf_counter() - t0)
+        med = lambda ts: {name: float(np.median(t)) for name, t in ts.items()}  # noqa: E731
+        return med(steady), med(first)
 
     def add(path, metric, value, unit, mb, **kw):
         res.add(backend="rans", path=path, metric=metric, value=value, unit=unit, tensor_mb=mb, source=desc,
-                target_cos=API_TARGET_COS, timing="in turns", repeats=repeats, **kw)
+                target_cos=API_TARGET_COS, timing="blocks in turns", repeats=API_TURNS * API_BLOCK, **kw)
 
     # an idle GPU sits at a low clock and takes a while to reach its full one: without this, the
     # first (smallest) sizes were timed partly at the low clock (4 MB encode: 8.4 GB/s, 14.1 in a probe)
@@ -442,7 +447,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats, saved=lambda: None):
     torch.cuda.synchronize()
     del warm
     print(f"{'path':12s} {'MB':>7s} {'T':>8s} {'ratio':>6s} {'cos':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s} "
-          f"{'D2H GB/s':>9s} {'H2D GB/s':>9s}")
+          f"{'D2H GB/s':>9s} {'H2D GB/s':>9s} {'after a copy: enc / dec':>24s}")
     runs = [(mb, None) for mb in sizes_mb] + [(mb, 256) for mb in sizes_mb if API_SHORT_LANES_MB[0] <= mb <= API_SHORT_LANES_MB[1]]
     for mb, lane_tokens in runs:
         T = max(1, int(round(mb * 1e6 / (2 * D))))
@@ -463,11 +468,14 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats, saved=lambda: None):
         m0, m1, m2 = graphs_made(lambda: codec.encode(x), lambda: codec.decode(blob, device="cuda"))
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         flat = x.view(-1).view(torch.uint8)
-        t = in_turns({"enc": lambda: codec.encode(x), "d2h": lambda: pinned.copy_(flat, non_blocking=True),
-                      "dec": lambda: codec.decode(blob, device="cuda"), "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
+        t, t1 = in_turns({"enc": lambda: codec.encode(x), "d2h": lambda: pinned.copy_(flat, non_blocking=True),
+                          "dec": lambda: codec.decode(blob, device="cuda"),
+                          "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
         t_enc, t_dec, t_d2h, t_h2d = t["enc"], t["dec"], t["d2h"], t["h2d"]
         ratio = nbytes / blob.numel()
         for metric, t in (("encode_gbps", t_enc), ("decode_gbps", t_dec)):
+            add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D, **lanes)
+        for metric, t in (("encode_gbps_after_copy", t1["enc"]), ("decode_gbps_after_copy", t1["dec"])):
             add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D, **lanes)
         add("api", "encode_ms", t_enc * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
         add("api", "decode_ms", t_dec * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
@@ -486,7 +494,8 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, repeats, saved=lambda: None):
             add("pcie_copy", "d2h_gbps", nbytes / t_d2h / 1e9, "GB/s", mb, tokens=T, channels=D)
             add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, tokens=T, channels=D)
         print(f"{'api S=' + str(lane_tokens or 'def'):12s} {mb:7.2f} {T:8d} {ratio:6.2f} {q['cos_mean']:7.4f} {nbytes / t_enc / 1e9:9.2f} "
-              f"{nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} {nbytes / t_h2d / 1e9:9.2f}")
+              f"{nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} {nbytes / t_h2d / 1e9:9.2f} "
+              f"{nbytes / t1['enc'] / 1e9:14.2f} / {nbytes / t1['dec'] / 1e9:7.2f}")
         saved()
 
     for lane_tokens in API_BATCH_LANES:
@@ -529,9 +538,9 @@ def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, 
     m0, m1, m2 = graphs_made(lambda: encode_many(codecs, xs), lambda: decode_many(codecs, blobs, device="cuda"))
     flat = torch.cat([a.view(-1) for a in xs]).view(torch.uint8)
     pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    t = in_turns({"enc": lambda: encode_many(codecs, xs), "d2h": lambda: pinned.copy_(flat, non_blocking=True),
-                  "dec": lambda: decode_many(codecs, blobs, device="cuda"),
-                  "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
+    t, t1 = in_turns({"enc": lambda: encode_many(codecs, xs), "d2h": lambda: pinned.copy_(flat, non_blocking=True),
+                      "dec": lambda: decode_many(codecs, blobs, device="cuda"),
+                      "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
     t_enc, t_dec, t_d2h, t_h2d = t["enc"], t["dec"], t["d2h"], t["h2d"]
     ratio = nbytes / sum(b.numel() for b in blobs)
     graph = nbytes <= pipeline.GRAPH_MAX_BYTES
@@ -539,6 +548,8 @@ def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, 
               encode_graph=graph, decode_graph=graph)
     add("api_batched", "encode_gbps", nbytes / t_enc / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "decode_gbps", nbytes / t_dec / 1e9, "GB/s of bf16", mb, **kw)
+    add("api_batched", "encode_gbps_after_copy", nbytes / t1["enc"] / 1e9, "GB/s of bf16", mb, **kw)
+    add("api_batched", "decode_gbps_after_copy", nbytes / t1["dec"] / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "encode_us_per_tensor", t_enc / API_BATCH * 1e6, "us", mb, **kw)
     add("api_batched", "decode_us_per_tensor", t_dec / API_BATCH * 1e6, "us", mb, **kw)
     if graph:
@@ -550,7 +561,7 @@ def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, 
     add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, batched=API_BATCH, **kw)
     print(f"{'api_batched':12s} {mb:7.2f} {API_BATCH}x{API_BATCH_TOKENS} S={lane_tokens or 'def':<4} {ratio:6.2f} {cos:7.4f} "
           f"{nbytes / t_enc / 1e9:9.2f} {nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} "
-          f"{nbytes / t_h2d / 1e9:9.2f}")
+          f"{nbytes / t_h2d / 1e9:9.2f} {nbytes / t1['enc'] / 1e9:14.2f} / {nbytes / t1['dec'] / 1e9:7.2f}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,7 +843,7 @@ if __name__ == "__main__":
         res = ResultsWriter("09", "backend_bench", gpu=True)
         path = Path(args.out) if args.out else res.path
         # the other backends' rows stay; this run's API rows replace the earlier run's, saved after each size
-        bench_api(res, torch, [float(s) for s in args.api_sizes.split(",")], API_REPEATS,
+        bench_api(res, torch, [float(s) for s in args.api_sizes.split(",")],
                   lambda: merge_rows(path, res.frame(), ["api", "api_batched", "pcie_copy"]))
         print(f"merged {len(res.rows)} API rows into {path}")
         args.plot_only = True

@@ -381,6 +381,10 @@ def api_speed() -> str | None:
         enc, dec = val(path, "encode_graph_held", mb, lanes), val(path, "decode_graph_held", mb, lanes)
         return "-" if enc != enc else f"{enc:.1f}x / {dec:.1f}x"
 
+    def after_copy(path, mb, lanes):
+        enc, dec = val(path, "encode_gbps_after_copy", mb, lanes), val(path, "decode_gbps_after_copy", mb, lanes)
+        return "-" if enc != enc else f"{enc:.1f} / {dec:.1f}"
+
     rows = []
     api = df[df.path == "api"]
     lane_values = sorted(set(api.lane_tokens.astype(str)), key=lambda s: (s != "default", s)) \
@@ -395,7 +399,7 @@ def api_speed() -> str | None:
             earlier = f" ({earlier})" if earlier else ""
             rows.append([f"{mb:g}", f"one tensor, lane tokens {lanes}{earlier}", f"{val('api', 'ratio', mb, lanes):.2f}x",
                          f"{enc:.2f}", f"{dec:.2f}", f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x",
-                         held("api", mb, lanes)])
+                         after_copy("api", mb, lanes), held("api", mb, lanes)])
     batched = df[(df.path == "api_batched") & (df.metric == "encode_gbps")]
     for r in batched.itertuples():
         lanes = str(getattr(r, "lane_tokens", "default"))
@@ -406,17 +410,24 @@ def api_speed() -> str | None:
         earlier = f" ({earlier})" if earlier else ""
         rows.append([f"{mb:.1f}", f"{int(r.tensors)} x [{int(r.tokens)}, {int(r.channels)}] in one call, lane tokens "
                      f"{lanes}{earlier}", f"{val('api_batched', 'ratio', mb, lanes):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
-                     f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x", held("api_batched", mb, lanes)])
+                     f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x",
+                     after_copy("api_batched", mb, lanes), held("api_batched", mb, lanes)])
     source = df.source.dropna().iloc[0] if "source" in df else ""
     api = df[df.path.isin(["api", "api_batched"])]
     turns = api.timing.dropna() if "timing" in api else None
-    if turns is not None and len(turns) and (turns == "in turns").all():
+    if turns is not None and len(turns) and (turns == "blocks in turns").all():
+        timing = (f"median of {int(api.repeats.dropna().iloc[0])} calls in turns: encode, D2H copy, decode, H2D copy "
+                  "take turns (so that the host's drifts fall on the codec and the copy alike), each turn a few "
+                  "calls of one in a row after one timed apart: that first call after the other's is the "
+                  "'right after a copy' column (a PCIe copy leaves the SMs idle, and the call after it runs slower)")
+    elif turns is not None and len(turns) and (turns == "in turns").all():
         timing = (f"median of {int(api.repeats.dropna().iloc[0])} turns, each a call of encode, decode and both "
                   "copies in a row (so that the host's drifts fall on the codec and the copy alike)")
     else:  # rows of runs before the turns: each call timed in its own block of 10
         timing = "median of 10"
     return (_table(rows, ["MB of bf16", "call", "ratio", "encode GB/s", "decode GB/s", "pinned PCIe D2H / H2D GB/s",
-                          "codec / PCIe (enc / dec)", "GPU memory a graph keeps (enc / dec, x input)"])
+                          "codec / PCIe (enc / dec)", "right after a copy: enc / dec GB/s",
+                          "GPU memory a graph keeps (enc / dec, x input)"])
             + f"\n\nTensor: {source}; step calibrated for cos >= 0.999 (every row checked before timing). "
             + "Encode: `TensorCodec.encode(x_cuda)` -> the container in GPU memory; decode: "
             + "`TensorCodec.decode(blob, device=\"cuda\")` of it; batched: `encode_many` / `decode_many`. "

@@ -88,10 +88,10 @@ def test_api_table_names_how_its_rows_were_timed(tree, monkeypatch):
 
     monkeypatch.setattr(report, "RESULTS", tree / "results")
 
-    def api_rows(**timing):
+    def api_rows(after=(), **timing):
         rows = [dict(poc="09", device="NVIDIA H200", backend="rans", path="api", metric=m, value=v, unit="u",
                      tensor_mb=64.0, lane_tokens="default", source="demo", **timing)
-                for m, v in (("encode_gbps", 150.0), ("decode_gbps", 200.0), ("ratio", 4.6))]
+                for m, v in (("encode_gbps", 150.0), ("decode_gbps", 200.0), ("ratio", 4.6), *after)]
         rows += [dict(poc="09", device="NVIDIA H200", backend="rans", path="pcie_copy", metric=m, value=50.0,
                       unit="GB/s", tensor_mb=64.0, source="demo", **timing) for m in ("d2h_gbps", "h2d_gbps")]
         pd.DataFrame(rows).to_csv(tree / "results" / "09_backend_bench.csv", index=False)
@@ -99,4 +99,8 @@ def test_api_table_names_how_its_rows_were_timed(tree, monkeypatch):
 
     turns = api_rows(timing="in turns", repeats=20)
     assert "median of 20 turns" in turns and "3.00x / 4.00x" in turns
+    blocks = api_rows(timing="blocks in turns", repeats=24,
+                      after=(("encode_gbps_after_copy", 120.0), ("decode_gbps_after_copy", 180.0)))
+    assert "median of 24 calls in turns" in blocks and "3.00x / 4.00x" in blocks
+    assert "| 120.0 / 180.0 |" in blocks  # the first call after a copy, in its own column
     assert "median of 10;" in api_rows()
