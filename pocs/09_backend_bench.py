@@ -421,7 +421,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
         host's drifts fall on the codec and the copy it is compared with alike (runs of one code
         differed by 15-20% at a size when each was timed in its own block); in each turn a call runs
         once after the others' (timed apart: a PCIe copy leaves the SMs idle, and a codec call right
-        after one ran 5-30% slower on an NVIDIA H200 at a full SM clock), then API_BLOCK times in a row."""
+        after one took 13-33% longer to encode and 4-30% to decode on an NVIDIA H200 at a full SM clock), then API_BLOCK times in a row."""
         for fn in calls.values():
             fn()
         torch.cuda.synchronize()
