@@ -194,6 +194,12 @@ def _is_tensor(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
+# what a codec's CUDA graphs are made from: setting one gives the codec a new token, an object no
+# other codec holds (a count would repeat in a process that unpickles a codec), so one read per
+# codec keys a graph (TensorCodec.__setattr__)
+_GRAPH_FIELDS = frozenset({"basis", "quantizer", "_proj", "lane_tokens", "water_fill"})
+
+
 class TensorCodec:
     """basis (or None for the raw channels) -> quantizer -> codec -> a self-describing bitstream.
 
@@ -265,6 +271,18 @@ class TensorCodec:
         # on the GPU the symbols go from the projection to the coder as int16 (a third less memory
         # traffic than int32) until a tensor's values outgrow int16; then int32 for this codec
         self._wide_symbols = False
+
+    def __setattr__(self, name, value):
+        """Setting what a CUDA graph of this codec was made from (basis, step, lane length) gives
+        the codec a new graph token, so encode_many and decode_many key their graphs by one read
+        per codec instead of three. A new basis drops the projections and header made from the old one."""
+        object.__setattr__(self, name, value)
+        if name in _GRAPH_FIELDS:
+            if name == "basis":
+                for made in ("_proj", "_cpu_proj", "_front"):
+                    self.__dict__.pop(made, None)
+                object.__setattr__(self, "_proj", None)
+            object.__setattr__(self, "_graph_token", object())
 
     # -- the stages, exposed so benchmarks can time them separately ---------------------------
     def _project(self, values: np.ndarray) -> np.ndarray:
@@ -708,9 +726,9 @@ def _recode_wide(codecs, xs, prepared):
 
 
 def _graph_key(codecs, xs):
-    """What a CUDA graph of encode_many depends on: each codec's quantizer, projection and lane
-    setting (by identity: a new step or basis is a new object), each input's shape, dtype and
-    device, and the stream. None where no graph applies (graphs off, under Triton's interpreter,
+    """What a CUDA graph of encode_many depends on: each codec's basis, quantizer, projection and
+    lane setting (its graph token, new whenever one of them is set: a new step or basis is a new
+    object), each input's shape, dtype and device, and the stream. None where no graph applies (graphs off, under Triton's interpreter,
     during a capture, an input that is not a torch tensor or a codec without a projection). Runs
     first on every call, so it maps over the lists (a Python loop over 60 tensors costs ~100 us on
     an NVIDIA H200's host) and reads the stream as the tuple torch.cuda.current_stream() is made
@@ -727,8 +745,7 @@ def _graph_key(codecs, xs):
         # CPU-only build of torch cannot answer
         if not devices or min(devices) < 0 or torch.cuda.is_current_stream_capturing():
             return None
-        return (tuple(map(id, codecs)), tuple(map(id, map(_QUANTIZER, codecs))), tuple(map(_PROJ_LANES, codecs)),
-                tuple(map(torch.Tensor.size, xs)), tuple(map(_DTYPE, xs)), devices,
+        return (tuple(map(_GRAPH_TOKEN, codecs)), tuple(map(_SHAPE, xs)), tuple(map(_DTYPE, xs)), devices,
                 torch._C._cuda_getCurrentStream(devices[0]))
     except (TypeError, AttributeError):  # not a torch tensor; a codec of another kind
         return None
@@ -744,7 +761,7 @@ def _key_stream(key):
 
 _NBYTES, _DTYPE, _SYMBOLS = operator.attrgetter("nbytes"), operator.attrgetter("dtype"), operator.attrgetter("symbols")
 _OFF_16 = 15  # an address's bits below 16-byte alignment
-_QUANTIZER, _PROJ_LANES = operator.attrgetter("quantizer"), operator.attrgetter("_proj", "lane_tokens")
+_GRAPH_TOKEN, _SHAPE = operator.attrgetter("_graph_token"), operator.attrgetter("shape")
 
 
 def _graph_plan(key, codecs, xs, prepared):
@@ -978,7 +995,7 @@ _DECODE_GRAPHS = {}  # key -> _DecodeGraph, or the number of eager calls seen wi
 
 
 def _decode_graph_key(codecs, blobs, device, max_elements):
-    """What a CUDA graph of decode_many depends on: each codec (by identity) and its basis, the one
+    """What a CUDA graph of decode_many depends on: each codec and its basis (its graph token), the one
     GPU holding every blob, the output device, the limit, and the stream; the containers
     themselves are held against the ones checked when the graph was made, on the GPU, every call.
     None where no graph applies (a blob on the host or on another GPU, under Triton's interpreter).
@@ -997,11 +1014,8 @@ def _decode_graph_key(codecs, blobs, device, max_elements):
     if len(gpus) != 1 or -1 in gpus or torch.cuda.is_current_stream_capturing():
         return None
     gpu = gpus.pop()
-    return (tuple(map(id, codecs)), tuple(map(id, map(_BASIS, codecs))), gpu, str(device), max_elements,
+    return (tuple(map(_GRAPH_TOKEN, codecs)), gpu, str(device), max_elements,
             torch._C._cuda_getCurrentStream(gpu))  # what torch.cuda.current_stream() is made from (see _graph_key)
-
-
-_BASIS = operator.attrgetter("basis")
 
 
 def _decode_graph_plan(key, codecs, blobs, jobs):

@@ -502,6 +502,31 @@ def test_decoded_tensors_are_views_of_one_stacked_tensor_made_when_indexed():
         out[4]
 
 
+def test_a_codec_given_a_new_basis_codes_with_it():
+    """Setting what a codec's graphs are made from (basis, step, lane length) gives it a new graph
+    token; a new basis also drops what was made from the old one, so the next blob names and uses it."""
+    from shared.rdquant import RDQuantizer
+
+    x = torch.from_numpy(low_rank(512, 32, seed=1)).to(torch.bfloat16)
+    old, new = (fit_basis([torch.from_numpy(low_rank(256, 32, seed=s)).to(torch.bfloat16)], k=k) for s, k in ((2, 24), (3, 16)))
+    codec = TensorCodec(old, backend="rans", step=0.05)
+    first = codec.encode(x)
+    token = codec._graph_token
+    codec.quantizer = RDQuantizer(0.05)
+    assert codec._graph_token is not token
+    token = codec._graph_token
+    codec.min_cos = 0.5  # not part of a graph: the token stays
+    assert codec._graph_token is token
+    codec.basis = new
+    assert codec._graph_token is not token
+    second = codec.encode(x)
+    assert read_header(first)["basis"] == {"hash": old.content_hash, "k": 24}
+    assert read_header(second)["basis"] == {"hash": new.content_hash, "k": 16}
+    assert bytes(second) == bytes(TensorCodec(new, backend="rans", step=0.05).encode(x))
+    with pytest.raises(BasisMismatchError):
+        codec.decode(first)
+
+
 def test_encode_many_on_host_tensors_equals_single_calls():
     """encode_many / decode_many on CPU tensors (no GPU, or a CPU-only build of torch): the bytes
     single calls write, the tensors single decodes return; nothing asks CUDA a question it cannot
