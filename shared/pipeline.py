@@ -613,19 +613,22 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
     which made the inputs); the host synchronization then waits for that stream alone.
     sync=False (every tensor a CUDA tensor on the compute codec): no host synchronization at all;
     returns a rans_cuda.PendingEncode whose buffer and spans (start, length of each container,
-    on the device) can be sent as they are, and whose result() gives the blobs.
+    on the device) can be sent as they are, and whose result() gives the blobs. Calls queued this
+    way run back to back on the GPU while the host prepares the next (a pipeline's steady state);
+    keep each call's inputs unchanged until its work has run.
 
     A list of codecs and shapes seen again (a decode step's KV, a pipeline stage's activations)
     of up to GRAPH_MAX_BYTES is replayed as one CUDA graph: one launch for every kernel, inputs
-    copied into the graph's buffers, the blobs copied out of them."""
+    read in place, the blobs copied out of the graph's buffers (sync=False: one graph per list
+    for that mode, its outputs copied out on the stream)."""
     if len(codecs) != len(tensors):
         raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
     if not tensors:
         return []
-    if sync and stream is None:  # a list seen before: its graph, before any other work (the key pins every check)
-        plan = _GRAPHS.get(_graph_key(codecs, tensors))
+    if stream is None:  # a list seen before: its graph, before any other work (the key pins every check)
+        plan = _GRAPHS.get(_mode_key(_graph_key(codecs, tensors), sync))
         if isinstance(plan, _EncodeGraph):
-            return plan.run(tensors)
+            return plan.run(tensors) if sync else plan.queue(tensors)
     # the common case (every tensor on a GPU, every codec a compute codec) without a Python loop over the list
     everything = all(map(_SYMBOLS, codecs)) and all(getattr(x, "is_cuda", False) for x in tensors)
     if not sync and not everything:
@@ -642,13 +645,15 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
             return out
         cs, xs = [codecs[i] for i in gpu], [tensors[i] for i in gpu]
     with _on_stream(stream):
-        key = _graph_key(cs, xs) if sync else None
+        key = _mode_key(_graph_key(cs, xs), sync)
         plan = _GRAPHS.get(key)
         if not isinstance(plan, _EncodeGraph):  # a repeat skips the checks: the key pins every codec and shape
             prepared = [c._cuda_prepare(x) for c, x in zip(cs, xs)]
             if key is not None:  # a first call makes the codecs' projections (and quantizers): part of the key
-                key = _graph_key(cs, xs)
+                key = _mode_key(_graph_key(cs, xs), sync)
             plan = _graph_plan(key, cs, xs, prepared)
+        if plan is not None and not sync:
+            return plan.queue(xs)
         if plan is not None:
             blobs = plan.run(xs)
         else:
@@ -751,6 +756,16 @@ def _graph_key(codecs, xs):
         return None
 
 
+_QUEUED = "queued"  # first field of the key of a graph that encode_many(sync=False) replays
+
+
+def _mode_key(key, sync: bool):
+    """The graph key of encode_many with sync=False: the same list's key marked, since that graph
+    codes as the eager sync=False path does (int32 symbols, escape room for every value: no
+    container needs coding again once queued) and copies its outputs out on the stream."""
+    return key if sync or key is None else (_QUEUED,) + key
+
+
 def _key_stream(key):
     """The torch.cuda.Stream a graph key names (its last field)."""
     import torch
@@ -796,7 +811,9 @@ def _second_call_graph(graphs: dict, key, make):
 
 class _EncodeGraph:
     """encode_many of one list of codecs and shapes as a CUDA graph: every kernel of the projection
-    and the coder, the containers in a buffer of worst-case room. The projection reads each call's
+    and the coder, the containers in a buffer of worst-case room. run() (sync=True) reads the
+    summary and copies the containers out after one synchronization; queue() (sync=False, a key
+    made by _mode_key) queues the replay and a copy of its outputs, and returns at once. The projection reads each call's
     inputs where they are, through a table of their addresses (copied to the GPU only when they
     moved): no input is copied into the graph (at 256 MB that copy cost 155 us on an NVIDIA H200),
     but one the kernel cannot read in place (not contiguous, or not 16-byte aligned), which is
@@ -810,21 +827,24 @@ class _EncodeGraph:
         self.key, self.groups = key, _encode_groups(xs, prepared)
         dev = xs[0].device
         self.order = [i for idx in self.groups for i in idx]  # the address table's order: group by group
-        self.addr_host = torch.zeros(len(xs), dtype=torch.int64).pin_memory()
         self.addr = torch.zeros(len(xs), dtype=torch.int64, device=dev)
         at = np.cumsum([0] + [len(idx) for idx in self.groups])
         self.addresses = [self.addr[a:b] for a, b in zip(at[:-1], at[1:])]
         self.held = (codecs, prepared, [c._proj for c in codecs])  # keeps the key's ids unique
         self._last, self.staging = None, {}
         self.place(xs)
+        queued = key[0] == _QUEUED
+        # sync=False: int32 symbols and escape room for every value, as the eager path codes them
+        mode = dict(sync=False, retry=False, narrow=False) if queued else dict(sync=True, retry=True)
         # compiles the in-place variant of the projection outside the capture
-        _encode_launch(codecs, xs, prepared, sync=True, addresses=self.addresses, retry=True)
+        _encode_launch(codecs, xs, prepared, addresses=self.addresses, **mode)
         self.graph = torch.cuda.CUDAGraph()
 
         def capture():
             with torch.cuda.graph(self.graph):
-                pending = _encode_launch(codecs, xs, prepared, sync=True, addresses=self.addresses, retry=True)
-                pending.queue_summary_read()  # the summary's copy to the host is part of the replay
+                pending = _encode_launch(codecs, xs, prepared, addresses=self.addresses, **mode)
+                if not queued:  # the summary's copy to the host is part of the replay
+                    pending.queue_summary_read()
                 return pending
 
         self.pending = rans_cuda.holding_cached(self, capture)
@@ -848,8 +868,11 @@ class _EncodeGraph:
             ptrs = [p if self.readable([x], [p]) else self._staged(i, x) for i, (x, p) in enumerate(zip(xs, ptrs))]
         if ptrs == self._last:
             return
-        self.addr_host.numpy()[:] = [ptrs[i] for i in self.order]
-        self.addr.copy_(self.addr_host, non_blocking=True)
+        # a new pinned block each time: a queued call's copy may not have run when the next call
+        # places its inputs (torch's caching host allocator keeps a block until its copy has run)
+        host = torch.empty(len(ptrs), dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = [ptrs[i] for i in self.order]
+        self.addr.copy_(host, non_blocking=True)
         self._last = ptrs
 
     def _staged(self, i, x) -> int:
@@ -858,6 +881,17 @@ class _EncodeGraph:
         if i not in self.staging:
             self.staging[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return self.staging[i].copy_(x).data_ptr()
+
+    def queue(self, xs):
+        """encode_many(sync=False) by the graph: a rans_cuda.PendingEncode whose buffer, spans and
+        flags are copies of the replay's own (on the stream, after it), so later calls may replay
+        the graph before its result() is read. The inputs are read in place: keep them unchanged
+        until the queued work has run."""
+        self.place(xs)
+        self.graph.replay()
+        queued = self.pending.detached()
+        queued.recode = _recode_wide(self.held[0], xs, self.held[1])  # this call's tensors
+        return queued
 
     def run(self, xs) -> list:
         self.place(xs)

@@ -619,6 +619,15 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     spans = pending.spans.tolist()
     assert all(torch.equal(pending.buffer[a:a + n], y) for (a, n), y in zip(spans, eager[0]))
     assert not pending.flags.any()
+    # sync=False again: its own graph (int32 symbols, as the eager path), calls queued back to back
+    # without a synchronization, each pending keeping its own copy of the containers
+    queued = [encode_many(codecs, xs, sync=False) for xs in (first, second, first, second, second)]
+    assert sum(isinstance(v, pipeline._EncodeGraph) and k[0] == pipeline._QUEUED
+               for k, v in pipeline._GRAPHS.items()) == 1
+    assert len({p.buffer.data_ptr() for p in queued}) == len(queued)
+    for p, want in zip(queued, [eager[0], eager[1], eager[0], eager[1], eager[1]]):
+        assert all(torch.equal(p.buffer[a:a + n], y) for (a, n), y in zip(p.spans.tolist(), want))
+        assert all(torch.equal(x, y) for x, y in zip(p.result(), want))
     with pytest.raises(ConfigurationError, match="sync=False"):
         encode_many([TensorCodec(basis, backend="rans")], [first[0].cpu()], sync=False)
     # the graph reads inputs in place: ones it cannot (a transposed view, an address off 16 bytes)

@@ -278,6 +278,36 @@ def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
 
 
 @needs_triton
+def test_triton_interpreter_tables_int64_fallbacks_write_the_same_bytes():
+    """The tables kernel's int64 paths, which the host picks where counts or bit costs could pass
+    int32 (COUNTS32 / COSTS32 False: tensors far longer than a test's), forced on short tensors."""
+    run_interpreted("""
+        import torch
+        rans_tables.HIST_SAMPLE_ROWS = 64  # a sampled histogram (stride > 1) too
+        kern = rans_cuda._kernels()
+        tables = kern["tables"]
+
+        class Forced:  # the launch, with the kernel's int32 switches overridden
+            def __init__(self, **over):
+                self.over = over
+
+            def __getitem__(self, grid):
+                return lambda *args, **kw: tables[grid](*args, **{**kw, **self.over})
+
+        all_cases = cases()
+        xs = [pca_like(300, 20), all_cases["heavy_tails"][:300], pca_like(1024, 12)]
+        for over in (dict(COUNTS32=True, COSTS32=False), dict(COUNTS32=False, COSTS32=False)):
+            kern["tables"] = Forced(**over)
+            for i, x in enumerate(xs):
+                for prob_bits in (9, 12):
+                    payload = rans.encode(x, lane_tokens=64, prob_bits=prob_bits)
+                    got = rans_cuda.encode_cuda(torch.from_numpy(x), lane_tokens=64, prob_bits=prob_bits)
+                    assert bytes(got.numpy()) == payload, (over, i, prob_bits)
+        kern["tables"] = tables
+    """)
+
+
+@needs_triton
 def test_triton_interpreter_rejects_corruption():
     run_interpreted("""
         import torch
@@ -329,6 +359,14 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
                                              sync=False)
         assert [bytes(pending.buffer[a:a + n].numpy()) for a, n in pending.spans.tolist()] == want
         assert not pending.flags.any() and [bytes(m.numpy()) for m in pending.result(copy=False)] == want
+        # detached: its own copy of the containers (up to the last one's end), spans and flags,
+        # untouched when the buffers it was copied from are written again (a graph's next replay)
+        kept = pending.detached()
+        for t in (pending.buffer, pending.spans, pending.flags, pending.summary):
+            t.fill_(7)
+        assert [bytes(kept.buffer[a:a + n].numpy()) for a, n in kept.spans.tolist()] == want
+        assert not kept.flags.any() and [bytes(m.numpy()) for m in kept.result()] == want
+        assert kept.buffer.data_ptr() != pending.buffer.data_ptr()
         with pytest.raises(ValueError, match="multiples of 16"):
             rans_cuda.encode_many_cuda(ts[:1], fronts=[b"x" * 8])
         bad = bytearray(payloads[3])
@@ -477,11 +515,12 @@ def test_lanes_kernels_compile_to_lean_loops_for_hopper():
 
 
 # The encoder's tables kernel for one component of a short tensor (9-bit tables, one warp, as for a KV
-# step's 60 x 192 components), SASS on sm_90, when written: 2646 instructions outside its loops (3400
-# while bit lengths took a 32-step loop and the reciprocals' multipliers a float64 division each), 582
-# in a step of its model search when the alphabet fits one chunk (906 with two passes over it), 40 in
-# a step of a table's normalization (91 dividing by the weights' sum)
-TABLES_BUDGET = {"outside_loops": 2800, "search_step": 650, "bisection_step": 50}
+# step's 60 x 192 components), SASS on sm_90, when written: 1688 instructions outside its loops (was
+# 2646 with int64 counts, scans, sums and costs; 3400 while bit lengths took a 32-step loop and the
+# reciprocals' multipliers a float64 division each), 383 in a step of its model search when the
+# alphabet fits one chunk (was 582 in int64; 906 with two passes over it), 40 in a step of a table's
+# normalization (91 dividing by the weights' sum); 3336 in all (was 5128)
+TABLES_BUDGET = {"outside_loops": 1750, "search_step": 410, "bisection_step": 45}
 
 
 @needs_triton
@@ -500,7 +539,8 @@ def test_tables_kernel_compiles_lean_for_hopper():
                       ENTRY_COST=rans_tables.TABLE_ENTRY_COST, HAS_GUARD=False, N_SHAPES=rans_tables.N_SHAPES,
                       SEARCH=rans_tables.MODEL_SEARCH, SHAPE_STEPS=rans_tables.SHAPE_STEPS,
                       PARAM_BYTES=rans_tables.PARAM_BYTES, MIN_SHARE=rans_tables.MODEL_MIN_SHARE,
-                      TRY_BLOCK=rans_cuda.TABLE_TRY_BLOCK, CHUNK=rans_cuda.TABLE_CHUNK, NARROW=False, RECIP=True)
+                      TRY_BLOCK=rans_cuda.TABLE_TRY_BLOCK, CHUNK=rans_cuda.TABLE_CHUNK, NARROW=False, RECIP=True,
+                      COUNTS32=True, COSTS32=True)  # as the host sets them for T = 1024
         sig.update({k: "constexpr" for k in consts})
         lines = sass(fn, sig, consts, 1)
         end = min(a for a, l in lines if re.search(r"\s EXIT ;", l))  # the fallbacks past it run only on divergence

@@ -16,10 +16,12 @@ def bitlen(v):
 
 @triton.jit
 def mf_encode(v):
-    e = tl.maximum(bitlen(v) - 4, 2)
+    """minifloat_encode() of weights 0 <= v < 2^18, in v's integer type: their bit lengths from the
+    exponent of float32(v), exact below 2^24 (bitlen's float64 costs twice the instructions)."""
+    e = tl.maximum(tl.where(v > 0, (v.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0) - 4, 2).to(v.dtype)
     q = (v + ((v * 0 + 1) << (e - 2))) >> (e - 1)
     carry = q >= 32
-    e = e + carry.to(tl.int64)
+    e = e + carry.to(v.dtype)
     q = tl.where(carry, 16, q)
     return tl.where(v < 32, v, e * 16 + q - 16)
 
@@ -34,7 +36,8 @@ def divisor(d):
     (so that 2^(32+l) fits): l = ceil(log2 d), m = ceil(2^(32+l) / d) - 2^32 < 2^32, Granlund and
     Montgomery's round-up method as in recip_entry; one integer division for all the quotients by d."""
     l = bitlen(d - 1)
-    m = (((d * 0 + 1) << (32 + l)) + d - 1) // d - (1 << 32)
+    # unsigned: every operand is non-negative, and the unsigned 64-bit division is the shorter routine
+    m = ((((d * 0 + 1) << (32 + l)) + d - 1).to(tl.uint64) // d.to(tl.uint64)).to(tl.int64) - (1 << 32)
     return m, l
 
 
@@ -58,7 +61,7 @@ def _quotient(x, d, m, l, PROB_BITS: tl.constexpr):
 
 @triton.jit
 def normalize_row(w, j, PROB_BITS: tl.constexpr):
-    """Same integer rule as numpy normalize(); returns (freq, cum, ok)."""
+    """Same integer rule as numpy normalize(); returns (freq, cum, ok), freq and cum int32."""
     M: tl.constexpr = 1 << PROB_BITS
     # every weight is < 2^19 (the largest minifloat weight; model weights are < 2^16) and the
     # bisection's mid <= 2^(n+1): for n <= 11 the products and the sum fit int32, and the quotients by
@@ -66,7 +69,7 @@ def normalize_row(w, j, PROB_BITS: tl.constexpr):
     if PROB_BITS <= 11:
         wn = w.to(tl.int32)
     else:
-        wn = w
+        wn = w.to(tl.int64)
     total = tl.sum(wn, 0)
     safe = tl.maximum(total, 1)
     if PROB_BITS <= 11:  # total < 2^28 (at most 2^(n-2) weights below 2^19)
@@ -87,9 +90,11 @@ def normalize_row(w, j, PROB_BITS: tl.constexpr):
         ok = tl.sum(f, 0) <= M
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid)
-    f = tl.where(wn > 0, tl.maximum(_quotient(wn * lo, safe, m, l, PROB_BITS), 1), 0).to(tl.int64)
-    total = total.to(tl.int64)
-    top = tl.argmax(w, 0, tie_break_left=True)
+    # int32 from here (on one warp an int64 scan or sum takes twice the shuffles): the weights are
+    # non-negative, so each w * lo // total <= lo <= 2M, and a row's sums stay below
+    # HCAP * 2M = 2^(2n - 1) <= 2^29; wn holds w exactly, so its argmax is w's
+    f = tl.where(wn > 0, tl.maximum(_quotient(wn * lo, safe, m, l, PROB_BITS), 1), 0).to(tl.int32)
+    top = tl.argmax(wn, 0, tie_break_left=True)
     f = f + tl.where(j == top, M - tl.sum(f, 0), 0)
     good = total > 0
     f = tl.where(good, f, tl.where(j == 0, M, 0))  # a safe table for a corrupt (empty) row
@@ -101,8 +106,10 @@ def first_window(mn, mx, sm, T, A_MAX: tl.constexpr):
     span = mx - mn + 1
     wide = span > A_MAX
     h0 = tl.where(wide, A_MAX - 1, span)
-    # floor(sm / T), written so that both operands are non-negative (no signed-division convention)
-    centre = tl.where(sm >= 0, sm // T, -((T - 1 - sm) // T))
+    # floor(sm / T), written so that both operands are non-negative (no signed-division convention):
+    # one unsigned division, the shorter routine, where two signed ones were
+    q = (tl.where(sm >= 0, sm, T - 1 - sm).to(tl.uint64) // (sm * 0 + T).to(tl.uint64)).to(tl.int64)
+    centre = tl.where(sm >= 0, q, -q)
     lo0 = tl.where(wide, tl.maximum(tl.minimum(centre - (A_MAX - 1) // 2, mx - h0 + 1), mn), mn)
     return lo0, h0, centre
 
@@ -123,10 +130,13 @@ def recip_entry(f, c, mult_ptr, PROB_BITS: tl.constexpr):
     fs = tl.maximum(f, 1)
     # ceil(log2 f) from the exponent of float(f - 1), exact below 2^24 (float32: 16 instructions a
     # component fewer than bitlen's float64 here)
-    l = tl.maximum(((fs - 1).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0).to(tl.int64)
+    l = tl.maximum(((fs - 1).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126, 0)
     m = tl.load(mult_ptr + fs).to(tl.int64)
-    low = tl.where(f > 0, (M - f) | (c << 14) | (l << 28), PROB_BITS << 28)
-    return tl.where(f > 0, m, 0) << 32 | low
+    # the low word built unsigned 32-bit (0 <= f <= 2^n, 0 <= c <= 2^n: no field reaches bit 32) and
+    # zero-extended, where int64 operations took two instructions each
+    fu = f.to(tl.uint32)
+    low = tl.where(f > 0, (M - fu) | (c.to(tl.uint32) << 14) | (l.to(tl.uint32) << 28), PROB_BITS << 28)
+    return tl.where(f > 0, m, 0) << 32 | low.to(tl.int64)
 
 
 @triton.jit
@@ -266,25 +276,36 @@ SEG_FIELDS = ("base", "len", "lo_el", "wflag_el", "model", "mu16_el", "scale", "
 
 
 @triton.jit
-def model_row(shapes_ptr, inv_ptr, shape, code, mu16, W, has_esc, j64, SHAPE_STEPS: tl.constexpr):
-    """rans_tables.model_weights() for one component: the parametric weights of its HCAP symbols."""
-    inv = tl.load(inv_ptr + code)
-    idx = tl.minimum((tl.abs(16 * j64 - mu16) * inv) >> 24, SHAPE_STEPS - 1)
-    w = tl.maximum(tl.load(shapes_ptr + shape * SHAPE_STEPS + idx).to(tl.int64), 1)
-    return tl.where(j64 < W, w, tl.where((j64 == W) & has_esc, 1, 0))
+def model_row(shapes_ptr, inv_ptr, shape, code, mu16, W, has_esc, j, SHAPE_STEPS: tl.constexpr):
+    """rans_tables.model_weights() for one component: the parametric weights (int32, < 2^16) of its
+    HCAP symbols. |16 j - mu16| < 2^18 (j < HCAP <= 2^13; mu16 an int16, or a mean below 16 HCAP) and
+    the inverse sigmas are <= 2^28, so the step index min(product >> 24, SHAPE_STEPS - 1) comes from
+    one 32 x 32-bit product, its high word (>= 4: the product is >= 2^34, past every step) and its low
+    word, where int64 arithmetic took 2-3 instructions an operation."""
+    tl.static_assert(SHAPE_STEPS <= 1024)
+    inv = tl.load(inv_ptr + code).to(tl.uint32)
+    x = tl.abs(16 * j - mu16).to(tl.uint32)
+    hi = tl.umulhi(x, inv)
+    idx = tl.where(hi >= 4, SHAPE_STEPS - 1, tl.minimum((hi << 8) | ((x * inv) >> 24), SHAPE_STEPS - 1))
+    w = tl.maximum(tl.load(shapes_ptr + shape * SHAPE_STEPS + idx).to(tl.int32), 1)
+    return tl.where(j < W, w, tl.where((j == W) & has_esc, 1, 0))
 
 
 @triton.jit
-def _proxy_cost(wp, wsum, kept_ptr, jc, n, nlog_ptr, PROB_BITS: tl.constexpr):
+def _proxy_cost(wp, wsum, kept_ptr, jc, n, nlog_ptr, PROB_BITS: tl.constexpr, COSTS32: tl.constexpr):
     """fit_models()' cost proxy of one chunk of symbols for a block of candidate models: their weights wp
-    ([candidates, chunk]) normalized by the sums wsum without the table's rule, against the chunk's
-    counts (the first n of kept_ptr's)."""
-    if PROB_BITS <= 11:  # model weights are < 2^16, so the proxy's products fit int32
-        wp = wp.to(tl.int32)
-        wsum = wsum.to(tl.int32)
-    fp = tl.where(wp > 0, tl.maximum(wp * (1 << PROB_BITS) // wsum[:, None], 1), 0)
-    kc = tl.load(kept_ptr + jc, mask=jc < n, other=0).to(tl.int64)
-    return tl.sum(kc[None, :] * tl.load(nlog_ptr + fp), 1)
+    ([candidates, chunk], int32 model_row weights) normalized by the sums wsum without the table's rule,
+    against the chunk's counts (the first n of kept_ptr's). COSTS32: see tables_kernel."""
+    if PROB_BITS <= 11:  # model weights are < 2^16, so the proxy's products fit int32; unsigned: no signs to fix
+        q = (wp * (1 << PROB_BITS)).to(tl.uint32) // wsum.to(tl.uint32)[:, None]
+        fp = tl.where(wp > 0, tl.maximum(q.to(tl.int32), 1), 0)
+    else:
+        fp = tl.where(wp > 0, tl.maximum(wp.to(tl.int64) * (1 << PROB_BITS) // wsum[:, None], 1), 0)
+    kc = tl.load(kept_ptr + jc, mask=jc < n, other=0)
+    if COSTS32:  # where kc = 0, nlog's 2^40 (f = 0) is multiplied by 0 whatever its truncation
+        return tl.sum(kc.to(tl.int32)[None, :] * tl.load(nlog_ptr + fp).to(tl.int32), 1)
+    else:
+        return tl.sum(kc.to(tl.int64)[None, :] * tl.load(nlog_ptr + fp), 1)
 
 
 @triton.jit
@@ -294,7 +315,8 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
                   ESC_COST: tl.constexpr, ENTRY_COST: tl.constexpr, HAS_GUARD: tl.constexpr,
                   N_SHAPES: tl.constexpr, SEARCH: tl.constexpr, SHAPE_STEPS: tl.constexpr,
                   PARAM_BYTES: tl.constexpr, MIN_SHARE: tl.constexpr, TRY_BLOCK: tl.constexpr,
-                  CHUNK: tl.constexpr, NARROW: tl.constexpr = False, RECIP: tl.constexpr = False):
+                  CHUNK: tl.constexpr, NARROW: tl.constexpr = False, RECIP: tl.constexpr = False,
+                  COUNTS32: tl.constexpr = False, COSTS32: tl.constexpr = False):
     """choose_tables() and fit_models() of rans_tables.py for one component, then its rANS table (RECIP:
     int64 entries of recip_entry, whose multipliers recip holds, for the encoder's division-free step;
     else int32 c << 16 | f); sums,
@@ -329,39 +351,65 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     mx = tl.load(mx_ptr + k).to(tl.int64)
     sm = tl.load(sm_ptr + k).to(tl.int64)
     lo0, h0, centre = first_window(mn, mx, sm, T, HCAP)
-    raw = tl.load(counts_ptr + k * HCAP + j).to(tl.int64)
+    # COUNTS32 (set by the host where ESC_COST * R * (n_sampled + HCAP) + ENTRY_COST * HCAP < 2^31 - 1):
+    # the counts, their sums and scans and the trimming costs in int32, where one warp's int64 scan,
+    # sum or argmin takes twice the shuffles. The histogram counts each sampled value at most once,
+    # so sum(raw) <= n_sampled, every count, n_in, scan and n_esc is <= n_sampled + HCAP, and every
+    # trimming cost lies in [-HCAP, ESC_COST * R * (n_sampled + HCAP) + ENTRY_COST * HCAP], below the
+    # int32 sentinel that stands for the int64 one (argmin's ties are the same)
+    if COUNTS32:
+        raw = tl.load(counts_ptr + k * HCAP + j)
+        big = tl.full([HCAP], 2147483647, tl.int32)
+    else:
+        raw = tl.load(counts_ptr + k * HCAP + j).to(tl.int64)
+        big = tl.full([HCAP], 1 << 62, tl.int64)
+    jw = j.to(raw.dtype)
+    h0_32 = h0.to(tl.int32)  # <= HCAP
     outside0 = n_sampled - tl.sum(raw, 0)
-    cnt = tl.where((j64 < h0) & (R > 1), raw + 1, raw)  # a sampled histogram counts each value at least once
+    cnt = tl.where((j < h0_32) & (R > 1), raw + 1, raw)  # a sampled histogram counts each value at least once
     n_in = tl.sum(cnt, 0)
     mode = tl.argmax(cnt, 0, tie_break_left=True)
     incl = tl.cumsum(cnt, 0)
     left_out = incl - cnt
     right_out = n_in - incl
-    big = tl.full([HCAP], 1 << 62, tl.int64)
-    cost_l = tl.where(j <= mode, ESC_COST * R * left_out - ENTRY_COST * j64, big)
+    cost_l = tl.where(j <= mode, ESC_COST * R * left_out - ENTRY_COST * jw, big)
     a = tl.argmin(cost_l, 0, tie_break_left=True)
-    cost_r = tl.where((j >= mode) & (j64 < h0), ENTRY_COST * j64 + ESC_COST * R * right_out, big)
+    cost_r = tl.where((j >= mode) & (j < h0_32), ENTRY_COST * jw + ESC_COST * R * right_out, big)
     b = tl.argmin(cost_r, 0, tie_break_left=True)
     n_esc = outside0 + tl.sum(tl.where(j == a, left_out, 0), 0) + tl.sum(tl.where(j == b, right_out, 0), 0)
-    W = (b - a + 1).to(tl.int64)
+    W32 = b - a + 1  # <= HCAP
+    W = W32.to(tl.int64)
     lo = lo0 + a
     has_esc = (lo > mn) | (lo + W - 1 < mx)
-    kept = tl.load(counts_ptr + k * HCAP + a + j, mask=j < W, other=0).to(tl.int64)
-    kept = tl.where((j < W) & (R > 1), kept + 1, kept)
-    kept = tl.where((j == W) & has_esc, tl.maximum(n_esc, 1), kept)
-    shift = tl.maximum(bitlen(tl.max(kept, 0)) - 18, 0)
+    kept = tl.load(counts_ptr + k * HCAP + a + j, mask=j < W32, other=0).to(raw.dtype)
+    kept = tl.where((j < W32) & (R > 1), kept + 1, kept)
+    kept = tl.where((j == W32) & has_esc, tl.maximum(n_esc, 1), kept)
+    shift = tl.maximum(bitlen(tl.max(kept, 0)) - 18, 0).to(kept.dtype)
     wts = tl.where(kept > 0, tl.maximum(kept >> shift, 1), 0)
     code = mf_encode(wts)
     f, c, good = normalize_row(mf_decode(code), j, PROB_BITS)
     A = W + has_esc.to(tl.int64)
-    # fit_models(): the parametric model that codes the counts in the fewest bits, if it beats the table
-    best = tl.sum(kept * tl.load(nlog_ptr + f), 0) * R + 8 * 65536 * A
-    inside = tl.where(j64 < W, kept, 0)
-    n_in_w = tl.maximum(tl.sum(inside, 0), 1)
-    mu16 = tl.sum(inside * 16 * j64, 0) // n_in_w
-    var16 = tl.sum(inside * (16 * j64 - mu16) * (16 * j64 - mu16), 0) // n_in_w
+    # fit_models(): the parametric model that codes the counts in the fewest bits, if it beats the table.
+    # COSTS32 (set by the host where (n_sampled + HCAP + 1) * 65536 * PROB_BITS < 2^31, and only with
+    # COUNTS32): kept sums to at most n_sampled + HCAP + 1 (the window's counts, those trimmed off
+    # and those outside it are the sample's, plus at most HCAP ones for values it missed, plus the
+    # escape's 1), each of its symbols costs at most nlog[1] = 65536 n (f >= 1 wherever kept > 0), and
+    # 16 j < 65536 n: the costs' sums (table and proxy) and the mean's sum fit int32
+    tl.static_assert(COUNTS32 or not COSTS32)
+    inside = tl.where(j < W32, kept, 0)
+    if COSTS32:
+        best = tl.sum(kept * tl.load(nlog_ptr + f).to(tl.int32), 0).to(tl.int64) * R + 8 * 65536 * A
+        n_in_w = tl.maximum(tl.sum(inside, 0), 1)
+        mu16 = (tl.sum(inside * 16 * j, 0) // n_in_w).to(tl.int64)
+    else:
+        best = tl.sum(kept.to(tl.int64) * tl.load(nlog_ptr + f), 0) * R + 8 * 65536 * A
+        n_in_w = tl.maximum(tl.sum(inside.to(tl.int64), 0), 1)
+        mu16 = tl.sum(inside.to(tl.int64) * 16 * j64, 0) // n_in_w
+    var16 = tl.sum(inside.to(tl.int64) * (16 * j64 - mu16) * (16 * j64 - mu16), 0)
+    var16 = (var16.to(tl.uint64) // n_in_w.to(tl.uint64)).to(tl.int64)  # both >= 0: unsigned, the shorter routine
+    mu16_32 = mu16.to(tl.int32)  # a mean index below HCAP, times 16
     c256 = tl.arange(0, 256)
-    code0 = tl.sum((tl.load(sig2_ptr + c256) < var16).to(tl.int64), 0)
+    code0 = tl.sum((tl.load(sig2_ptr + c256) < var16).to(tl.int32), 0)
     model = best * 0
     best_code = best * 0
     # searched only where a model can pay, and where its mean fits the stored int16 (as rans_tables.fit_models)
@@ -376,27 +424,31 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     tb = tl.arange(0, TRY_BLOCK)
     jc = tl.arange(0, CHUNK)
     kept_row = tab_ptr + k * HCAP
+    # the model weights are < 2^16, so a candidate's sum over at most HCAP <= 2^13 symbols fits int32
     for t0 in range(0, n_try, TRY_BLOCK):
         t = t0 + tb
         shape = tl.minimum(t // (2 * SEARCH + 1), N_SHAPES - 1)
         scode = tl.minimum(tl.maximum(code0 + (t % (2 * SEARCH + 1)) - SEARCH, 0), 255)
         if A <= CHUNK:  # the whole alphabet in one chunk: its weights are made once, not once a pass
-            wp = model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc,
-                           jc.to(tl.int64)[None, :], SHAPE_STEPS)
-            cost = _proxy_cost(wp, tl.sum(wp, 1), kept_row, jc, A, nlog_ptr, PROB_BITS)
+            wp = model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16_32, W32, has_esc,
+                           jc[None, :], SHAPE_STEPS)
+            cost = _proxy_cost(wp, tl.sum(wp, 1), kept_row, jc, A, nlog_ptr, PROB_BITS, COSTS32)
         else:
-            wsum = tl.zeros([TRY_BLOCK], tl.int64)
+            wsum = tl.zeros([TRY_BLOCK], tl.int32)
             for j0 in range(0, A, CHUNK):
-                jj = (j0 + jc).to(tl.int64)[None, :]
-                wsum += tl.sum(model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc, jj,
-                                         SHAPE_STEPS), 1)
-            cost = tl.zeros([TRY_BLOCK], tl.int64)
+                jj = (j0 + jc)[None, :]
+                wsum += tl.sum(model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16_32, W32, has_esc,
+                                         jj, SHAPE_STEPS), 1)
+            cost = tl.zeros([TRY_BLOCK], tl.int32 if COSTS32 else tl.int64)
             for j0 in range(0, A, CHUNK):
-                wp = model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16, W, has_esc,
-                               (j0 + jc).to(tl.int64)[None, :], SHAPE_STEPS)
-                cost += _proxy_cost(wp, wsum, kept_row + j0, jc, A - j0, nlog_ptr, PROB_BITS)
-        cost = tl.where(t < n_try, cost * R + 8 * 65536 * PARAM_BYTES, 1 << 62)
-        c_min = tl.min(cost, 0)
+                wp = model_row(shapes_ptr, inv_ptr, shape[:, None], scode[:, None], mu16_32, W32, has_esc,
+                               (j0 + jc)[None, :], SHAPE_STEPS)
+                cost += _proxy_cost(wp, wsum, kept_row + j0, jc, A - j0, nlog_ptr, PROB_BITS, COSTS32)
+        # a model's bits, cost * R + 8 * 65536 * PARAM_BYTES, increase strictly with its proxy cost (R >= 1), so
+        # the proxy's first minimum is theirs; its sentinel exceeds every proxy cost (see COSTS32), and
+        # the block's first candidate t0 < n_try always counts
+        cost = tl.where(t < n_try, cost, 2147483647 if COSTS32 else 1 << 62)
+        c_min = tl.min(cost, 0).to(tl.int64) * R + 8 * 65536 * PARAM_BYTES
         i = tl.argmin(cost, 0, tie_break_left=True)
         better = c_min < best
         best = tl.where(better, c_min, best)
@@ -405,7 +457,7 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     if n_try > 0:
         tl.debug_barrier()  # every read of the scratch row is done before the table overwrites it
     if model > 0:  # the chosen model's exact table
-        fm, cm, okm = normalize_row(model_row(shapes_ptr, inv_ptr, model - 1, best_code, mu16, W, has_esc, j64,
+        fm, cm, okm = normalize_row(model_row(shapes_ptr, inv_ptr, model - 1, best_code, mu16_32, W32, has_esc, j,
                                               SHAPE_STEPS), j, PROB_BITS)
         f = fm
         c = cm
@@ -778,6 +830,22 @@ def checksum_kernel(ptr, seg_ptr, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.co
             s1 += bw
     tl.atomic_add(out_ptr + 2 * s, tl.sum(s0, 0).to(tl.int64))
     tl.atomic_add(out_ptr + 2 * s + 1, tl.sum(s1, 0).to(tl.int64))
+
+
+@triton.jit
+def copy_used_kernel(src_ptr, dst_ptr, span_ptr, N, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dst[:end] = src[:end] for int64 words, end = the last byte of the N containers (span_ptr:
+    int64 [N, 2], each one's start and length in bytes) rounded up to a word: an encode's
+    containers copied out of a buffer the next call rewrites, sized on the device, so that no host
+    synchronization waits for their lengths. A program copies BLOCK words; those past end return."""
+    n = tl.arange(0, BLOCK_N)
+    start = tl.load(span_ptr + 2 * n, mask=n < N, other=0)
+    length = tl.load(span_ptr + 2 * n + 1, mask=n < N, other=0)
+    end = (tl.max(start + length, 0) + 7) // 8
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    if first < end:
+        offs = first + tl.arange(0, BLOCK)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < end), mask=offs < end)
 
 
 @triton.jit

@@ -9,6 +9,7 @@ host code that sizes buffers and launches the kernels of _rans_triton.py.
 """
 from __future__ import annotations
 
+import copy
 import operator
 import os
 
@@ -48,7 +49,7 @@ def _kernels():
 
     _KERNELS = dict(fields=kt.SUMMARY_FIELDS, seg_fields=kt.SEG_FIELDS, hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
                     pack_meta=kt.pack_meta_kernel, gather=kt.gather_streams_kernel, checksum=kt.checksum_kernel,
-                    finish=kt.finish_checksum_kernel, layout=kt.layout_kernel, fronts=kt.fronts_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel,
+                    finish=kt.finish_checksum_kernel, copy_used=kt.copy_used_kernel, layout=kt.layout_kernel, fronts=kt.fronts_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel,
                     stage=kt.stage_kernel, check_fronts=kt.check_fronts_kernel,
                     recip_max_prob_bits=kt.RECIP_MAX_PROB_BITS)
     return _KERNELS
@@ -152,7 +153,9 @@ USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by wa
 # (test_histogram_loop_keeps_one_layout_on_hopper), and with every 2nd token sampled (hist_row_stride):
 # 36 / 38 us (code 57a8d0f).
 HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS, HIST_WARPS = 64, 8, 16, 4
-CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 15  # checksum: bytes per step, steps per program (product <= 65521)
+CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 4  # checksum: bytes per step, steps per program (product <= 65521); on an NVIDIA
+# H200, 15 / 8 / 4 / 2 / 1 steps: the 60 x [1024, 192] list 17.9 / 10.2 / 8.4 / 9.7 / 8.6 us encoding, 12.5 / 10.1 / 7.1 / 7.6 / 7.2
+# decoding; one 64 MB tensor 11.8 / 12.2 / 11.7 / 16.3 / 18.7 and 14.6 / 16.5 / 15.3 / 14.7 / 13.1 (code d84fbd3)
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
 # (latency), one where there are many (throughput). On an NVIDIA H200, one 16 MB tensor (192 components):
 # tables 12.9 / 14.3 / 31.7 us at 4 / 2 / 1 warps, meta 7.8 / 8.2 / 10.0; 60 tensors of [1024, 192]
@@ -167,6 +170,7 @@ TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed 
 USE_STREAM_PREFETCH = True  # decoder lanes: prefetch each group's stream into L2 a few steps ahead
 USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with the table's reciprocal (prob_bits <= 14),
 # not a 32-bit division (about 16 instructions, three of them quarter-rate, on the state's dependency chain)
+COPY_USED_WORDS = 2048  # PendingEncode.detached: int64 words a program of copy_used_kernel copies
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
 
@@ -285,6 +289,27 @@ class PendingEncode:
         self._flagged_cols = [self._overflow, self._esc_max]
         self._flagged_at = np.stack([np.zeros(len(self._ecap_rows), np.int64), self._ecap_rows], 1)
         self._queued = False
+
+    def detached(self):
+        """This encode's outputs copied out of its buffers, on the stream that made them (no host
+        synchronization): a PendingEncode like this one whose buffer (each container's bytes, the
+        rest of its room unwritten), spans, flags and summary are its own, so that the call that
+        made these buffers (a CUDA graph) can run again before this one's result() is read. The
+        containers are copied up to the last one's end as the device knows it (copy_used_kernel)."""
+        torch = self.torch
+        out = copy.copy(self)
+        out.buffer = torch.empty_like(self.buffer)
+        words = self.buffer.numel() // 8  # the buffer's size is a multiple of 16 (capacity())
+        grid = (triton_cdiv(words, COPY_USED_WORDS),)
+        _kernels()["copy_used"][grid](self.buffer.view(torch.int64), out.buffer.view(torch.int64), self.spans, self.n_t,
+                                      BLOCK=COPY_USED_WORDS, BLOCK_N=_pow2(self.n_t))
+        n_spans = self.spans.numel()
+        meta = torch.cat([self.spans.view(-1), self.flags, self.summary.view(-1)])
+        out.spans = meta[:n_spans].view(self.spans.shape)
+        out.flags = meta[n_spans:n_spans + self.n_t]
+        out.summary = meta[n_spans + self.n_t:].view(self.summary.shape)
+        out._host, out._queued = None, False
+        return out
 
     def queue_summary_read(self):
         """Queue the summary's copy into pinned memory now, behind the work queued so far (in a CUDA
@@ -477,6 +502,10 @@ class _EncodeBatch:
                                SEARCH=MODEL_SEARCH, SHAPE_STEPS=SHAPE_STEPS, PARAM_BYTES=PARAM_BYTES,
                                MIN_SHARE=MODEL_MIN_SHARE, TRY_BLOCK=TABLE_TRY_BLOCK, CHUNK=TABLE_CHUNK,
                                NARROW=t.dtype == torch.int16, RECIP=recip,
+                               # where its counts, then its bit costs, provably fit int32 (see tables_kernel)
+                               COUNTS32=ESCAPE_COST * R * (n_sampled + HCAP) + TABLE_ENTRY_COST * HCAP < 2**31 - 1,
+                               COSTS32=(ESCAPE_COST * R * (n_sampled + HCAP) + TABLE_ENTRY_COST * HCAP < 2**31 - 1
+                                        and (n_sampled + HCAP + 1) * 65536 * n < 2**31),
                                **(dict(num_warps=TABLE_WARPS) if N * K <= MANY_COMPONENTS
                                   else dict(num_warps=1, maxnreg=TABLE_MAXNREG)))
         # 3. the lanes: words and escaped values into per-group buffers
