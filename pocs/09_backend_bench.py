@@ -382,6 +382,7 @@ API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one 
 API_TURNS = 6                 # turns per point; each turn times encode, D2H copy, decode, H2D copy in a row
 API_BLOCK = 4                 # timed calls of each in a turn (median over turns), after one timed apart
 API_WARMUP_S = 2.0            # seconds of GEMMs before the first size, so the GPU runs at its full clock
+API_QUEUE = 8                 # encode calls queued with sync=False before their results are read (a pipeline's steady state)
 API_BATCH_LANES = [None, 256]  # lane tokens of the batched rows: the default (512 for [1024, 192]), and shorter lanes
 API_SHORT_LANES_MB = (4, 128)  # single tensors of these sizes also run with 256-token lanes
 
@@ -407,7 +408,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
     from shared import pipeline
     from shared.basis import fit_basis
     from shared.metrics import quality
-    from shared.pipeline import TensorCodec
+    from shared.pipeline import TensorCodec, encode_many
     from shared.rdquant import calibrate_step
 
     calib, test, desc = api_source()
@@ -449,7 +450,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
     torch.cuda.synchronize()
     del warm
     print(f"{'path':12s} {'MB':>7s} {'T':>8s} {'ratio':>6s} {'cos':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s} "
-          f"{'D2H GB/s':>9s} {'H2D GB/s':>9s} {'after a copy: enc / dec':>24s}")
+          f"{'D2H GB/s':>9s} {'H2D GB/s':>9s} {'after a copy: enc / dec':>24s} {'queued enc':>9s}")
     runs = [(mb, None) for mb in sizes_mb] + [(mb, 256) for mb in sizes_mb if API_SHORT_LANES_MB[0] <= mb <= API_SHORT_LANES_MB[1]]
     for mb, lane_tokens in runs:
         T = max(1, int(round(mb * 1e6 / (2 * D))))
@@ -470,7 +471,9 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
         m0, m1, m2 = graphs_made(lambda: codec.encode(x), lambda: codec.decode(blob, device="cuda"))
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         flat = x.view(-1).view(torch.uint8)
-        t, t1 = in_turns({"enc": lambda: codec.encode(x), "d2h": lambda: pinned.copy_(flat, non_blocking=True),
+        queued = queued_encodes(lambda: encode_many([codec], [x], sync=False), blob)
+        t, t1 = in_turns({"enc": lambda: codec.encode(x), "enc_queued": queued,
+                          "d2h": lambda: pinned.copy_(flat, non_blocking=True),
                           "dec": lambda: codec.decode(blob, device="cuda"),
                           "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
         t_enc, t_dec, t_d2h, t_h2d = t["enc"], t["dec"], t["d2h"], t["h2d"]
@@ -479,6 +482,8 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
             add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D, **lanes)
         for metric, t in (("encode_gbps_after_copy", t1["enc"]), ("decode_gbps_after_copy", t1["dec"])):
             add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D, **lanes)
+        add("api", "encode_gbps_queued", nbytes * API_QUEUE / t["enc_queued"] / 1e9, "GB/s of bf16", mb, tokens=T,
+            channels=D, queued=API_QUEUE, **lanes)
         add("api", "encode_ms", t_enc * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
         add("api", "decode_ms", t_dec * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
         add("api", "ratio", ratio, "x vs bf16", mb, tokens=T, channels=D, **lanes)
@@ -497,12 +502,34 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
             add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, tokens=T, channels=D)
         print(f"{'api S=' + str(lane_tokens or 'def'):12s} {mb:7.2f} {T:8d} {ratio:6.2f} {q['cos_mean']:7.4f} {nbytes / t_enc / 1e9:9.2f} "
               f"{nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} {nbytes / t_h2d / 1e9:9.2f} "
-              f"{nbytes / t1['enc'] / 1e9:14.2f} / {nbytes / t1['dec'] / 1e9:7.2f}")
+              f"{nbytes / t1['enc'] / 1e9:14.2f} / {nbytes / t1['dec'] / 1e9:7.2f} "
+              f"{nbytes * API_QUEUE / t['enc_queued'] / 1e9:9.2f}")
         saved()
 
     for lane_tokens in API_BATCH_LANES:
         bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, lane_tokens)
         saved()
+
+
+def queued_encodes(encode_queued, want):
+    """A function that queues API_QUEUE encodes (encode_queued: one encode_many(..., sync=False),
+    no host synchronization) and then reads each one's result(): a pipeline's steady state, where
+    the host readies a call while the GPU codes the ones before it. Checked first: the second such
+    call makes the sync=False graph, and every queued result equals `want` (the synchronous call's
+    containers, a blob or a list of them)."""
+    import torch
+
+    want = list(want) if isinstance(want, (list, tuple)) or not hasattr(want, "dtype") else [want]
+
+    def queued():
+        pending = [encode_queued() for _ in range(API_QUEUE)]
+        return [p.result() for p in pending]
+
+    for _ in range(3):
+        for got in queued():
+            if len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want)):
+                raise SystemExit("a queued encode (sync=False) wrote other bytes than the synchronous call")
+    return queued
 
 
 def graphs_made(encode, decode, calls: int = 3):
@@ -540,7 +567,9 @@ def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, 
     m0, m1, m2 = graphs_made(lambda: encode_many(codecs, xs), lambda: decode_many(codecs, blobs, device="cuda"))
     flat = torch.cat([a.view(-1) for a in xs]).view(torch.uint8)
     pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    t, t1 = in_turns({"enc": lambda: encode_many(codecs, xs), "d2h": lambda: pinned.copy_(flat, non_blocking=True),
+    queued = queued_encodes(lambda: encode_many(codecs, xs, sync=False), blobs)
+    t, t1 = in_turns({"enc": lambda: encode_many(codecs, xs), "enc_queued": queued,
+                      "d2h": lambda: pinned.copy_(flat, non_blocking=True),
                       "dec": lambda: decode_many(codecs, blobs, device="cuda"),
                       "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
     t_enc, t_dec, t_d2h, t_h2d = t["enc"], t["dec"], t["d2h"], t["h2d"]
@@ -552,6 +581,8 @@ def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, 
     add("api_batched", "decode_gbps", nbytes / t_dec / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "encode_gbps_after_copy", nbytes / t1["enc"] / 1e9, "GB/s of bf16", mb, **kw)
     add("api_batched", "decode_gbps_after_copy", nbytes / t1["dec"] / 1e9, "GB/s of bf16", mb, **kw)
+    add("api_batched", "encode_gbps_queued", nbytes * API_QUEUE / t["enc_queued"] / 1e9, "GB/s of bf16", mb,
+        queued=API_QUEUE, **kw)
     add("api_batched", "encode_us_per_tensor", t_enc / API_BATCH * 1e6, "us", mb, **kw)
     add("api_batched", "decode_us_per_tensor", t_dec / API_BATCH * 1e6, "us", mb, **kw)
     if graph:
@@ -563,7 +594,8 @@ def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, 
     add("pcie_copy", "h2d_gbps", nbytes / t_h2d / 1e9, "GB/s", mb, batched=API_BATCH, **kw)
     print(f"{'api_batched':12s} {mb:7.2f} {API_BATCH}x{API_BATCH_TOKENS} S={lane_tokens or 'def':<4} {ratio:6.2f} {cos:7.4f} "
           f"{nbytes / t_enc / 1e9:9.2f} {nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} "
-          f"{nbytes / t_h2d / 1e9:9.2f} {nbytes / t1['enc'] / 1e9:14.2f} / {nbytes / t1['dec'] / 1e9:7.2f}")
+          f"{nbytes / t_h2d / 1e9:9.2f} {nbytes / t1['enc'] / 1e9:14.2f} / {nbytes / t1['dec'] / 1e9:7.2f} "
+          f"{nbytes * API_QUEUE / t['enc_queued'] / 1e9:9.2f}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -732,6 +764,17 @@ def plot_api(df, name: str = "09_backend_bench_api"):
             ax.plot(g.tensor_mb, g.value, "o-" if default else "o:", color="#0072B2" if default else "#56B4E9",
                     label=f"TensorCodec.encode / .decode (one tensor a call, lane tokens {lane}, {ratios('api', lane)})"
                           + (f" [some sizes: {earlier}]" if earlier else ""))
+        if direction == "encode":  # encode_many(sync=False) calls queued, then their results: a pipeline's steady state
+            q = rows[(rows.path == "api") & (rows.metric == "encode_gbps_queued")]
+            q = q[q.lane_tokens.astype(str) == "default"] if "lane_tokens" in q else q
+            if len(q):
+                ax.plot(q.sort_values("tensor_mb").tensor_mb, q.sort_values("tensor_mb").value, "o--", color="#E69F00",
+                        label=f"one tensor a call, {API_QUEUE} calls queued (sync=False) before their results are read")
+            qb = rows[(rows.path == "api_batched") & (rows.metric == "encode_gbps_queued")]
+            qb = qb[qb.lane_tokens.astype(str) == "default"] if "lane_tokens" in qb else qb
+            if len(qb):
+                ax.plot(qb.tensor_mb, qb.value, "D", mfc="none", color="#009E73", ms=11,
+                        label=f"the 60-tensor list, {API_QUEUE} calls queued (sync=False)")
         ax.plot(pcie.tensor_mb, pcie.value, "s--", color="#D55E00",
                 label="pinned PCIe copy (device->host beside encode, host->device beside decode)")
         ax.plot(pcie.tensor_mb, API_TARGET_PCIE * pcie.value, ":", color="#D55E00", lw=1.2,

@@ -381,6 +381,10 @@ def api_speed() -> str | None:
         enc, dec = val(path, "encode_graph_held", mb, lanes), val(path, "decode_graph_held", mb, lanes)
         return "-" if enc != enc else f"{enc:.1f}x / {dec:.1f}x"
 
+    def queued(path, mb, lanes, d2h):
+        enc = val(path, "encode_gbps_queued", mb, lanes)
+        return "-" if enc != enc else f"{enc:.1f} ({enc / d2h:.2f}x)"
+
     def after_copy(path, mb, lanes):
         enc, dec = val(path, "encode_gbps_after_copy", mb, lanes), val(path, "decode_gbps_after_copy", mb, lanes)
         return "-" if enc != enc else f"{enc:.1f} / {dec:.1f}"
@@ -399,7 +403,7 @@ def api_speed() -> str | None:
             earlier = f" ({earlier})" if earlier else ""
             rows.append([f"{mb:g}", f"one tensor, lane tokens {lanes}{earlier}", f"{val('api', 'ratio', mb, lanes):.2f}x",
                          f"{enc:.2f}", f"{dec:.2f}", f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x",
-                         after_copy("api", mb, lanes), held("api", mb, lanes)])
+                         queued("api", mb, lanes, d2h), after_copy("api", mb, lanes), held("api", mb, lanes)])
     batched = df[(df.path == "api_batched") & (df.metric == "encode_gbps")]
     for r in batched.itertuples():
         lanes = str(getattr(r, "lane_tokens", "default"))
@@ -411,7 +415,8 @@ def api_speed() -> str | None:
         rows.append([f"{mb:.1f}", f"{int(r.tensors)} x [{int(r.tokens)}, {int(r.channels)}] in one call, lane tokens "
                      f"{lanes}{earlier}", f"{val('api_batched', 'ratio', mb, lanes):.2f}x", f"{enc:.2f}", f"{dec:.2f}",
                      f"{d2h:.1f} / {h2d:.1f}", f"{enc / d2h:.2f}x / {dec / h2d:.2f}x",
-                     after_copy("api_batched", mb, lanes), held("api_batched", mb, lanes)])
+                     queued("api_batched", mb, lanes, d2h), after_copy("api_batched", mb, lanes),
+                     held("api_batched", mb, lanes)])
     source = df.source.dropna().iloc[0] if "source" in df else ""
     api = df[df.path.isin(["api", "api_batched"])]
     turns = api.timing.dropna() if "timing" in api else None
@@ -426,12 +431,15 @@ def api_speed() -> str | None:
     else:  # rows of runs before the turns: each call timed in its own block of 10
         timing = "median of 10"
     return (_table(rows, ["MB of bf16", "call", "ratio", "encode GB/s", "decode GB/s", "pinned PCIe D2H / H2D GB/s",
-                          "codec / PCIe (enc / dec)", "right after a copy: enc / dec GB/s",
+                          "codec / PCIe (enc / dec)", "encode, calls queued: GB/s (x D2H)",
+                          "right after a copy: enc / dec GB/s",
                           "GPU memory a graph keeps (enc / dec, x input)"])
             + f"\n\nTensor: {source}; step calibrated for cos >= 0.999 (every row checked before timing). "
             + "Encode: `TensorCodec.encode(x_cuda)` -> the container in GPU memory; decode: "
             + "`TensorCodec.decode(blob, device=\"cuda\")` of it; batched: `encode_many` / `decode_many`. "
-            + f"Wall clock of the call a user makes, {timing}; repeated calls replay a CUDA graph, whose "
+            + f"Wall clock of the call a user makes, {timing}; calls queued: `encode_many(..., sync=False)` "
+            + "called several times, then each one's `result()` (the time per call of a pipeline's steady state, "
+            + "where the host readies a call while the GPU codes the ones before it). Repeated calls replay a CUDA graph, whose "
             + "buffers stay on the GPU (last column; - : no graph). " + _source(df, "09_backend_bench"))
 
 

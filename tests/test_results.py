@@ -103,4 +103,6 @@ def test_api_table_names_how_its_rows_were_timed(tree, monkeypatch):
                       after=(("encode_gbps_after_copy", 120.0), ("decode_gbps_after_copy", 180.0)))
     assert "median of 24 calls in turns" in blocks and "3.00x / 4.00x" in blocks
     assert "| 120.0 / 180.0 |" in blocks  # the first call after a copy, in its own column
+    queued = api_rows(timing="blocks in turns", repeats=24, after=(("encode_gbps_queued", 75.0),))
+    assert "| 75.0 (1.50x) |" in queued  # queued encodes, beside the D2H copy of the same bytes
     assert "median of 10;" in api_rows()
