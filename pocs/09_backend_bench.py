@@ -476,13 +476,13 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
                           "d2h": lambda: pinned.copy_(flat, non_blocking=True),
                           "dec": lambda: codec.decode(blob, device="cuda"),
                           "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
-        t_enc, t_dec, t_d2h, t_h2d = t["enc"], t["dec"], t["d2h"], t["h2d"]
+        t_enc, t_dec, t_d2h, t_h2d, t_queued = t["enc"], t["dec"], t["d2h"], t["h2d"], t["enc_queued"]
         ratio = nbytes / blob.numel()
         for metric, t in (("encode_gbps", t_enc), ("decode_gbps", t_dec)):
             add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D, **lanes)
         for metric, t in (("encode_gbps_after_copy", t1["enc"]), ("decode_gbps_after_copy", t1["dec"])):
             add("api", metric, nbytes / t / 1e9, "GB/s of bf16", mb, tokens=T, channels=D, **lanes)
-        add("api", "encode_gbps_queued", nbytes * API_QUEUE / t["enc_queued"] / 1e9, "GB/s of bf16", mb, tokens=T,
+        add("api", "encode_gbps_queued", nbytes * API_QUEUE / t_queued / 1e9, "GB/s of bf16", mb, tokens=T,
             channels=D, queued=API_QUEUE, **lanes)
         add("api", "encode_ms", t_enc * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
         add("api", "decode_ms", t_dec * 1e3, "ms", mb, tokens=T, channels=D, **lanes)
@@ -503,7 +503,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
         print(f"{'api S=' + str(lane_tokens or 'def'):12s} {mb:7.2f} {T:8d} {ratio:6.2f} {q['cos_mean']:7.4f} {nbytes / t_enc / 1e9:9.2f} "
               f"{nbytes / t_dec / 1e9:9.2f} {nbytes / t_d2h / 1e9:9.2f} {nbytes / t_h2d / 1e9:9.2f} "
               f"{nbytes / t1['enc'] / 1e9:14.2f} / {nbytes / t1['dec'] / 1e9:7.2f} "
-              f"{nbytes * API_QUEUE / t['enc_queued'] / 1e9:9.2f}")
+              f"{nbytes * API_QUEUE / t_queued / 1e9:9.2f}")
         saved()
 
     for lane_tokens in API_BATCH_LANES:
