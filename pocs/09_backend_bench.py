@@ -43,16 +43,18 @@ user makes (`TensorCodec.encode` of a CUDA tensor, `decode(blob, device="cuda")`
 H2D copy take API_TURNS turns, so that the host's drifts fall on the codec and the copy alike; in each
 turn a call runs once timed apart (the metrics *_gbps_after_copy: the first call after the other calls,
 which follows a copy that left the SMs idle) and then API_BLOCK times in a row (encode_gbps /
-decode_gbps: the median of those, a call in steady use). Every round trip is checked for cos >= 0.999
+decode_gbps: the median of those, a call in steady use); encode_gbps_queued: API_QUEUE encodes queued
+with encode_many(..., sync=False), then each one's result() (a pipeline's steady state), checked equal
+to the synchronous call's bytes first. Every round trip is checked for cos >= 0.999
 first, and up to 16 MB the GPU decode is compared with the CPU decoder's. Repeated encodes and decodes of
 up to pipeline.GRAPH_MAX_BYTES (1 GiB) replay a CUDA graph (columns encode_graph, decode_graph; metrics
 encode_graph_held / decode_graph_held: the GPU memory each graph keeps, per input byte).
-Sample output (an NVIDIA H200, code 3f3539c; GB/s of bf16):
-    path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s  after a copy: enc / dec
-    api S=def       4.00    10417   4.56  0.9990     15.23     16.00     46.75     46.18          12.32 /   14.13
-    api S=def      64.00   166667   4.60  0.9990    127.68    174.34     53.46     53.20          96.25 /  134.09
-    api S=def     256.00   666667   4.61  0.9990    286.27    315.37     55.03     55.10         237.45 /  297.93
-    api_batched    23.59 60x1024 S=def    4.51  0.9990     40.60     62.02     53.41     53.15          33.08 /   52.97
+Sample output (an NVIDIA H200, code 51596fb; GB/s of bf16):
+    path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s  after a copy: enc / dec queued enc
+    api S=def       4.00    10417   4.56  0.9990     17.66     17.25     48.38     46.54          13.31 /   13.53     16.81
+    api S=def      64.00   166667   4.60  0.9990    168.70    201.22     54.35     54.45         119.25 /  149.94    151.14
+    api S=def     256.00   666667   4.61  0.9990    279.29    319.16     54.99     55.07         222.70 /  280.56    257.04
+    api_batched    23.59 60x1024 S=def    4.51  0.9990     40.46     63.52     52.25     52.61          33.33 /   50.03     44.63
 
 Where the API's GPU time goes (`--profile`, about 1 min on an NVIDIA H200): each kernel's GPU time per
 eager call (CUDA graphs off) from torch.profiler, encode and decode of 64 and 256 MB tensors and of the
@@ -422,7 +424,8 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
         host's drifts fall on the codec and the copy it is compared with alike (runs of one code
         differed by 15-20% at a size when each was timed in its own block); in each turn a call runs
         once after the others' (timed apart: a PCIe copy leaves the SMs idle, and a codec call right
-        after one took 13-33% longer to encode and 4-30% to decode on an NVIDIA H200 at a full SM clock), then API_BLOCK times in a row."""
+        after one took 13-41% longer to encode and 5-61% to decode on an NVIDIA H200 at a full SM clock,
+        code 51596fb), then API_BLOCK times in a row."""
         for fn in calls.values():
             fn()
         torch.cuda.synchronize()

@@ -327,7 +327,9 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     from int32 symbols. Bit lengths from float64 exponents, the reciprocals' multipliers from a
     table, one pass per model candidate over a one-chunk alphabet and the normalization's quotients
     by multiply-high: 60 x [1024, 192] of the real K on an NVIDIA H200, 177 -> 152 us (PoC 09
-    --profile at code b7b3624 and 3611c08)."""
+    --profile at code b7b3624 and 3611c08); counts, scans and bit costs in int32 where COUNTS32 /
+    COSTS32 say they fit (5128 -> 3336 SASS instructions on sm_90): 128 -> 101 us (code 3f3539c and
+    51596fb)."""
     k = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
     nk = tl.num_programs(0).to(tl.int64)

@@ -49,7 +49,8 @@ def _kernels():
 
     _KERNELS = dict(fields=kt.SUMMARY_FIELDS, seg_fields=kt.SEG_FIELDS, hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
                     pack_meta=kt.pack_meta_kernel, gather=kt.gather_streams_kernel, checksum=kt.checksum_kernel,
-                    finish=kt.finish_checksum_kernel, copy_used=kt.copy_used_kernel, layout=kt.layout_kernel, fronts=kt.fronts_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel,
+                    finish=kt.finish_checksum_kernel, copy_used=kt.copy_used_kernel, layout=kt.layout_kernel,
+                    fronts=kt.fronts_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel,
                     stage=kt.stage_kernel, check_fronts=kt.check_fronts_kernel,
                     recip_max_prob_bits=kt.RECIP_MAX_PROB_BITS)
     return _KERNELS
@@ -155,7 +156,8 @@ USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by wa
 HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS, HIST_WARPS = 64, 8, 16, 4
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 4  # checksum: bytes per step, steps per program (product <= 65521); on an NVIDIA
 # H200, 15 / 8 / 4 / 2 / 1 steps: the 60 x [1024, 192] list 17.9 / 10.2 / 8.4 / 9.7 / 8.6 us encoding, 12.5 / 10.1 / 7.1 / 7.6 / 7.2
-# decoding; one 64 MB tensor 11.8 / 12.2 / 11.7 / 16.3 / 18.7 and 14.6 / 16.5 / 15.3 / 14.7 / 13.1 (code d84fbd3)
+# decoding; one 64 MB tensor 11.8 / 12.2 / 11.7 / 16.3 / 18.7 and 14.6 / 16.5 / 15.3 / 14.7 / 13.1 (code d84fbd3);
+# but 256 MB at 4 steps 53 / 47 us against 43 / 44 at 15 (PoC 09 --profile, codes 51596fb and 3f3539c)
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
 # (latency), one where there are many (throughput). On an NVIDIA H200, one 16 MB tensor (192 components):
 # tables 12.9 / 14.3 / 31.7 us at 4 / 2 / 1 warps, meta 7.8 / 8.2 / 10.0; 60 tensors of [1024, 192]
