@@ -578,6 +578,7 @@ def _same_shape_groups(keys) -> list[list[int]]:
 
 GRAPH_MAX_BYTES = 1 << 30  # calls moving up to this many input bytes replay a CUDA graph (0: never); a graph
 # keeps its buffers on the GPU (see README, "CUDA graphs", for what each direction holds per input byte)
+COPY_OUT_SLACK = 4096  # bytes a sync graph's output buffer holds beyond 9/8 of the last call's containers
 GRAPH_PLANS = 4  # CUDA graphs kept, one per repeated list of codecs and shapes (each holds its buffers)
 _GRAPHS = {}  # key -> _EncodeGraph, or the number of eager calls seen with that key so far
 
@@ -811,13 +812,17 @@ def _second_call_graph(graphs: dict, key, make):
 
 class _EncodeGraph:
     """encode_many of one list of codecs and shapes as a CUDA graph: every kernel of the projection
-    and the coder, the containers in a buffer of worst-case room. run() (sync=True) reads the
-    summary and copies the containers out after one synchronization; queue() (sync=False, a key
-    made by _mode_key) queues the replay and a copy of its outputs, and returns at once. The projection reads each call's
-    inputs where they are, through a table of their addresses (copied to the GPU only when they
-    moved): no input is copied into the graph (at 256 MB that copy cost 155 us on an NVIDIA H200),
-    but one the kernel cannot read in place (not contiguous, or not 16-byte aligned), which is
-    copied into a buffer the graph keeps for it."""
+    and the coder, the containers in a buffer of worst-case room, and last a kernel that copies
+    them (and for queue() the spans, flags and summary) into buffers the call allocated, through
+    slots it writes before each replay (PendingEncode.copy_out). run() (sync=True) gives the
+    replay a buffer the size of the last call's containers and an eighth more, reads the summary
+    after one synchronization, and returns containers in that buffer (copied from the graph's own
+    on the host where they outgrew it); queue() (sync=False, a key made by _mode_key) gives it
+    buffers of worst-case room and returns at once. The projection reads each call's inputs where
+    they are, through a table of their addresses, copied to the GPU with the slots: no input is
+    copied into the graph (at 256 MB that copy cost 155 us on an NVIDIA H200), but one the kernel
+    cannot read in place (not contiguous, or not 16-byte aligned), which is copied into a buffer
+    the graph keeps for it."""
 
     def __init__(self, codecs, xs, prepared, key):
         import torch
@@ -825,14 +830,15 @@ class _EncodeGraph:
         from .codecs import rans_cuda
 
         self.key, self.groups = key, _encode_groups(xs, prepared)
-        dev = xs[0].device
+        self.dev = dev = xs[0].device
         self.order = [i for idx in self.groups for i in idx]  # the address table's order: group by group
-        self.addr = torch.zeros(len(xs), dtype=torch.int64, device=dev)
+        # the inputs' addresses, then the slots of copy_out: where this call's outputs go
+        self.addr = torch.zeros(len(xs) + 3, dtype=torch.int64, device=dev)
         at = np.cumsum([0] + [len(idx) for idx in self.groups])
         self.addresses = [self.addr[a:b] for a, b in zip(at[:-1], at[1:])]
         self.held = (codecs, prepared, [c._proj for c in codecs])  # keeps the key's ids unique
-        self._last, self.staging = None, {}
-        self.place(xs)
+        self.staging = {}
+        self.place(xs, (0, 0, 0))
         queued = key[0] == _QUEUED
         # sync=False: int32 symbols and escape room for every value, as the eager path codes them
         mode = dict(sync=False, retry=False, narrow=False) if queued else dict(sync=True, retry=True)
@@ -843,12 +849,17 @@ class _EncodeGraph:
         def capture():
             with torch.cuda.graph(self.graph):
                 pending = _encode_launch(codecs, xs, prepared, addresses=self.addresses, **mode)
+                pending.copy_out(self.addr[len(xs):], meta=queued)
                 if not queued:  # the summary's copy to the host is part of the replay
                     pending.queue_summary_read()
                 return pending
 
         self.pending = rans_cuda.holding_cached(self, capture)
         self.pending.stream = _key_stream(key)  # a replay runs on the current stream the key names
+        # sync calls of one shape: the replay copies the containers into a buffer of the call's own,
+        # `room` bytes, sized from the last call's (0 until one has run, or where copied on the host)
+        self.room = 0
+        self.compact_on_device = len(self.pending.jobs) == 1 and self.pending._in_order
 
     @staticmethod
     def readable(xs, ptrs=None) -> bool:
@@ -858,22 +869,20 @@ class _EncodeGraph:
         ptrs = ptrs or list(map(torch.Tensor.data_ptr, xs))
         return all(map(torch.Tensor.is_contiguous, xs)) and not any(map(_OFF_16.__and__, ptrs))
 
-    def place(self, xs):
-        """Points the address table at xs (one small copy, none when they are where the last call's
-        were), each input the kernel cannot read in place first copied into its staging buffer."""
+    def place(self, xs, slots):
+        """Points the address table at xs, each input the kernel cannot read in place first copied
+        into its staging buffer, and copy_out's slots at this call's output buffers: one small copy
+        to the GPU."""
         import torch
 
         ptrs = list(map(torch.Tensor.data_ptr, xs))
         if not self.readable(xs, ptrs):
             ptrs = [p if self.readable([x], [p]) else self._staged(i, x) for i, (x, p) in enumerate(zip(xs, ptrs))]
-        if ptrs == self._last:
-            return
         # a new pinned block each time: a queued call's copy may not have run when the next call
         # places its inputs (torch's caching host allocator keeps a block until its copy has run)
-        host = torch.empty(len(ptrs), dtype=torch.int64, pin_memory=True)
-        host.numpy()[:] = [ptrs[i] for i in self.order]
+        host = torch.empty(len(ptrs) + 3, dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = [ptrs[i] for i in self.order] + list(slots)
         self.addr.copy_(host, non_blocking=True)
-        self._last = ptrs
 
     def _staged(self, i, x) -> int:
         import torch
@@ -887,19 +896,29 @@ class _EncodeGraph:
         flags are copies of the replay's own (on the stream, after it), so later calls may replay
         the graph before its result() is read. The inputs are read in place: keep them unchanged
         until the queued work has run."""
-        self.place(xs)
+        import torch
+
+        buffer = torch.empty_like(self.pending.buffer)  # room for every container, as the graph's own
+        meta = torch.empty(self.pending.meta_words(), dtype=torch.int64, device=self.dev)
+        self.place(xs, (buffer.data_ptr(), buffer.numel() // 8, meta.data_ptr()))
         self.graph.replay()
-        queued = self.pending.detached()
+        queued = self.pending.copied(buffer, meta)
         queued.recode = _recode_wide(self.held[0], xs, self.held[1])  # this call's tensors
         return queued
 
     def run(self, xs) -> list:
-        self.place(xs)
+        import torch
+
+        out = torch.empty(self.room, dtype=torch.uint8, device=self.dev) if self.room else None
+        self.place(xs, (0 if out is None else out.data_ptr(), self.room // 8, 0))
         self.graph.replay()
         self.pending.recode = _recode_wide(self.held[0], xs, self.held[1])  # this call's tensors
+        self.pending.out = None if out is None else (out, self.room)
         blobs = self.pending.result(copy=True)  # copied out: the next replay rewrites the buffer
         if self.pending.retried:  # coded again outside the graph: capture afresh later
             _GRAPHS.pop(self.key, None)
+        elif self.compact_on_device:  # the next call's room: this one's size and an eighth more
+            self.room = (self.pending.used * 9 // 8 + COPY_OUT_SLACK + 15) // 16 * 16
         return blobs
 
 

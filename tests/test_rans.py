@@ -359,9 +359,30 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
                                              sync=False)
         assert [bytes(pending.buffer[a:a + n].numpy()) for a, n in pending.spans.tolist()] == want
         assert not pending.flags.any() and [bytes(m.numpy()) for m in pending.result(copy=False)] == want
-        # detached: its own copy of the containers (up to the last one's end), spans and flags,
+        # copy_out (a CUDA graph's last kernel): the containers (up to the last one's end) and the
+        # spans, flags and summary, copied where the slots point when it runs: a copy of its own,
         # untouched when the buffers it was copied from are written again (a graph's next replay)
-        kept = pending.detached()
+        buffer = torch.zeros_like(pending.buffer)
+        meta = torch.zeros(pending.meta_words(), dtype=torch.int64)
+        pending.copy_out(torch.tensor([buffer.data_ptr(), buffer.numel() // 8, meta.data_ptr()]), meta=True)
+        kept = pending.copied(buffer, meta)
+        # containers beyond the room: not copied (the host copies them); no meta address: none written
+        small = torch.zeros(64, dtype=torch.uint8)
+        pending.copy_out(torch.tensor([small.data_ptr(), 8, 0]), meta=False)
+        assert not small.any()
+        # one shape: a sync result() over the device's copy (`out`) where it fits the room, else its own
+        one = rans_cuda.encode_many_cuda(ts[:3], lane_tokens=64, fronts=fronts[:3], backs=backs[:3],
+                                         length_field=True, sync=False)
+        end = int((one.spans[:, 0] + one.spans[:, 1]).max())
+        room = (end + 15) // 16 * 16
+        fits = torch.zeros(room, dtype=torch.uint8)
+        one.copy_out(torch.tensor([fits.data_ptr(), room // 8, 0]), meta=False)
+        one.out = (fits, room)
+        got = one.result()
+        assert got.buffer.data_ptr() == fits.data_ptr() and [bytes(m.numpy()) for m in got] == want[:3]
+        one.out = (small, 64)
+        got = one.result()
+        assert got.buffer.data_ptr() != small.data_ptr() and [bytes(m.numpy()) for m in got] == want[:3]
         for t in (pending.buffer, pending.spans, pending.flags, pending.summary):
             t.fill_(7)
         assert [bytes(kept.buffer[a:a + n].numpy()) for a, n in kept.spans.tolist()] == want

@@ -835,19 +835,30 @@ def checksum_kernel(ptr, seg_ptr, out_ptr, SKIP_LO: tl.constexpr, SKIP_HI: tl.co
 
 
 @triton.jit
-def copy_used_kernel(src_ptr, dst_ptr, span_ptr, N, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dst[:end] = src[:end] for int64 words, end = the last byte of the N containers (span_ptr:
-    int64 [N, 2], each one's start and length in bytes) rounded up to a word: an encode's
-    containers copied out of a buffer the next call rewrites, sized on the device, so that no host
-    synchronization waits for their lengths. A program copies BLOCK words; those past end return."""
+def copy_out_kernel(src_ptr, slot_ptr, span_ptr, N, meta_ptr, M, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    """An encode's outputs copied to where slot_ptr (int64 [3]) points when the kernel runs, so that a
+    CUDA graph gives every replay buffers of its own without a launch after it: the words [0, end)
+    of src, end = the last byte of the N containers (span_ptr: int64 [N, 2], each one's start and
+    length in bytes) rounded up to a word, to address slot[0] when they fit its room of slot[1]
+    words (else nothing: the host, which reads the same spans, copies them itself); and the M int64
+    words of meta_ptr to address slot[2] unless it is 0. A program copies BLOCK words; those past
+    end return; the first one also copies the meta."""
     n = tl.arange(0, BLOCK_N)
     start = tl.load(span_ptr + 2 * n, mask=n < N, other=0)
     length = tl.load(span_ptr + 2 * n + 1, mask=n < N, other=0)
     end = (tl.max(start + length, 0) + 7) // 8
     first = tl.program_id(0).to(tl.int64) * BLOCK
-    if first < end:
+    if (first < end) & (end <= tl.load(slot_ptr + 1)):
+        dst_ptr = tl.load(slot_ptr).to(tl.pointer_type(tl.int64))
         offs = first + tl.arange(0, BLOCK)
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < end), mask=offs < end)
+    meta_at = tl.load(slot_ptr + 2)
+    if (tl.program_id(0) == 0) & (meta_at != 0):
+        meta_out = meta_at.to(tl.pointer_type(tl.int64))
+        for m0 in range(0, M, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            tl.store(meta_out + m, tl.load(meta_ptr + m, mask=m < M), mask=m < M)
 
 
 @triton.jit

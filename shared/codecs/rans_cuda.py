@@ -49,7 +49,7 @@ def _kernels():
 
     _KERNELS = dict(fields=kt.SUMMARY_FIELDS, seg_fields=kt.SEG_FIELDS, hist=kt.hist_kernel, tables=kt.tables_kernel, encode=kt.encode_kernel,
                     pack_meta=kt.pack_meta_kernel, gather=kt.gather_streams_kernel, checksum=kt.checksum_kernel,
-                    finish=kt.finish_checksum_kernel, copy_used=kt.copy_used_kernel, layout=kt.layout_kernel,
+                    finish=kt.finish_checksum_kernel, copy_out=kt.copy_out_kernel, layout=kt.layout_kernel,
                     fronts=kt.fronts_kernel, decode_meta=kt.decode_meta_kernel, decode=kt.decode_kernel,
                     stage=kt.stage_kernel, check_fronts=kt.check_fronts_kernel,
                     recip_max_prob_bits=kt.RECIP_MAX_PROB_BITS)
@@ -157,7 +157,8 @@ HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS, HIST_WARPS = 64, 8, 16, 4
 CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 4  # checksum: bytes per step, steps per program (product <= 65521); on an NVIDIA
 # H200, 15 / 8 / 4 / 2 / 1 steps: the 60 x [1024, 192] list 17.9 / 10.2 / 8.4 / 9.7 / 8.6 us encoding, 12.5 / 10.1 / 7.1 / 7.6 / 7.2
 # decoding; one 64 MB tensor 11.8 / 12.2 / 11.7 / 16.3 / 18.7 and 14.6 / 16.5 / 15.3 / 14.7 / 13.1 (code d84fbd3);
-# but 256 MB at 4 steps 53 / 47 us against 43 / 44 at 15 (PoC 09 --profile, codes 51596fb and 3f3539c)
+# but 256 MB at 4 steps 53 / 47 us against 43 / 44 at 15 (PoC 09 --profile, codes 51596fb and 3f3539c): payloads of
+CHECKSUM_LONG_BYTES, CHECKSUM_LONG_ITERS = 32 << 20, 15  # this many bytes or more (the longest one) take 15 steps
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
 # (latency), one where there are many (throughput). On an NVIDIA H200, one 16 MB tensor (192 components):
 # tables 12.9 / 14.3 / 31.7 us at 4 / 2 / 1 warps, meta 7.8 / 8.2 / 10.0; 60 tensors of [1024, 192]
@@ -172,7 +173,7 @@ TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed 
 USE_STREAM_PREFETCH = True  # decoder lanes: prefetch each group's stream into L2 a few steps ahead
 USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with the table's reciprocal (prob_bits <= 14),
 # not a 32-bit division (about 16 instructions, three of them quarter-rate, on the state's dependency chain)
-COPY_USED_WORDS = 2048  # PendingEncode.detached: int64 words a program of copy_used_kernel copies
+COPY_OUT_WORDS, COPY_OUT_META = 2048, 1024  # PendingEncode.copy_out: int64 words a program of copy_out_kernel copies; meta words a step
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
 
@@ -291,26 +292,39 @@ class PendingEncode:
         self._flagged_cols = [self._overflow, self._esc_max]
         self._flagged_at = np.stack([np.zeros(len(self._ecap_rows), np.int64), self._ecap_rows], 1)
         self._queued = False
+        self.out = None  # (uint8 CUDA tensor, its room in bytes, a multiple of 16) where copy_out put the containers
+        self.used = None  # bytes of the compact copy result() made last (one shape)
 
-    def detached(self):
-        """This encode's outputs copied out of its buffers, on the stream that made them (no host
-        synchronization): a PendingEncode like this one whose buffer (each container's bytes, the
-        rest of its room unwritten), spans, flags and summary are its own, so that the call that
-        made these buffers (a CUDA graph) can run again before this one's result() is read. The
-        containers are copied up to the last one's end as the device knows it (copy_used_kernel)."""
+    def copy_out(self, slots, meta: bool):
+        """Queue the copy of this encode's outputs to where slots (int64 CUDA [3]) point when it runs
+        (copy_out_kernel): the containers, up to the last one's end as the device knows it, to
+        address slots[0] if they fit its room of slots[1] words; with meta, the spans, flags and
+        summary (meta_words() int64, in that order) to address slots[2] (0: none). Made for a CUDA
+        graph, whose slots are rewritten before each replay: every call's outputs land in buffers
+        of its own without a launch of its own (copied(), and result() with `out` set)."""
         torch = self.torch
+        parts = [self.spans.view(-1), self.flags, self.summary.view(-1)] if meta else []
+        self._meta = torch.cat(parts) if meta else self.flags[:0]
+        grid = (triton_cdiv(self.buffer.numel() // 8, COPY_OUT_WORDS),)  # the buffer's size is a multiple of 16
+        _kernels()["copy_out"][grid](self.buffer.view(torch.int64), slots, self.spans, self.n_t, self._meta,
+                                     self._meta.numel(), BLOCK=COPY_OUT_WORDS, BLOCK_N=_pow2(self.n_t),
+                                     BLOCK_M=COPY_OUT_META)
+
+    def meta_words(self) -> int:
+        return self.spans.numel() + self.flags.numel() + self.summary.numel()
+
+    def copied(self, buffer, meta):
+        """A PendingEncode over what copy_out() wrote: buffer (uint8 CUDA, this one's size: room for
+        every container) and meta (int64 CUDA [meta_words()]) hold their own copy of the containers,
+        spans, flags and summary, so that the call that made this one's buffers (a CUDA graph) can
+        run again before this one's result() is read."""
         out = copy.copy(self)
-        out.buffer = torch.empty_like(self.buffer)
-        words = self.buffer.numel() // 8  # the buffer's size is a multiple of 16 (capacity())
-        grid = (triton_cdiv(words, COPY_USED_WORDS),)
-        _kernels()["copy_used"][grid](self.buffer.view(torch.int64), out.buffer.view(torch.int64), self.spans, self.n_t,
-                                      BLOCK=COPY_USED_WORDS, BLOCK_N=_pow2(self.n_t))
-        n_spans = self.spans.numel()
-        meta = torch.cat([self.spans.view(-1), self.flags, self.summary.view(-1)])
+        out.buffer = buffer
+        n_spans, n_t = self.spans.numel(), self.n_t
         out.spans = meta[:n_spans].view(self.spans.shape)
-        out.flags = meta[n_spans:n_spans + self.n_t]
-        out.summary = meta[n_spans + self.n_t:].view(self.summary.shape)
-        out._host, out._queued = None, False
+        out.flags = meta[n_spans:n_spans + n_t]
+        out.summary = meta[n_spans + n_t:].view(self.summary.shape)
+        out._host, out._queued, out.out = None, False, None
         return out
 
     def queue_summary_read(self):
@@ -337,7 +351,10 @@ class PendingEncode:
         """The blobs (one host synchronization; a second only when a lane group escaped more
         values than its first buffer held). copy: a Containers over a compact copy of the buffer
         (each container, and the copy's end, 16-byte aligned, so a decoder reads them in place),
-        else a list of views into the buffer itself (which holds every container's worst-case room). The host work
+        else a list of views into the buffer itself (which holds every container's worst-case room);
+        where `out` is set (one shape, a CUDA graph's copy_out) and the containers fit its room, the
+        compact copy is the one the device already made there, with no launch after the
+        synchronization (a clone cost ~90 us of host time at 64 MB on an NVIDIA H200). The host work
         after the synchronization is on every call's critical path (the GPU idles through it), so
         the common case is a few numpy operations on the summary table: Python loops over 60
         tensors' rows cost ~70 us, and a dozen numpy calls ~150 us, on an NVIDIA H100's host."""
@@ -353,7 +370,11 @@ class PendingEncode:
         if len(self.jobs) == 1:  # one shape: one slice of the buffer, its containers already in place
             off = self.offsets[0]
             end = int((starts + lengths).max())
-            buf = self.buffer.narrow(0, off, (end - off + 15) // 16 * 16).clone()  # within the job's capacity
+            self.used = (end - off + 15) // 16 * 16  # within the job's capacity
+            if self.out is not None and off == 0 and (end + 7) // 8 <= self.out[1] // 8:
+                buf = self.out[0].narrow(0, 0, self.used)  # copied there on the device (copy_out)
+            else:
+                buf = self.buffer.narrow(0, off, self.used).clone()
             moved = starts - off
             if self._in_order:
                 return Containers(buf, moved, moved + lengths)
@@ -696,9 +717,10 @@ def _checksum_torch(torch, buf, segs, sums, max_len: int):
     """Adds the sums of checksum() of every payload in buf (segs: the segment table on the device,
     base and length of each) but its check fields (before the mod 2^32) to sums, int64 [N, 2] zeros."""
     kern = _kernels()
-    kern["checksum"][(triton_cdiv(max_len, CHECKSUM_BLOCK * CHECKSUM_ITERS), segs.shape[0])](
+    iters = CHECKSUM_LONG_ITERS if max_len >= CHECKSUM_LONG_BYTES else CHECKSUM_ITERS
+    kern["checksum"][(triton_cdiv(max_len, CHECKSUM_BLOCK * iters), segs.shape[0])](
         buf, segs, sums, SKIP_LO=CHECKED_HEADER_BYTES, SKIP_HI=HEADER.size, BLOCK=CHECKSUM_BLOCK,
-        ITERS=CHECKSUM_ITERS, SEG_FIELDS=segs.shape[1])
+        ITERS=iters, SEG_FIELDS=segs.shape[1])
 
 
 def _segment_row(fields, lay: Layout, base: int) -> list[int]:
