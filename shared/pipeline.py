@@ -614,9 +614,10 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
     which made the inputs); the host synchronization then waits for that stream alone.
     sync=False (every tensor a CUDA tensor on the compute codec): no host synchronization at all;
     returns a rans_cuda.PendingEncode whose buffer and spans (start, length of each container,
-    on the device) can be sent as they are, and whose result() gives the blobs. Calls queued this
-    way run back to back on the GPU while the host prepares the next (a pipeline's steady state);
-    keep each call's inputs unchanged until its work has run.
+    on the device) can be sent as they are, and whose result() gives the blobs, waiting for that
+    call's work alone (not for calls queued after it). Calls queued this way run back to back on
+    the GPU while the host prepares the next or reads an earlier one's result (a pipeline's steady
+    state); keep each call's inputs unchanged until its work has run.
 
     A list of codecs and shapes seen again (a decode step's KV, a pipeline stage's activations)
     of up to GRAPH_MAX_BYTES is replayed as one CUDA graph: one launch for every kernel, inputs
@@ -661,6 +662,7 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
             # sync=False: int32 symbols, so that no container needs coding again after its spans are sent
             pending = _encode_launch(cs, xs, prepared, sync=sync, narrow=sync)
             if not sync:
+                pending.queue_summary_read(event=True)  # result() waits for this call's work alone
                 return pending
             blobs = pending.result()
     if everything:  # a rans_cuda.Containers: views made as they are indexed
@@ -903,6 +905,7 @@ class _EncodeGraph:
         self.place(xs, (buffer.data_ptr(), buffer.numel() // 8, meta.data_ptr()))
         self.graph.replay()
         queued = self.pending.copied(buffer, meta)
+        queued.queue_summary_read(event=True)  # result() waits for this call's work alone
         queued.recode = _recode_wide(self.held[0], xs, self.held[1])  # this call's tensors
         return queued
 

@@ -1,5 +1,6 @@
 """Round trips, error bounds and bad input for basis, quant, frames, codecs, pipeline, metrics."""
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -628,6 +629,14 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     for p, want in zip(queued, [eager[0], eager[1], eager[0], eager[1], eager[1]]):
         assert all(torch.equal(p.buffer[a:a + n], y) for (a, n), y in zip(p.spans.tolist(), want))
         assert all(torch.equal(x, y) for x, y in zip(p.result(), want))
+    # a queued call's result() waits for that call's work alone: not for a second of GPU work queued after it
+    pending = encode_many(codecs, second, sync=False)
+    torch.cuda._sleep(2_000_000_000)  # GPU clock cycles, about a second
+    t0 = time.perf_counter()
+    got = pending.result()
+    waited = time.perf_counter() - t0
+    assert waited < 0.5, f"result() waited {waited:.2f} s for work queued after its call"
+    assert all(torch.equal(x, y) for x, y in zip(got, eager[1]))
     with pytest.raises(ConfigurationError, match="sync=False"):
         encode_many([TensorCodec(basis, backend="rans")], [first[0].cpu()], sync=False)
     # the graph reads inputs in place: ones it cannot (a transposed view, an address off 16 bytes)

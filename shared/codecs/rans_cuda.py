@@ -291,7 +291,7 @@ class PendingEncode:
         # result()'s test of the summary in one comparison: any overflow flag > 0, or escapes > the room
         self._flagged_cols = [self._overflow, self._esc_max]
         self._flagged_at = np.stack([np.zeros(len(self._ecap_rows), np.int64), self._ecap_rows], 1)
-        self._queued = False
+        self._queued, self._ready = False, None
         self.out = None  # (uint8 CUDA tensor, its room in bytes, a multiple of 16) where copy_out put the containers
         self.used = None  # bytes of the compact copy result() made last (one shape)
 
@@ -324,25 +324,35 @@ class PendingEncode:
         out.spans = meta[:n_spans].view(self.spans.shape)
         out.flags = meta[n_spans:n_spans + n_t]
         out.summary = meta[n_spans + n_t:].view(self.summary.shape)
-        out._host, out._queued, out.out = None, False, None
+        out._host, out._queued, out._ready, out.out = None, False, None, None
         return out
 
-    def queue_summary_read(self):
+    def queue_summary_read(self, event: bool = False):
         """Queue the summary's copy into pinned memory now, behind the work queued so far (in a CUDA
         graph: as part of every replay), so that result() only waits for the stream: the copy and
-        the current-stream lookup after a replay cost ~20 us of host time on an NVIDIA H200."""
+        the current-stream lookup after a replay cost ~20 us of host time on an NVIDIA H200.
+        event (not inside a graph capture): also record an event after the copy, which result()
+        waits for instead of the whole stream, so that a queued call's result does not wait for
+        the calls queued after it, nor copy its summary behind theirs."""
         torch = self.torch
         if self.summary.device.type != "cuda":  # Triton's CPU interpreter (tests)
             return
         self._host = torch.empty(self.summary.shape, dtype=self.summary.dtype, pin_memory=True)
         self._host.copy_(self.summary, non_blocking=True)
         self._rows, self._queued = self._host.numpy(), True
+        self._ready = None
+        if event:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
 
     def _table(self):
         """Each tensor's summary and span, in the jobs' order, as int64 numpy [N, fields + 2] (a view
         of pinned memory, valid until the next call reads it back)."""
         if self._queued:
-            self.stream.synchronize()
+            if self._ready is not None:
+                self._ready.synchronize()
+            else:
+                self.stream.synchronize()
             return self._rows
         self._host = read_on_host(self.summary, self._host, self.stream)
         return self._host.numpy()
