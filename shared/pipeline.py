@@ -839,7 +839,8 @@ class _EncodeGraph:
         at = np.cumsum([0] + [len(idx) for idx in self.groups])
         self.addresses = [self.addr[a:b] for a, b in zip(at[:-1], at[1:])]
         self.held = (codecs, prepared, [c._proj for c in codecs])  # keeps the key's ids unique
-        self.staging = {}
+        self.in_order = self.order == list(range(len(xs)))
+        self.staging, self._last = {}, None
         self.place(xs, (0, 0, 0))
         queued = key[0] == _QUEUED
         # sync=False: int32 symbols and escape room for every value, as the eager path codes them
@@ -874,17 +875,22 @@ class _EncodeGraph:
     def place(self, xs, slots):
         """Points the address table at xs, each input the kernel cannot read in place first copied
         into its staging buffer, and copy_out's slots at this call's output buffers: one small copy
-        to the GPU."""
+        to the GPU, none when every address is the last call's (the caching allocator often hands
+        a call the output block the last call's caller has freed)."""
         import torch
 
         ptrs = list(map(torch.Tensor.data_ptr, xs))
         if not self.readable(xs, ptrs):
             ptrs = [p if self.readable([x], [p]) else self._staged(i, x) for i, (x, p) in enumerate(zip(xs, ptrs))]
+        row = (ptrs if self.in_order else [ptrs[i] for i in self.order]) + list(slots)
+        if row == self._last:
+            return
         # a new pinned block each time: a queued call's copy may not have run when the next call
         # places its inputs (torch's caching host allocator keeps a block until its copy has run)
-        host = torch.empty(len(ptrs) + 3, dtype=torch.int64, pin_memory=True)
-        host.numpy()[:] = [ptrs[i] for i in self.order] + list(slots)
+        host = torch.empty(len(row), dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = row
         self.addr.copy_(host, non_blocking=True)
+        self._last = row
 
     def _staged(self, i, x) -> int:
         import torch
