@@ -923,7 +923,10 @@ class _EncodeGraph:
         self.graph.replay()
         self.pending.recode = _recode_wide(self.held[0], xs, self.held[1])  # this call's tensors
         self.pending.out = None if out is None else (out, self.room)
-        blobs = self.pending.result(copy=True)  # copied out: the next replay rewrites the buffer
+        try:
+            blobs = self.pending.result(copy=True)  # copied out: the next replay rewrites the buffer
+        finally:
+            self.pending.out = None  # the blobs hold their buffer; the graph does not
         if self.pending.retried:  # coded again outside the graph: capture afresh later
             _GRAPHS.pop(self.key, None)
         elif self.compact_on_device:  # the next call's room: this one's size and an eighth more
