@@ -922,15 +922,12 @@ class _EncodeGraph:
         self.place(xs, (0 if out is None else out.data_ptr(), self.room // 8, 0))
         self.graph.replay()
         self.pending.recode = _recode_wide(self.held[0], xs, self.held[1])  # this call's tensors
-        self.pending.out = None if out is None else (out, self.room)
-        try:
-            blobs = self.pending.result(copy=True)  # copied out: the next replay rewrites the buffer
-        finally:
-            self.pending.out = None  # the blobs hold their buffer; the graph does not
+        # copied out: the next replay rewrites the graph's buffer
+        blobs = self.pending.result(copy=True, out=None if out is None else (out, self.room))
         if self.pending.retried:  # coded again outside the graph: capture afresh later
             _GRAPHS.pop(self.key, None)
-        elif self.compact_on_device:  # the next call's room: this one's size and an eighth more
-            self.room = (self.pending.used * 9 // 8 + COPY_OUT_SLACK + 15) // 16 * 16
+        elif self.compact_on_device:  # the next call's room: this one's containers and an eighth more
+            self.room = (blobs.buffer.numel() * 9 // 8 + COPY_OUT_SLACK + 15) // 16 * 16
         return blobs
 
 

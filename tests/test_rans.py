@@ -377,11 +377,9 @@ def test_triton_interpreter_codes_many_payloads_in_one_launch():
         room = (end + 15) // 16 * 16
         fits = torch.zeros(room, dtype=torch.uint8)
         one.copy_out(torch.tensor([fits.data_ptr(), room // 8, 0]), meta=False)
-        one.out = (fits, room)
-        got = one.result()
+        got = one.result(out=(fits, room))
         assert got.buffer.data_ptr() == fits.data_ptr() and [bytes(m.numpy()) for m in got] == want[:3]
-        one.out = (small, 64)
-        got = one.result()
+        got = one.result(out=(small, 64))
         assert got.buffer.data_ptr() != small.data_ptr() and [bytes(m.numpy()) for m in got] == want[:3]
         for t in (pending.buffer, pending.spans, pending.flags, pending.summary):
             t.fill_(7)

@@ -292,8 +292,6 @@ class PendingEncode:
         self._flagged_cols = [self._overflow, self._esc_max]
         self._flagged_at = np.stack([np.zeros(len(self._ecap_rows), np.int64), self._ecap_rows], 1)
         self._queued, self._ready = False, None
-        self.out = None  # (uint8 CUDA tensor, its room in bytes, a multiple of 16) where copy_out put the containers
-        self.used = None  # bytes of the compact copy result() made last (one shape)
 
     def copy_out(self, slots, meta: bool):
         """Queue the copy of this encode's outputs to where slots (int64 CUDA [3]) point when it runs
@@ -301,14 +299,12 @@ class PendingEncode:
         address slots[0] if they fit its room of slots[1] words; with meta, the spans, flags and
         summary (meta_words() int64, in that order) to address slots[2] (0: none). Made for a CUDA
         graph, whose slots are rewritten before each replay: every call's outputs land in buffers
-        of its own without a launch of its own (copied(), and result() with `out` set)."""
+        of its own without a launch of its own (copied(), and result(out=...))."""
         torch = self.torch
-        parts = [self.spans.view(-1), self.flags, self.summary.view(-1)] if meta else []
-        self._meta = torch.cat(parts) if meta else self.flags[:0]
+        words = torch.cat([self.spans.view(-1), self.flags, self.summary.view(-1)]) if meta else self.flags[:0]
         grid = (triton_cdiv(self.buffer.numel() // 8, COPY_OUT_WORDS),)  # the buffer's size is a multiple of 16
-        _kernels()["copy_out"][grid](self.buffer.view(torch.int64), slots, self.spans, self.n_t, self._meta,
-                                     self._meta.numel(), BLOCK=COPY_OUT_WORDS, BLOCK_N=_pow2(self.n_t),
-                                     BLOCK_M=COPY_OUT_META)
+        _kernels()["copy_out"][grid](self.buffer.view(torch.int64), slots, self.spans, self.n_t, words, words.numel(),
+                                     BLOCK=COPY_OUT_WORDS, BLOCK_N=_pow2(self.n_t), BLOCK_M=COPY_OUT_META)
 
     def meta_words(self) -> int:
         return self.spans.numel() + self.flags.numel() + self.summary.numel()
@@ -324,7 +320,7 @@ class PendingEncode:
         out.spans = meta[:n_spans].view(self.spans.shape)
         out.flags = meta[n_spans:n_spans + n_t]
         out.summary = meta[n_spans + n_t:].view(self.summary.shape)
-        out._host, out._queued, out._ready, out.out = None, False, None, None
+        out._host, out._queued, out._ready = None, False, None
         return out
 
     def queue_summary_read(self, event: bool = False):
@@ -357,13 +353,13 @@ class PendingEncode:
         self._host = read_on_host(self.summary, self._host, self.stream)
         return self._host.numpy()
 
-    def result(self, copy: bool = True):
+    def result(self, copy: bool = True, out=None):
         """The blobs (one host synchronization; a second only when a lane group escaped more
         values than its first buffer held). copy: a Containers over a compact copy of the buffer
         (each container, and the copy's end, 16-byte aligned, so a decoder reads them in place),
-        else a list of views into the buffer itself (which holds every container's worst-case room);
-        where `out` is set (one shape, a CUDA graph's copy_out) and the containers fit its room, the
-        compact copy is the one the device already made there, with no launch after the
+        else a list of views into the buffer itself (which holds every container's worst-case room).
+        out: (uint8 CUDA tensor, its room in bytes, a multiple of 16) where a CUDA graph's copy_out
+        put the containers; for one shape, where they fit that room, the compact copy is that one, with no launch after the
         synchronization (a clone cost ~90 us of host time at 64 MB on an NVIDIA H200). The host work
         after the synchronization is on every call's critical path (the GPU idles through it), so
         the common case is a few numpy operations on the summary table: Python loops over 60
@@ -380,11 +376,11 @@ class PendingEncode:
         if len(self.jobs) == 1:  # one shape: one slice of the buffer, its containers already in place
             off = self.offsets[0]
             end = int((starts + lengths).max())
-            self.used = (end - off + 15) // 16 * 16  # within the job's capacity
-            if self.out is not None and off == 0 and (end + 7) // 8 <= self.out[1] // 8:
-                buf = self.out[0].narrow(0, 0, self.used)  # copied there on the device (copy_out)
+            used = (end - off + 15) // 16 * 16  # within the job's capacity
+            if out is not None and off == 0 and (end + 7) // 8 <= out[1] // 8:
+                buf = out[0].narrow(0, 0, used)  # copied there on the device (copy_out)
             else:
-                buf = self.buffer.narrow(0, off, self.used).clone()
+                buf = self.buffer.narrow(0, off, used).clone()
             moved = starts - off
             if self._in_order:
                 return Containers(buf, moved, moved + lengths)
