@@ -174,9 +174,51 @@ def _flush_bins(acc, counts_ptr, row_ptr, c0, ok, FIRST: tl.constexpr):
 
 
 @triton.jit
+def _sampled_load(sym_ptr, chunk, i, n_sampled, R, K, k, k_ok, HS: tl.constexpr, WIDE_INDEX: tl.constexpr):
+    """Row i of each of the program's row chunks, its KB components: ([KB, CHUNKS] values, where valid)."""
+    sampled = chunk * HS + i
+    active = k_ok[:, None] & (sampled < n_sampled)[None, :]
+    row = sampled * R
+    if WIDE_INDEX:
+        off = row.to(tl.int64)[None, :] * K + k[:, None]
+    else:
+        off = row[None, :] * K + k[:, None]
+    return tl.load(sym_ptr + off, mask=active, other=0), active
+
+
+@triton.jit
+def _count_sampled(v, active, lo0, h0, h0_32, c0, counts_ptr, row_ptr, a0, a1, a2, a3, a4, a5, a6, a7,
+                   NARROW: tl.constexpr):
+    """One [KB, CHUNKS] tile of sampled values counted: the 32 packed bins in a0..a7, other in-window
+    hits by a relaxed global atomic each."""
+    if NARROW:
+        idx = v.to(tl.int32) - lo0.to(tl.int32)[:, None]
+        inw = active & (idx >= 0) & (idx < h0_32[:, None])
+    else:
+        idx64 = v.to(tl.int64) - lo0[:, None]
+        inw = active & (idx64 >= 0) & (idx64 < h0[:, None])
+        idx = tl.where(inw, idx64, 0).to(tl.int32)
+    d = idx - c0[:, None]
+    packed = inw & (d >= 0) & (d < 32)
+    one = tl.where(packed, 1 << ((d & 3) * 8), 0)
+    q = d >> 2
+    a0 = _packed_bin(a0, q, one, 0)
+    a1 = _packed_bin(a1, q, one, 1)
+    a2 = _packed_bin(a2, q, one, 2)
+    a3 = _packed_bin(a3, q, one, 3)
+    a4 = _packed_bin(a4, q, one, 4)
+    a5 = _packed_bin(a5, q, one, 5)
+    a6 = _packed_bin(a6, q, one, 6)
+    a7 = _packed_bin(a7, q, one, 7)
+    tail = inw & ~packed
+    tl.atomic_add(counts_ptr + row_ptr[:, None] + tl.where(tail, idx, 0), 1, mask=tail, sem="relaxed")
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
                 HS: tl.constexpr, CHUNKS: tl.constexpr, KB: tl.constexpr, HCAP: tl.constexpr,
-                WIDE_INDEX: tl.constexpr, NARROW: tl.constexpr):
+                WIDE_INDEX: tl.constexpr, NARROW: tl.constexpr, AHEAD: tl.constexpr = 1):
     """Per-component histograms of the sampled rows (every R-th token) inside the first windows.
     A program takes CHUNKS x HS sampled rows of KB components, a [KB, CHUNKS] tile a step. The 32
     bins around the component's mean (99% of the hits on a real K at cos 0.999, 81% for 8) are 8-bit
@@ -187,8 +229,12 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
     78 / 50 us on [rows, components] tiles, every token, where a thread per component with 8 unpacked
     register bins took 86 / 66 (tiles compared at HIST_TOKENS in rans_cuda). The rows are a loop,
     not unrolled: 64 unrolled rows took 60-80 s to compile for sm_90, once per specialization at a
-    user's first call, and ran no faster (80 / 48 us unrolled at code b7b3624, as a loop at 3611c08)."""
+    user's first call, and ran no faster (80 / 48 us unrolled at code b7b3624, as a loop at 3611c08).
+    AHEAD (1, 2 or 4; divides HS): a step of the loop loads AHEAD rows before counting any, so that
+    their loads are in flight together; with one, each step waits a full memory latency for its row
+    (the program's rows are R x K apart: no two share a cache line)."""
     tl.static_assert(HS <= 255 and CHUNKS * HS <= 65535)  # the packed counters, their 16-bit sums
+    tl.static_assert((AHEAD == 1 or AHEAD == 2 or AHEAD == 4) and HS % AHEAD == 0)
     s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
     n_kb = tl.cdiv(K, KB)
     rb = tl.program_id(0) // n_kb
@@ -216,36 +262,23 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
     a5 = tl.zeros([KB, CHUNKS], tl.int32)
     a6 = tl.zeros([KB, CHUNKS], tl.int32)
     a7 = tl.zeros([KB, CHUNKS], tl.int32)
-    for i in range(HS):
-        sampled = chunk * HS + i
-        active = k_ok[:, None] & (sampled < n_sampled)[None, :]
-        row = sampled * R
-        if WIDE_INDEX:
-            off = row.to(tl.int64)[None, :] * K + k[:, None]
-        else:
-            off = row[None, :] * K + k[:, None]
-        v = tl.load(sym_ptr + off, mask=active, other=0)
-        if NARROW:
-            idx = v.to(tl.int32) - lo0.to(tl.int32)[:, None]
-            inw = active & (idx >= 0) & (idx < h0_32[:, None])
-        else:
-            idx64 = v.to(tl.int64) - lo0[:, None]
-            inw = active & (idx64 >= 0) & (idx64 < h0[:, None])
-            idx = tl.where(inw, idx64, 0).to(tl.int32)
-        d = idx - c0[:, None]
-        packed = inw & (d >= 0) & (d < 32)
-        one = tl.where(packed, 1 << ((d & 3) * 8), 0)
-        q = d >> 2
-        a0 = _packed_bin(a0, q, one, 0)
-        a1 = _packed_bin(a1, q, one, 1)
-        a2 = _packed_bin(a2, q, one, 2)
-        a3 = _packed_bin(a3, q, one, 3)
-        a4 = _packed_bin(a4, q, one, 4)
-        a5 = _packed_bin(a5, q, one, 5)
-        a6 = _packed_bin(a6, q, one, 6)
-        a7 = _packed_bin(a7, q, one, 7)
-        tail = inw & ~packed
-        tl.atomic_add(counts_ptr + row_ptr[:, None] + tl.where(tail, idx, 0), 1, mask=tail, sem="relaxed")
+    for i in range(0, HS, AHEAD):
+        v0, ok0 = _sampled_load(sym_ptr, chunk, i, n_sampled, R, K, k, k_ok, HS, WIDE_INDEX)
+        if AHEAD >= 2:
+            v1, ok1 = _sampled_load(sym_ptr, chunk, i + 1, n_sampled, R, K, k, k_ok, HS, WIDE_INDEX)
+        if AHEAD == 4:
+            v2, ok2 = _sampled_load(sym_ptr, chunk, i + 2, n_sampled, R, K, k, k_ok, HS, WIDE_INDEX)
+            v3, ok3 = _sampled_load(sym_ptr, chunk, i + 3, n_sampled, R, K, k, k_ok, HS, WIDE_INDEX)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _count_sampled(v0, ok0, lo0, h0, h0_32, c0, counts_ptr, row_ptr,
+                                                        a0, a1, a2, a3, a4, a5, a6, a7, NARROW)
+        if AHEAD >= 2:
+            a0, a1, a2, a3, a4, a5, a6, a7 = _count_sampled(v1, ok1, lo0, h0, h0_32, c0, counts_ptr, row_ptr,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, NARROW)
+        if AHEAD == 4:
+            a0, a1, a2, a3, a4, a5, a6, a7 = _count_sampled(v2, ok2, lo0, h0, h0_32, c0, counts_ptr, row_ptr,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, NARROW)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _count_sampled(v3, ok3, lo0, h0, h0_32, c0, counts_ptr, row_ptr,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, NARROW)
     c0_64 = c0.to(tl.int64)
     _flush_bins(a0, counts_ptr, row_ptr, c0_64, k_ok, 0)
     _flush_bins(a1, counts_ptr, row_ptr, c0_64, k_ok, 4)
