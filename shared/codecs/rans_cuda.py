@@ -175,6 +175,7 @@ USE_STREAM_PREFETCH = True  # decoder lanes: prefetch each group's stream into L
 USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with the table's reciprocal (prob_bits <= 14),
 # not a 32-bit division (about 16 instructions, three of them quarter-rate, on the state's dependency chain)
 COPY_OUT_WORDS, COPY_OUT_META = 2048, 1024  # PendingEncode.copy_out: int64 words a program of copy_out_kernel copies; meta words a step
+QUEUED_META = ("spans", "flags", "summary")  # a queued call's int64 device state copy_out copies, in this order
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
 
@@ -302,13 +303,13 @@ class PendingEncode:
         graph, whose slots are rewritten before each replay: every call's outputs land in buffers
         of its own without a launch of its own (copied(), and result(out=...))."""
         torch = self.torch
-        words = torch.cat([self.spans.view(-1), self.flags, self.summary.view(-1)]) if meta else self.flags[:0]
+        words = torch.cat([getattr(self, name).view(-1) for name in QUEUED_META]) if meta else self.flags[:0]
         grid = (triton_cdiv(self.buffer.numel() // 8, COPY_OUT_WORDS),)  # the buffer's size is a multiple of 16
         _kernels()["copy_out"][grid](self.buffer.view(torch.int64), slots, self.spans, self.n_t, words, words.numel(),
                                      BLOCK=COPY_OUT_WORDS, BLOCK_N=_pow2(self.n_t), BLOCK_M=COPY_OUT_META)
 
     def meta_words(self) -> int:
-        return self.spans.numel() + self.flags.numel() + self.summary.numel()
+        return sum(getattr(self, name).numel() for name in QUEUED_META)
 
     def copied(self, buffer, meta):
         """A PendingEncode over what copy_out() wrote: buffer (uint8 CUDA, this one's size: room for
@@ -317,10 +318,11 @@ class PendingEncode:
         run again before this one's result() is read."""
         out = copy.copy(self)
         out.buffer = buffer
-        n_spans, n_t = self.spans.numel(), self.n_t
-        out.spans = meta[:n_spans].view(self.spans.shape)
-        out.flags = meta[n_spans:n_spans + n_t]
-        out.summary = meta[n_spans + n_t:].view(self.summary.shape)
+        at = 0
+        for name in QUEUED_META:
+            part = getattr(self, name)
+            setattr(out, name, meta[at:at + part.numel()].view(part.shape))
+            at += part.numel()
         out._host, out._queued, out._ready = None, False, None
         return out
 
