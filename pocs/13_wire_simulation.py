@@ -11,13 +11,13 @@ receiver with a recv thread and a decode thread, move N tensors in
     latency + e + C/B + d + (N - 1) * max(e, C/B, d)          (first tensor's latency, then the slowest stage)
 and raw in latency + N * S / B. latency = one-way delay plus TCP slow start (the congestion window
 doubling from 10 segments each round trip until it covers the bandwidth-delay product). e(S) and d(S)
-come from TensorCodec encode/decode measured here by tensor size (the CPU codecs), or from the NVIDIA
-H200's API rows of results/09_backend_bench.csv (`path` api / api_batched: encode_gbps / decode_gbps by
+come from TensorCodec encode/decode measured here by tensor size (the CPU codecs), or from the GPU's
+API rows of results/09_backend_bench.csv (`path` api / api_batched: encode_gbps / decode_gbps by
 `tensor_mb`; `pcie_copy`: d2h_gbps / h2d_gbps), never invented: without those rows the GPU curves are
 left out and the run says so. B of a tc-shaped link is its tbf rate times the TCP payload share of a
 1514-byte frame (shared.links.TCP_PAYLOAD_FRACTION).
 
-Codecs (CPU rows measured on this machine; GPU rows from PoC 09 on the H200):
+Codecs (CPU rows measured on this machine; GPU rows from PoC 09 on the GPU its rows name):
   compute codec (CPU)    TensorCodec(backend="rans", step=...): one shared quantization step per tensor,
                          calibrated on the calibration chunks for cos TARGET_COS; numpy rANS coder
   zstd (CPU)             per-channel uint8 planes of the PCA coefficients, zstd level ZSTD_LEVEL
@@ -173,9 +173,9 @@ def cpu_speeds(df) -> dict:
     return out
 
 
-def gpu_speeds(cpu: dict) -> tuple[dict, dict, list[str]]:
+def gpu_speeds(cpu: dict) -> tuple[dict, dict, list[str], str]:
     """From PoC 09's API rows: label -> {tensor_mb: (encode_s, decode_s, ratio)}, the pinned PCIe copy
-    {tensor_mb: (d2h_gbps, h2d_gbps)}, and notes on what is missing."""
+    {tensor_mb: (d2h_gbps, h2d_gbps)}, notes on what is missing, and the GPU(s) the rows name."""
     import pandas as pd
 
     path = RESULTS / "09_backend_bench.csv"
@@ -183,8 +183,9 @@ def gpu_speeds(cpu: dict) -> tuple[dict, dict, list[str]]:
     notes = []
     if "tensor_mb" not in df.columns or not df.path.isin(["api", "api_batched"]).any():
         notes.append("no GPU API rows yet in results/09_backend_bench.csv (path api/api_batched): GPU curves omitted")
-        return {}, {}, notes
+        return {}, {}, notes, ""
     api = df[df.path.isin(["api", "api_batched"])]
+    device = ", ".join(sorted(map(str, api.device.dropna().unique())))
     out = {}
     for label, (backend, enc_from, ratio_from) in GPU_CODECS.items():
         g = api[api.backend == backend]
@@ -210,7 +211,7 @@ def gpu_speeds(cpu: dict) -> tuple[dict, dict, list[str]]:
             notes.append(f"{label}: PoC 09 rows lack encode/decode/ratio for it: omitted")
     pcie = df[df.path == "pcie_copy"].pivot_table(index="tensor_mb", columns="metric", values="value", aggfunc="median")
     copies = {float(mb): (r.get("d2h_gbps"), r.get("h2d_gbps")) for mb, r in pcie.iterrows()}
-    return out, copies, notes
+    return out, copies, notes, device
 
 
 def interp_stage(table: dict, mb: float, index: int):
@@ -483,7 +484,7 @@ def gpu_pcie_check(res, tensors, cfg, source) -> None:
 def add_model_rows(res, df, cfg, n: int, source) -> dict:
     """Model speed-up curves (CPU codecs measured here, GPU ones from PoC 09) and crossover rows."""
     cpu = cpu_speeds(df)
-    gpu, copies, notes = gpu_speeds(cpu)
+    gpu, copies, notes, gpu_device = gpu_speeds(cpu)
     for note in notes:
         print(note)
         res.add(backend="-", metric="gpu_rows_missing", value=float("nan"), unit="-", reason=note, part="model",
@@ -491,7 +492,7 @@ def add_model_rows(res, df, cfg, n: int, source) -> dict:
     curves = model_curves({**cpu, **gpu}, cfg["stream_mb"], n)
     for label, sp in curves.items():
         x = crossover(sp)
-        dev = "NVIDIA H200 (PoC 09 rows)" if label in gpu else "cpu"
+        dev = f"{gpu_device} (PoC 09 rows)" if label in gpu else "cpu"
         res.add(backend=label, metric="crossover_gbps", value=(x or float("nan")) / 1e9 * 8, unit="Gbit/s",
                 part="model", tensor_mb=cfg["stream_mb"], tensors=n, source=source, device=dev,
                 reason="" if x else ("pays at every bandwidth swept" if sp[0] >= 1 else "never pays"))
