@@ -24,8 +24,8 @@ def nvdec_reason():
 
 requires_nvdec = pytest.mark.skipif(nvdec_reason() is not None, reason=f"NVDEC unavailable: {nvdec_reason()}")
 # the streams these tests decode are made by x265 in process (PyAV), which a GPU machine may lack
-requires_x265 = pytest.mark.skipif(get_backend("x265").probe() is not None,
-                                   reason=f"x265 unavailable to make test streams: {get_backend('x265').probe()}")
+X265_REASON = get_backend("x265").probe()
+requires_x265 = pytest.mark.skipif(X265_REASON is not None, reason=f"x265 unavailable to make test streams: {X265_REASON}")
 
 
 def smooth_frames(n, size, seed):
