@@ -1,40 +1,31 @@
-"""PoC 15 - Does compressing an activation make it cross from one GPU to another faster, over NVLink
-(NCCL peer-to-peer) and over the host-staged PCIe path that GPUs without peer access take?
+"""PoC 15 - Does compressing an activation make it cross between GPUs, or to host memory and back,
+faster: over the host-staged PCIe path (device -> pinned host -> device) that GPUs without peer access
+and a KV offload take, and over NVLink (NCCL peer-to-peer)?
 
-Two processes, one per GPU (torch.multiprocessing spawn, ranks 0 -> 1), send a stream of bf16
-activations [tokens, channels] of 1-256 MB, raw and through the compute codec
-(`TensorCodec(basis, backend="rans", step=...)`, a per-layer PCA basis and a step calibrated once on
-a sample of the first tensor for cos >= 0.999):
+Host round trip (a GPU): a list of 8 bf16 activations [tokens, D] of 16-256 MB, D = 1024 and 4096,
+goes GPU -> pinned host -> the same GPU through shared.stream.HostStream, raw and through the compute
+codec (a PCA basis and a step for cos >= 0.999 fitted on calibration tokens, not sent). Raw: serial (every
+D2H, then every H2D) and pipelined (chunks of 8-64 MB, both copy engines busy: the baseline). Compressed:
+serial (encode_many, the containers across and back, decode_many) and pipelined (chunk k encoded while
+chunk k-1 crosses and chunk k-2 is decoded; chunks of 64-256 MB). Every variant runs on the same tensors
+in one run; each list is checked first (raw bit-exact, compressed at the cos target), then timed (median
+of HOST_REPEATS calls, wall clock from a synchronized start to the results ready). Also written: each
+stage's span in the best pipeline (CUDA events) and, kernel-only, the codec's kernels on one 64 MB tensor.
 
-  nccl         torch.distributed NCCL send/recv of the raw tensor, or of the codec's blob as a uint8
-               CUDA tensor (needs 2 GPUs; NVLink multicast off: NCCL_NVLS_ENABLE=0)
-  host_staged  device -> pinned host buffer (shared by both processes) -> other device, double
-               buffered, raw or the blob; small control messages over gloo
+Two processes (torch.multiprocessing spawn, ranks 0 -> 1): with 2 GPUs, torch.distributed NCCL send/recv
+of the raw tensor or of the codec's blob (NVLink multicast off: NCCL_NVLS_ENABLE=0); without a GPU
+(`--quick` in CI), the host-staged code path over gloo on the CPU (its numbers are not a link's).
 
-Sources: synthetic activations (shared.sources.synthetic_activation: heavy-tailed spectrum, AR(1)
-tokens; the basis is fitted on other tokens of the same process), and SmolLM2-135M hidden states of
-one layer (the basis fitted on other text chunks). Before anything is timed, the receiver checks
-every tensor of the stream: raw bit-exact, compressed at the stated cos (printed). Then per tensor
-size: latency (sender starts with the tensor on its GPU, receiver has it decoded on its GPU; one
-tensor at a time, median) and the pipelined rate (a stream of tensors back to back), both as GB/s
-of the original bf16 bytes. Same-host processes share CLOCK_MONOTONIC, so the latency runs from
-the sender's clock reading to the receiver's.
-
-With 1 GPU both ranks share it and only host_staged runs (GPU -> pinned -> the same GPU); the NCCL
-rows wait for a two-GPU machine, and the run says so. Without a GPU (`--quick` in CI) the ranks run
-on the CPU over gloo, host-staged only: the code is tested, the numbers are not a link's.
-
-Command:   make poc-15 [ARGS=--quick]   (or: python pocs/15_p2p_multi_gpu.py [--quick] [--real | --no-real])
-           --quick: sizes 1 and 4 MB, 3-tensor streams, synthetic only (--real adds 512 real tokens)
+Command:   make poc-15 [ARGS=--quick]   (or: python pocs/15_p2p_multi_gpu.py [--quick] [--widths ...] [--sizes ...])
 Writes:    results/15_p2p_multi_gpu.csv, figures/15_p2p_multi_gpu.png
-Sample output (a 2-core CPU machine shared with other jobs, --quick --real: gloo, both ranks on the
-CPU, so these are not a link's numbers; the run only shows that the code works):
-    world: cpu (gloo): 2 ranks on the CPU; paths: host_staged; the NCCL rows need 2 GPUs (this machine has 0): ...
-    synthetic 4 MB host_staged: raw bit-exact on 3 tensors (matches)
-         synthetic     4.0 MB host_staged raw  latency    31.42 ms  single    0.13 GB/s  stream    1.41 GB/s
-    synthetic 4 MB host_staged: compressed cos >= 0.99900 (target 0.999), ratio 6.48x
-         synthetic     4.0 MB host_staged rans latency   641.52 ms  single    0.01 GB/s  stream    0.01 GB/s
-    smollm2_hidden 0.562 MB host_staged: compressed cos >= 0.99900 (target 0.999), ratio 4.19x
+Sample output (an NVIDIA H100 80GB HBM3):
+    D=1024 8 x 256 MB host round trip: raw bit-exact (matches); compressed cos >= 0.99900 (target 0.999), ratio 6.76x
+        raw        serial    chunk     - MB     77.62 ms    27.7 GB/s
+        raw        pipelined chunk    16 MB     43.35 ms    49.5 GB/s
+        compressed serial    chunk     - MB     39.94 ms    53.8 GB/s
+        compressed pipelined chunk   256 MB     29.40 ms    73.0 GB/s
+        => compressed 1.47x the best pipelined raw round trip (chunks of 256 MB)
+    world: 1 GPU; two-process paths: none; the NCCL rows need 2 GPUs (this machine has 1): they wait for that machine
 """
 from __future__ import annotations
 
@@ -73,6 +64,15 @@ REAL_CALIB_CHUNKS = 4           # chunks the real basis is fitted on
 REAL_TOKENS = (1024, 4096, 16384)  # tokens per real tensor (1.2 / 4.7 / 18.9 MB at 576 channels)
 QUICK_REAL_CHUNK, QUICK_REAL_CALIB_CHUNKS, QUICK_REAL_TOKENS = 512, 1, (512,)
 SEED = 0
+# the host round trip through shared.stream.HostStream (one process: GPU -> pinned host -> GPU)
+HOST_WIDTHS = (1024, 4096)      # channels D of the synthetic activations
+HOST_SIZES_MB = (16, 64, 256)   # MB of bf16 per tensor
+HOST_TENSORS = 8                # distinct tensors per round trip (one call)
+HOST_RAW_CHUNKS_MB = (8, 16, 64)        # the raw pipeline's chunk sizes: its best is the baseline
+HOST_CODEC_CHUNKS_MB = (64, 128, 256)   # the compressed pipeline's chunk sizes
+HOST_CALIB_TOKENS = 16384       # tokens the basis and the step are fitted on (not sent)
+HOST_WARMUP, HOST_REPEATS = 3, 7  # calls before timing (graphs are captured on the second), timed calls (median)
+QUICK_HOST = dict(widths=(1024,), sizes=(16,), tensors=3, raw_chunks=(8,), codec_chunks=(16,), repeats=3)
 
 
 # ---------------------------------------------------------------- workloads (made once, in the parent)
@@ -372,6 +372,196 @@ def run_case(torch, dist, rank, link, codec, xs, case, cfg, quality, meta) -> li
     return out
 
 
+# ---------------------------------------------------------------- host round trip through the stream
+
+def gpu_activations(torch, tokens: int, D: int, mix, gen):
+    """[tokens, D] bf16 on the GPU: Student-t(3) components with variances falling as 1/(i+1), in a
+    random rotation, plus a per-channel offset N(0, 0.5) (shared.sources.synthetic_activation's recipe, made on
+    the GPU because a 4096 x 4096 rotation takes minutes on the CPU; without its AR(1) correlation
+    between tokens, which a per-token codec does not use)."""
+    scales = (torch.arange(D, device="cuda", dtype=torch.float32) + 1).pow(-0.5)
+    chi2 = torch.distributions.Chi2(torch.tensor(3.0, device="cuda"))
+    z = torch.randn(tokens, D, device="cuda", generator=gen).div_(chi2.sample((tokens, D)).div_(3).sqrt_())
+    rotation, offset = mix
+    return (z.mul_(scales) @ rotation.T + offset).bfloat16()
+
+
+def host_codec(torch, D: int, gen):
+    """A compute codec for D-wide activations: the PCA basis of HOST_CALIB_TOKENS calibration tokens and the
+    step meeting TARGET_COS on them (both fitted on the GPU); and the rotation and offset the tensors share."""
+    from shared.basis import fit_basis_torch
+    from shared.pipeline import TensorCodec
+    from shared.rdquant import find_step
+
+    mix = (torch.linalg.qr(torch.randn(D, D, device="cuda", generator=gen))[0],
+           0.5 * torch.randn(D, device="cuda", generator=gen))
+    calib = gpu_activations(torch, HOST_CALIB_TOKENS, D, mix, gen).float()
+    basis = fit_basis_torch(calib, k=D, model="synthetic", layer=f"activation D={D}")
+    mean, comps = torch.as_tensor(basis.mean, device="cuda"), torch.as_tensor(basis.components, device="cuda")
+    step = find_step((calib - mean) @ comps, TARGET_COS, "cos", reconstruct=lambda c: c @ comps.T + mean,
+                     reference=calib).step
+    return TensorCodec(basis, backend="rans", step=step), mix
+
+
+def median_call_s(torch, call, warmup: int, repeats: int) -> float:
+    """Median wall time of call() from a synchronized start to its results ready (synchronize)."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def raw_serial_trip(torch, xs):
+    """The unpipelined baseline: every tensor to pinned host memory, then every one back, on one stream."""
+    hosts = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in xs]
+
+    def call():
+        for h, x in zip(hosts, xs):
+            h.copy_(x, non_blocking=True)
+        return [h.to(x.device, non_blocking=True) for h, x in zip(hosts, xs)]
+    return call
+
+
+def codec_serial_trip(torch, codecs, xs):
+    """The codec one step after another: encode_many, the containers to pinned memory and back, decode_many."""
+    from shared.codecs.rans_cuda import Containers
+    from shared.pipeline import decode_many, encode_many
+
+    room = {}
+
+    def call():
+        blobs = encode_many(codecs, xs)
+        n = blobs.buffer.numel()
+        if room.get("n", 0) < n:
+            room["host"], room["n"] = torch.empty(n + n // 4, dtype=torch.uint8, pin_memory=True), n + n // 4
+        room["host"][:n].copy_(blobs.buffer, non_blocking=True)
+        back = room["host"][:n].to(xs[0].device, non_blocking=True)
+        return list(decode_many(codecs, Containers(back, blobs.starts, blobs.ends), device=xs[0].device))
+    return call
+
+
+def kernel_profile(torch, codecs, xs) -> list[dict]:
+    """Kernel-only: each kernel's GPU time in one encode_many and one decode_many of xs (torch.profiler,
+    3 calls each, after warm calls). Labelled as such: the API times are the rows beside it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from shared.pipeline import decode_many, encode_many
+
+    blobs = encode_many(codecs, xs)
+    for _ in range(2):
+        decode_many(codecs, blobs, device="cuda")
+        encode_many(codecs, xs)
+    torch.cuda.synchronize()
+    rows = []
+    for direction in ("encode", "decode"):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                encode_many(codecs, xs) if direction == "encode" else decode_many(codecs, blobs, device="cuda")
+            torch.cuda.synchronize()
+        per = {}
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", 0) or 0
+            if us > 0:
+                per[e.key] = per.get(e.key, 0.0) + us / 3
+        for name, us in sorted(per.items(), key=lambda kv: -kv[1]):
+            rows.append(dict(direction=direction, kernel=name[:80], us=us))
+    return rows
+
+
+def host_round_trips(res: ResultsWriter, quick: bool, widths=None, sizes=None, profile: bool = True):
+    """Rows of the host round trip (path=host_staged): each tensor list checked (raw bit-exact, compressed
+    at TARGET_COS), then the raw and compressed trips timed, serial and through HostStream."""
+    import torch
+
+    from shared.stream import HostStream
+
+    q = QUICK_HOST if quick else {}
+    widths = widths or q.get("widths", HOST_WIDTHS)
+    sizes = sizes or q.get("sizes", HOST_SIZES_MB)
+    n = q.get("tensors", HOST_TENSORS)
+    repeats = q.get("repeats", HOST_REPEATS)
+    device = torch.cuda.get_device_name()
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    for D in widths:
+        codec, mix = host_codec(torch, D, gen)
+        codecs = [codec] * n
+        for mb in sizes:
+            T = int(mb * 2**20) // (2 * D)
+            xs = [gpu_activations(torch, T, D, mix, gen) for _ in range(n)]
+            total = sum(x.numel() * 2 for x in xs)
+            case = dict(source="synthetic", path="host_staged", tensor_mb=mb, tokens=T, channels=D, k=D, stream=n,
+                        step=codec.quantizer.step, target_cos=TARGET_COS, world="1 GPU")
+            # 1. correctness, before any timing
+            raw = HostStream(None)
+            exact = all(torch.equal(x, y) for x, y in zip(xs, raw.round_trip(xs)))
+            exact &= all(torch.equal(x, y) for x, y in zip(xs, raw_serial_trip(torch, xs)()))
+            coded = HostStream(codecs)
+            cos = min(min(cos_mean(x, y) for x, y in zip(xs, coded.round_trip(xs))),
+                      min(cos_mean(x, y) for x, y in zip(xs, codec_serial_trip(torch, codecs, xs)())))
+            ratio = coded.last["ratio"]
+            print(f"D={D} {n} x {mb:g} MB host round trip: raw bit-exact ({'matches' if exact else 'DIFFERS'}); "
+                  f"compressed cos >= {cos:.5f} (target {TARGET_COS}), ratio {ratio:.2f}x", flush=True)
+            if not exact or cos < TARGET_COS - COS_SLACK:
+                raise RuntimeError(f"D={D} {mb} MB: a round trip came back wrong (raw exact {exact}, cos {cos:.5f})")
+            res.add(backend="rans", mode="compressed", metric="cos_min", value=cos, unit="cos", device=device, **case)
+            res.add(backend="rans", mode="compressed", metric="ratio", value=ratio, unit="x", device=device, **case)
+
+            # 2. timing: the same tensors, every variant in this run
+            def timed(mode, variant, chunk, call):
+                s = median_call_s(torch, call, HOST_WARMUP, repeats)
+                gbps = total / s / 1e9
+                res.add(backend="rans" if mode == "compressed" else "raw", mode=mode, variant=variant,
+                        chunk_mb=chunk, metric="effective_gbps", value=gbps, unit="GB/s", device=device,
+                        call_ms=1e3 * s, **case)
+                print(f"    {mode:10s} {variant:9s} chunk {chunk if chunk else '-':>5} MB {1e3 * s:9.2f} ms "
+                      f"{gbps:7.1f} GB/s", flush=True)
+                return gbps
+
+            timed("raw", "serial", None, raw_serial_trip(torch, xs))
+            best_raw = 0.0
+            for ch in q.get("raw_chunks", HOST_RAW_CHUNKS_MB):
+                s = HostStream(None, chunk_mb=ch)
+                best_raw = max(best_raw, timed("raw", "pipelined", ch, lambda: s.round_trip(xs)))
+            timed("compressed", "serial", None, codec_serial_trip(torch, codecs, xs))
+            best, best_chunk = 0.0, None
+            for ch in q.get("codec_chunks", HOST_CODEC_CHUNKS_MB):
+                s = HostStream(codecs, chunk_mb=ch)
+                g = timed("compressed", "pipelined", ch, lambda: s.round_trip(xs))
+                if g > best:
+                    best, best_chunk = g, ch
+            res.add(backend="rans", mode="compressed", variant="pipelined", chunk_mb=best_chunk,
+                    metric="speedup_vs_raw", value=best / best_raw, unit="x", device=device, **case)
+            print(f"    => compressed {best / best_raw:.2f}x the best pipelined raw round trip "
+                  f"(chunks of {best_chunk:g} MB)", flush=True)
+            # 3. where the time goes: the best pipeline's stages, from CUDA events
+            s = HostStream(codecs, chunk_mb=best_chunk)
+            for _ in range(HOST_WARMUP):  # graphs captured, kernels tuned: the steady state's timeline
+                s.round_trip(xs)
+            s.round_trip(xs, timeline=True)
+            for stage, k, t0, t1 in s.last["timeline"]:
+                res.add(backend=stage, mode="compressed", variant="pipelined", chunk_mb=best_chunk, chunk=k,
+                        metric="stage_ms", value=t1 - t0, unit="ms", start_ms=t0, device=device, **case)
+            if profile and mb == 64:
+                for row in kernel_profile(torch, codecs[:1], xs[:1]):
+                    res.add(backend=row["kernel"], mode="compressed", variant="kernel_only", direction=row["direction"],
+                            metric="kernel_us", value=row["us"], unit="us", device=device,
+                            **dict(case, tensor_mb=64, stream=1))
+            xs.clear()  # free the GPU memory before the next size
+            torch.cuda.empty_cache()
+
+
+def cos_mean(x, y) -> float:
+    """Mean cosine over tokens of two [T, D] CUDA tensors (float32)."""
+    x, y = x.float(), y.float()
+    return float(((x * y).sum(1) / (x.norm(dim=1) * y.norm(dim=1)).clamp_min(1e-30)).mean())
+
+
 # ---------------------------------------------------------------- the run
 
 def free_port() -> int:
@@ -388,12 +578,18 @@ def run(args) -> ResultsWriter:
     import torch.multiprocessing as mp
 
     n_gpu = torch.cuda.device_count()
-    paths = (["nccl"] if n_gpu >= 2 else []) + ["host_staged"]
-    world = {0: "cpu (gloo): 2 ranks on the CPU", 1: "1 GPU: both ranks on it"}.get(n_gpu, f"{n_gpu} GPUs: ranks on 0 and 1")
-    print(f"world: {world}; paths: {', '.join(paths)}" +
+    res = ResultsWriter("15", "p2p_multi_gpu", gpu=n_gpu > 0)
+    if n_gpu:  # host staging through shared.stream.HostStream, in this process
+        host_round_trips(res, args.quick, widths=args.widths, sizes=args.sizes, profile=not args.quick)
+    # two processes: NCCL between two GPUs; without a GPU, the host-staged code path over gloo on the CPU
+    paths = ["nccl"] if n_gpu >= 2 else [] if n_gpu else ["host_staged"]
+    world = {0: "cpu (gloo): 2 ranks on the CPU", 1: "1 GPU"}.get(n_gpu, f"{n_gpu} GPUs: ranks on 0 and 1")
+    print(f"world: {world}; two-process paths: {', '.join(paths) or 'none'}" +
           ("" if n_gpu >= 2 else f"; the NCCL rows need 2 GPUs (this machine has {n_gpu}): they wait for that machine"))
+    if not paths:
+        return res
     sizes = args.sizes or (QUICK_SIZES_MB if args.quick else SIZES_MB)
-    workloads = [synthetic_workload(sizes, args.channels)]
+    workloads = [synthetic_workload(sizes, CHANNELS)]
     if args.real:
         try:
             workloads.append(real_workload(args.quick))
@@ -415,11 +611,16 @@ def run(args) -> ResultsWriter:
         out = Path(tmp) / "rows.json"
         mp.spawn(worker, args=(cfg, workloads, slots, str(out)), nprocs=2, join=True)
         rows = json.loads(out.read_text())
-    res = ResultsWriter("15", "p2p_multi_gpu", gpu=n_gpu > 0)
     label = {0: "cpu", 1: "1 GPU"}.get(n_gpu, "2 GPUs")
     for row in rows:
         res.add(**dict(row, world=label, target_cos=TARGET_COS))
     return res
+
+
+def best_rows(df):
+    """The host round trip's effective GB/s per (channels, tensor_mb, mode, variant): the best chunk size's."""
+    g = df[df.metric == "effective_gbps"]
+    return g.groupby(["channels", "tensor_mb", "mode", "variant"], as_index=False).value.max()
 
 
 def plot(csv: Path | None = None, out: Path | None = None):
@@ -428,33 +629,50 @@ def plot(csv: Path | None = None, out: Path | None = None):
     plt = apply_style()
     csv = csv or RESULTS / f"{NAME}.csv"
     df = pd.read_csv(csv)
-    df = df[df.metric == "stream_gbps"]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    styles = {"raw": "--", "rans": "-"}
-    colors = {"nccl": "#0072B2", "host_staged": "#D55E00"}
-    names = {"nccl": "NCCL (NVLink)", "host_staged": "host-staged (PCIe)"}
-    notes = []
-    for (path, backend), g in df[df.source == "synthetic"].groupby(["path", "backend"]):
-        g = g.sort_values("tensor_mb")
-        ax.plot(g.tensor_mb, g.value, styles[backend], marker="o", color=colors[path],
-                label=f"{names[path]}, {'raw' if backend == 'raw' else 'compressed'}, synthetic")
-    for (path, backend), g in df[df.source != "synthetic"].groupby(["path", "backend"]):
-        ax.plot(g.tensor_mb, g.value, "s" if backend == "raw" else "^", ms=7, mfc="none", color=colors[path],
-                label=f"{names[path]}, {'raw' if backend == 'raw' else 'compressed'}, {g.source.iloc[0]}")
-    for path, g in df[df.source == "synthetic"].groupby("path"):
-        big = g[g.tensor_mb == g.tensor_mb.max()]
-        raw, comp = big[big.backend == "raw"].value, big[big.backend == "rans"].value
-        if len(raw) and len(comp):
-            notes.append(f"{names[path]}: compressed {float(comp.iloc[0]) / float(raw.iloc[0]):.3g}x raw at "
-                         f"{big.tensor_mb.iloc[0]:.0f} MB")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.xaxis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("tensor size (MB of bf16)")
-    ax.set_ylabel("effective GB/s (original bf16 bytes, pipelined stream)")
-    ax.set_title("; ".join(notes) + f"  [{df.device.iloc[0]}, {df.world.iloc[0]}]", fontsize=9)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    host = df[df.metric == "effective_gbps"]
+    pair = df[df.metric == "stream_gbps"]
+    panels = [p for p, rows in (("host", host), ("pair", pair)) if len(rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels) + 2.5, 4.4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "host":
+            best = best_rows(df)
+            colors = {w: c for w, c in zip(sorted(best.channels.unique()), ("#0072B2", "#D55E00", "#009E73", "#CC79A7"))}
+            for (D, mode, variant), g in best.groupby(["channels", "mode", "variant"]):
+                g = g.sort_values("tensor_mb")
+                ax.plot(g.tensor_mb, g.value, "-" if mode == "compressed" else "--", color=colors[D],
+                        marker="o" if variant == "pipelined" else "x", alpha=1.0 if variant == "pipelined" else 0.5,
+                        label=f"D={D}, {mode}, {variant}")
+            pipelined = best[best.variant == "pipelined"].pivot_table(index=["channels", "tensor_mb"], columns="mode",
+                                                                     values="value")
+            for (D, mb), r in pipelined.iterrows():  # each compressed point: x of the raw pipeline, same size
+                if r.notna().all():
+                    ax.annotate(f"{r.compressed / r.raw:.2f}x", (mb, r.compressed), textcoords="offset points",
+                                xytext=(0, -13), ha="center", fontsize=8, color=colors[D], weight="bold")
+            ax.set_title(f"GPU -> pinned host -> GPU, {int(host.stream.iloc[0])} tensors a call (labels: compressed "
+                         f"/ raw, both pipelined)  [{host.device.iloc[0]}]", fontsize=9)
+            ax.set_ylabel("effective GB/s (original bf16 bytes / call time)")
+            ax.set_ylim(0, best.value.max() * 1.15)
+        else:
+            styles = {"raw": "--", "rans": "-"}
+            colors = {"nccl": "#0072B2", "host_staged": "#D55E00"}
+            names = {"nccl": "NCCL (NVLink)", "host_staged": "host-staged, two processes"}
+            for (path, backend, source), g in pair.groupby(["path", "backend", "source"]):
+                g = g.sort_values("tensor_mb")
+                ax.plot(g.tensor_mb, g.value, styles[backend], marker="o" if source == "synthetic" else "^",
+                        color=colors[path], label=f"{names[path]}, {'raw' if backend == 'raw' else 'compressed'}, {source}")
+            ax.set_title(f"rank 0 -> rank 1, pipelined stream  [{pair.device.iloc[0]}, {pair.world.iloc[0]}]",
+                         fontsize=9)
+            ax.set_ylabel("effective GB/s (original bf16 bytes, pipelined stream)")
+        ax.set_xscale("log")
+        if panel == "pair":
+            ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
+        sizes = (host if panel == "host" else pair).tensor_mb.unique()
+        ax.set_xticks(sorted(sizes))
+        ax.set_xlabel("tensor size (MB of bf16)")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
     if out is None:
         save_figure(fig, NAME, f"{NAME}.csv")
     else:
@@ -468,8 +686,10 @@ if __name__ == "__main__":
     ap.add_argument("--real", action=argparse.BooleanOptionalAction, default=None,
                     help="also SmolLM2 hidden states (default: on, off with --quick)")
     ap.add_argument("--stream", type=int, default=STREAM, help="tensors per pipelined stream")
-    ap.add_argument("--sizes", type=float, nargs="+", default=None, help="synthetic tensor sizes, MB of bf16")
-    ap.add_argument("--channels", type=int, default=CHANNELS, help="channels of the synthetic activations")
+    ap.add_argument("--sizes", type=float, nargs="+", default=None,
+                    help=f"tensor sizes, MB of bf16 (default {HOST_SIZES_MB} on a GPU, {SIZES_MB} for NCCL)")
+    ap.add_argument("--widths", type=int, nargs="+", default=None,
+                    help=f"channels of the host round trip's activations (default {HOST_WIDTHS})")
     ap.add_argument("--port", type=int, default=None, help="rendezvous port on 127.0.0.1 (default: a free one)")
     ap.add_argument("--csv", type=Path, default=None, help="write the CSV here instead of results/")
     ap.add_argument("--figure", type=Path, default=None, help="write the figure here instead of figures/")

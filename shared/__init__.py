@@ -12,4 +12,5 @@ from .errors import (  # noqa: F401
     BackendUnavailable,
     UnknownBackend,
     CodecError,
+    TransferError,
 )

@@ -36,3 +36,8 @@ class CodecError(TensorCodecError, RuntimeError):
 
 class WeightsUnavailable(TensorCodecError, FileNotFoundError):
     """Model weights are not on this machine and no model hub can be reached; the message says how to provide them."""
+
+
+class TransferError(TensorCodecError, RuntimeError):
+    """A transfer between processes failed: the peer died or stalled past the timeout, or sent a message
+    that is not this stream's (another magic, version or stream id, a bad descriptor, a failed check)."""

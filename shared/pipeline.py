@@ -850,7 +850,8 @@ class _EncodeGraph:
         self.graph = torch.cuda.CUDAGraph()
 
         def capture():
-            with torch.cuda.graph(self.graph):
+            # thread_local: another thread may launch on its own stream meanwhile (HostStream decodes on a worker)
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 pending = _encode_launch(codecs, xs, prepared, addresses=self.addresses, **mode)
                 pending.copy_out(self.addr[len(xs):], meta=queued)
                 if not queued:  # the summary's copy to the host is part of the replay
@@ -1134,7 +1135,8 @@ class _DecodeGraph:
         self.err_flags = self.err_host.numpy()
 
         def capture():
-            with torch.cuda.graph(self.graph):
+            # thread_local: another thread may launch on its own stream meanwhile (HostStream decodes on a worker)
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 rows, err = self.dec.launch()
                 self.err_host.copy_(err, non_blocking=True)
                 return rows, err

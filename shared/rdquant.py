@@ -577,12 +577,17 @@ class CudaProjection:
         sum32 = narrow and T < SUM32_MAX_TOKENS
         if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
+            if not kt.hoists(self.D, b["BD"]):
+                kt.project_quantize_wide_kernel[kt.wide_grid(T, K, N)(b)](*args, UPCAST=True, SUM32=sum32,
+                                                                         GROUP_M=kt.WIDE_GROUP_M, **in_place, **b)
+                return sym, (mn, mx, sm), amax
             grid = (min(-(-T // b["BM"]), self.ROW_PROGRAMS) * -(-K // b["BN"]), N)
-            kt.project_quantize_kernel[grid](*args, UPCAST=True, SUM32=sum32, HOIST=kt.hoists(self.D, b["BD"]),
-                                             **in_place, **b)
+            kt.project_quantize_kernel[grid](*args, UPCAST=True, SUM32=sum32, **in_place, **b)
+        elif not kt.hoists(self.D, kt.PROJECT_BD):  # wide tensors: tensor-core tiles, per-tile statistics
+            kt.project_quantize_wide_tuned[kt.wide_grid(T, K, N)](*args, UPCAST=False, SUM32=sum32, **in_place)
         else:
             kt.project_quantize_tuned[kt.project_grid(T, K, N, _sm_count(dev))](
-                *args, UPCAST=False, SUM32=sum32, HOIST=kt.hoists(self.D, kt.PROJECT_BD), **in_place)
+                *args, UPCAST=False, SUM32=sum32, **in_place)
         return sym, (mn, mx, sm), amax
 
     def reconstruct(self, symbols, step: float):

@@ -611,6 +611,41 @@ def dual_lane() -> str | None:
             + "\n\nReported elsewhere: 1.69x over all-direct at 1 Gbit (github.com/shootthesound/torch-nvenc-compress, "
               "README; RTX 5090, NVENC, wire simulated by a sleep in each lane's thread). "
             + _source(df, "14_dual_lane"))
+def host_round_trip() -> str | None:
+    df = _csv("15_p2p_multi_gpu")
+    if df is None or "effective_gbps" not in set(df.metric):
+        return None
+    t = df[df.metric == "effective_gbps"]
+    best = t.groupby(["channels", "tensor_mb", "mode", "variant"]).value.max()
+    chunk = t.loc[t.groupby(["channels", "tensor_mb", "mode", "variant"]).value.idxmax()].set_index(
+        ["channels", "tensor_mb", "mode", "variant"]).chunk_mb
+    q = df[df.metric.isin(["ratio", "cos_min"])].set_index(["channels", "tensor_mb", "metric"]).value
+    rows = []
+    for (D, mb), _ in t.groupby(["channels", "tensor_mb"]):
+        b = {k[2:]: v for k, v in best.items() if k[:2] == (D, mb)}
+        rows.append([f"{int(D)}", f"{int(t.stream.iloc[0])} x {mb:g} MB", f"{b[('raw', 'serial')]:.1f}",
+                     f"{b[('raw', 'pipelined')]:.1f} ({chunk[(D, mb, 'raw', 'pipelined')]:g} MB)",
+                     f"{b[('compressed', 'serial')]:.1f}",
+                     f"{b[('compressed', 'pipelined')]:.1f} ({chunk[(D, mb, 'compressed', 'pipelined')]:g} MB)",
+                     f"**{b[('compressed', 'pipelined')] / b[('raw', 'pipelined')]:.2f}x**",
+                     f"{q[(D, mb, 'ratio')]:.2f}x", f"{q[(D, mb, 'cos_min')]:.5f}"])
+    prof = df[df.metric == "kernel_us"]
+    lines = []
+    for (D, direction), g in prof.groupby(["channels", "direction"]):
+        top = g.sort_values("value", ascending=False).head(3)
+        lines.append(f"D={int(D)} {direction} {g.value.sum():.0f} us (" +
+                     ", ".join(f"{_kernel_name(r.backend)} {r.value:.0f}" for r in top.itertuples()) + ")")
+    return ("Effective GB/s (original bf16 bytes / call time, the call from tensors on the GPU to tensors back on "
+            "it, checked first: raw bit-exact, compressed at the cos shown) of `HostStream.round_trip`, GPU -> "
+            "pinned host -> the same GPU, synthetic heavy-tailed activations, every variant on the same tensors "
+            "in one run; pipelined rows give their best chunk size:\n\n"
+            + _table(rows, ["D", "tensors", "raw, serial", "raw, pipelined (chunk)", "compressed, serial",
+                            "compressed, pipelined (chunk)", "compressed / raw pipelined", "ratio", "cos (worst)"])
+            + ("\n\nKernel-only GPU time of one 64 MB tensor (torch.profiler; not a transfer figure): "
+               + "; ".join(lines) + "." if lines else "")
+            + "\n\n" + _source(df, "15_p2p_multi_gpu"))
+
+
 def kv_spill() -> str | None:
     df = _csv("17_kv_spill_decode")
     if df is None:
@@ -680,6 +715,7 @@ SECTIONS = [
     ("The compute codec on one CPU core (PoC 09 --api-cpu)", api_cpu_speed),
     ("Compressed vs raw over real links, and the pipelined model (PoC 13)", wire_simulation),
     ("Raw lane + codec lane at once (PoC 14)", dual_lane),
+    ("Host round trip through the pipelined stream (PoC 15)", host_round_trip),
     ("KV cache spilled to host memory: decode tokens/s (PoC 17)", kv_spill),
 ]
 

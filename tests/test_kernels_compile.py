@@ -79,6 +79,14 @@ xt = torch.from_numpy(x).to(torch.bfloat16)
 sym, (mn, mx, sm), amax = proj.quantize_many(xt.unsqueeze(0), [0.05], narrow=True)
 xh = xt.half()
 proj.quantize_many(xh.unsqueeze(0), [0.05], addresses=torch.tensor([xh.data_ptr()]))
+x72 = (rng.standard_normal((96, 72)) @ rng.standard_normal((72, 72))).astype(np.float32)
+wide = CudaProjection(x72.mean(0), np.linalg.svd(x72 - x72.mean(0), full_matrices=False)[2].T[:, :16].copy(),
+                      device="cpu")
+wide.BLOCK = dict(proj.BLOCK, BD=16)  # D > 3 BD: the wide tensors' kernel
+x72t = torch.from_numpy(x72).to(torch.bfloat16)
+wide.quantize_many(x72t.unsqueeze(0), [0.05], narrow=True)
+h72 = x72t.half()
+wide.quantize_many(h72.unsqueeze(0), [0.05], addresses=torch.tensor([h72.data_ptr()]))
 proj.reconstruct_many(sym, [0.05])
 blobs = rans_cuda.encode_many_cuda([sym[0], sym[0].int()], lane_tokens=32, stats=[(mn[0], mx[0], sm[0])] * 2)
 rans_cuda.decode_many_cuda(list(blobs))
@@ -127,9 +135,11 @@ def on_the_gpu(launch):
 
 def variants(launch):
     yield on_the_gpu(launch)
-    if launch["name"] == "project_quantize_kernel":  # every tile the autotuner tries, with the basis hoisted
-        for cfg in _rdquant_triton._PROJECT_CONFIGS:
-            c = dict(launch["consts"], **cfg.kwargs, HOIST=True, UPCAST=False)
+    if launch["name"] in ("project_quantize_kernel", "project_quantize_wide_kernel"):  # every tile autotuned
+        configs = _rdquant_triton._PROJECT_CONFIGS if launch["name"] == "project_quantize_kernel" \
+            else _rdquant_triton._WIDE_CONFIGS
+        for cfg in configs:
+            c = dict(launch["consts"], **cfg.kwargs, UPCAST=False)
             yield dict(launch, consts=c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if launch["name"] == "reconstruct_kernel":
         for cfg in _rdquant_triton._RECON_CONFIGS:
@@ -177,7 +187,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path):
     assert r.returncode == 0, f"recording the interpreted launches failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     names = {launch["name"] for launch in json.loads(launches.read_text())}
     # the encoder's and the decoder's kernels, the projection and its inverse, the slot decoder's staging
-    assert {"project_quantize_kernel", "reconstruct_kernel", "hist_kernel", "tables_kernel", "encode_kernel",
+    assert {"project_quantize_kernel", "project_quantize_wide_kernel", "reconstruct_kernel", "hist_kernel", "tables_kernel", "encode_kernel",
             "decode_meta_kernel", "decode_kernel", "checksum_kernel"} <= names, names
     # compiled afresh (no kernel from Triton's cache), so that the compile times are real
     r = _run(COMPILE, dict(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_ALWAYS_COMPILE="1"),

@@ -752,13 +752,19 @@ def pack_meta_kernel(lo_ptr, w_ptr, a_ptr, codes_ptr, states_ptr, model_ptr, sca
     mu16_ptr += s * K
     codes_ptr += s.to(tl.int64) * K * HCAP
     states_ptr += s.to(tl.int64) * P * K
-    jk = tl.arange(0, BLOCK_K)
-    A_all = tl.load(a_ptr + jk, mask=jk < K, other=0)
-    par_all = tl.load(model_ptr + jk, mask=jk < K, other=0) > 0
-    before = jk < k
-    off = tl.sum(tl.where(before & ~par_all, A_all, 0), 0)
-    poff = tl.sum(tl.where(before & par_all, 1, 0), 0)
-    rank = tl.sum(tl.where(before & (A_all > 1), 1, 0), 0)
+    # the components before k, BLOCK_K at a time (a block of all K at once spilled its registers at
+    # K = 4096, one warp a program: 330 us at 64 MB on an NVIDIA H100, the encode's second largest kernel)
+    off = tl.zeros([], tl.int64)
+    poff = tl.zeros([], tl.int64)
+    rank = tl.zeros([], tl.int64)
+    for j0 in range(0, k, BLOCK_K):
+        jk = j0 + tl.arange(0, BLOCK_K)
+        before = jk < k
+        A_all = tl.load(a_ptr + jk, mask=before, other=0).to(tl.int64)
+        par_all = tl.load(model_ptr + jk, mask=before, other=0) > 0
+        off += tl.sum(tl.where(before & ~par_all, A_all, 0), 0)
+        poff += tl.sum(tl.where(before & par_all, 1, 0), 0).to(tl.int64)
+        rank += tl.sum(tl.where(before & (A_all > 1), 1, 0), 0).to(tl.int64)
     A = tl.load(a_ptr + k)
     W = tl.load(w_ptr + k)
     model = tl.load(model_ptr + k)
@@ -1166,7 +1172,7 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
     seg_ptr: its segment table row). Program k < K: component k's window and weights (explicit
     codes or its parametric model) -> its rANS table and its slot -> symbol lookup (PACKED:
     symbol << 2n | f - 1 << n | slot - cum); program K: the virtual no-op component (one symbol
-    of frequency 2^n). Anything out of range, and (program 0) a checksum or table-size
+    of frequency 2^n). Anything out of range, and (program K) a checksum or table-size
     mismatch, sets the payload's error flag."""
     M: tl.constexpr = 1 << PROB_BITS
     k = tl.program_id(0)
@@ -1192,14 +1198,20 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
     tab_ptr += s.to(tl.int64) * (K + 1) * HCAP
     lut_ptr += s.to(tl.int64) * (K + 1) * M
     real = k < K
-    jk = tl.arange(0, BLOCK_K)
-    mk = jk < K
-    wf_all = _load_width(b8, b16, b32, wf_el + jk, wb, mk) & ((2 << top) - 1)
-    A_all = (wf_all & ((1 << top) - 1)) + (wf_all >> top)
-    par_all = tl.load(model_in + jk, mask=mk, other=0).to(tl.int64) > 0
-    off = tl.sum(tl.where((jk < k) & ~par_all, A_all, 0), 0)
-    poff = tl.sum(tl.where((jk < k) & par_all, 1, 0), 0)
-    rank = tl.sum(tl.where((jk < k) & (A_all > 1), 1, 0), 0)
+    # the components before k, BLOCK_K at a time (all K at once spilled its registers at K = 4096:
+    # 528 us at 64 MB on an NVIDIA H100); program K, past the last, sums them all for the totals
+    off = tl.zeros([], tl.int64)
+    poff = tl.zeros([], tl.int64)
+    rank = tl.zeros([], tl.int64)
+    for j0 in range(0, k, BLOCK_K):
+        jk = j0 + tl.arange(0, BLOCK_K)
+        mk = jk < k
+        wf_all = _load_width(b8, b16, b32, wf_el + jk, wb, mk) & ((2 << top) - 1)
+        A_all = (wf_all & ((1 << top) - 1)) + (wf_all >> top)
+        par_all = tl.load(model_in + jk, mask=mk, other=0).to(tl.int64) > 0
+        off += tl.sum(tl.where(mk & ~par_all, A_all, 0), 0)
+        poff += tl.sum(tl.where(mk & par_all, 1, 0), 0).to(tl.int64)
+        rank += tl.sum(tl.where(mk & (A_all > 1), 1, 0), 0).to(tl.int64)
     wf = tl.where(real, _load_width(b8, b16, b32, wf_el + k, wb, real), 1) & ((2 << top) - 1)
     W = wf & ((1 << top) - 1)
     has_esc = (wf >> top) > 0
@@ -1209,9 +1221,10 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
     bad = real & ((W < 1) | (A > HCAP) | (lo + W - 1 > 2147483647) | (model > N_SHAPES))
     sums = tl.load(sums_ptr + 2 * s + tl.arange(0, 2)) & 0xFFFFFFFF
     check = tl.load(check_in + tl.arange(0, 2)).to(tl.int64) & 0xFFFFFFFF
-    bad_global = (tl.sum((sums != check).to(tl.int32), 0) > 0) | (tl.sum(tl.where(par_all, 0, A_all), 0) != n_table) \
-        | (tl.sum((A_all > 1).to(tl.int64), 0) != k_coded) | (tl.sum(par_all.to(tl.int64), 0) != n_param)
-    bad = bad | ((k == 0) & bad_global)
+    # program K's sums run over every component: the table size, coded and parametric counts
+    bad_global = (tl.sum((sums != check).to(tl.int32), 0) > 0) | (off != n_table) | (rank != k_coded) \
+        | (poff != n_param)
+    bad = bad | ((k == K) & bad_global)
     j = tl.arange(0, HCAP)
     j64 = j.to(tl.int64)
     code = tl.load(codes_in + off + j, mask=real & (model == 0) & (j < A) & (off + j < n_table), other=0)

@@ -168,6 +168,7 @@ CHECKSUM_LONG_BYTES, CHECKSUM_LONG_ITERS = 32 << 20, 15  # this many bytes or mo
 # (11520): tables 350 / 220 / 184 us, meta 90 / 64 / 47
 TABLE_WARPS, META_WARPS = 4, 2  # up to MANY_COMPONENTS components in a launch
 MANY_COMPONENTS = 1024  # more in one launch: one warp each (pack_meta too: 22 -> 12 us for the 60 x [1024, 192] list)
+META_BLOCK = 256  # components a meta kernel sums at a time for the offsets of those before its own
 # registers a thread of the tables kernel may hold with one warp a component: 128 without a bound, so 16
 # warps an SM; the list's tables kernel at 128 / 96 / 80 / 64: 154 / 133 / 128 / 130 us (NVIDIA H200,
 # bytes unchanged), though 80 spills 88 stores
@@ -599,7 +600,7 @@ class _EncodeBatch:
                              LENGTH_FIELD=self.length_field, HEADER_BYTES=HEADER.size, BLOCK=256,
                              SEG_FIELDS=len(fields))
         kern["pack_meta"][(K, N)](self.lo, self.W, self.A, self.codes, self.states, self.model, self.scale, self.mu16,
-                                  b8, b16, b32, segs, K, self.P, HCAP=self.HCAP, BLOCK_K=_pow2(K), BLOCK_P=256,
+                                  b8, b16, b32, segs, K, self.P, HCAP=self.HCAP, BLOCK_K=min(_pow2(K), META_BLOCK), BLOCK_P=256,
                                   SEG_FIELDS=len(fields), num_warps=4 if N * K <= MANY_COMPONENTS else 1)
         kern["gather"][(self.NG, N)](self.buf, self.glen, self.gend, self.cap, self.ebuf, self.gesc, self.geend,
                                      self.ecap, b16, b32, segs, self.NG, BLOCK=1024, SEG_FIELDS=len(fields))
@@ -915,7 +916,7 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
     mt = _model_tables_on(torch, dev, n)
     kern["decode_meta"][(K + 1, N)](
         b8, b16, b32, segs, sums, mt["shapes"], mt["inv_sigma"], lo, W, A, rank, tab, lut, err, K, HCAP=HCAP,
-        PROB_BITS=n, BLOCK_K=_pow2(K), PACKED=packed, N_SHAPES=N_SHAPES, SHAPE_STEPS=SHAPE_STEPS,
+        PROB_BITS=n, BLOCK_K=min(_pow2(K), META_BLOCK), PACKED=packed, N_SHAPES=N_SHAPES, SHAPE_STEPS=SHAPE_STEPS,
         SEG_FIELDS=len(fields), num_warps=META_WARPS if N * (K + 1) <= MANY_COMPONENTS else 1)
     col = {f: i for i, f in enumerate(fields)}
     ar = torch.arange(NG, device=dev)
