@@ -11,6 +11,9 @@ chunk k-1 crosses and chunk k-2 is decoded; chunks of 64-256 MB). Every variant 
 in one run; each list is checked first (raw bit-exact, compressed at the cos target), then timed (median
 of HOST_REPEATS calls, wall clock from a synchronized start to the results ready). Also written: each
 stage's span in the best pipeline (CUDA events) and, kernel-only, the codec's kernels on one 64 MB tensor.
+One direction at a time too, as a KV offload moves: HostStream.offload (GPU -> pinned host; the encode of
+chunk k overlaps the copy of chunk k-1) and HostStream.fetch (pinned host -> GPU; every copy queued at once,
+each chunk decoded as it lands), raw and compressed.
 
 Two processes (torch.multiprocessing spawn, ranks 0 -> 1): with 2 GPUs, torch.distributed NCCL send/recv
 of the raw tensor or of the codec's blob (NVLink multicast off: NCCL_NVLS_ENABLE=0); without a GPU
@@ -18,13 +21,18 @@ of the raw tensor or of the codec's blob (NVLink multicast off: NCCL_NVLS_ENABLE
 
 Command:   make poc-15 [ARGS=--quick]   (or: python pocs/15_p2p_multi_gpu.py [--quick] [--widths ...] [--sizes ...])
 Writes:    results/15_p2p_multi_gpu.csv, figures/15_p2p_multi_gpu.png
-Sample output (an NVIDIA H100 80GB HBM3):
-    D=1024 8 x 256 MB host round trip: raw bit-exact (matches); compressed cos >= 0.99900 (target 0.999), ratio 6.76x
-        raw        serial    chunk     - MB     77.62 ms    27.7 GB/s
-        raw        pipelined chunk    16 MB     43.35 ms    49.5 GB/s
-        compressed serial    chunk     - MB     39.94 ms    53.8 GB/s
-        compressed pipelined chunk   256 MB     29.40 ms    73.0 GB/s
-        => compressed 1.47x the best pipelined raw round trip (chunks of 256 MB)
+Sample output (an NVIDIA H100 80GB HBM3; lines of one size):
+    D=1024 8 x 256 MB host round trip: raw bit-exact (matches); compressed cos >= 0.99900 (target 0.999), ratio 6.79x
+        raw        serial    chunk     - MB     86.53 ms    24.8 GB/s
+        raw        pipelined chunk     8 MB     51.32 ms    41.8 GB/s
+        compressed serial    chunk     - MB     42.71 ms    50.3 GB/s
+        compressed pipelined chunk   256 MB     36.06 ms    59.6 GB/s
+        => compressed 1.42x the best pipelined raw round trip (chunks of 256 MB)
+        raw        offload   chunk  16.0 MB     40.66 ms    52.8 GB/s
+        raw        fetch     chunk  16.0 MB     47.79 ms    44.9 GB/s
+        compressed offload   chunk 256.0 MB     14.63 ms   146.8 GB/s
+        compressed fetch     chunk 256.0 MB     14.41 ms   149.1 GB/s
+        => offload 2.78x, fetch 3.32x the raw copy's
     world: 1 GPU; two-process paths: none; the NCCL rows need 2 GPUs (this machine has 1): they wait for that machine
 """
 from __future__ import annotations
@@ -539,7 +547,25 @@ def host_round_trips(res: ResultsWriter, quick: bool, widths=None, sizes=None, p
                     metric="speedup_vs_raw", value=best / best_raw, unit="x", device=device, **case)
             print(f"    => compressed {best / best_raw:.2f}x the best pipelined raw round trip "
                   f"(chunks of {best_chunk:g} MB)", flush=True)
-            # 3. where the time goes: the best pipeline's stages, from CUDA events
+            # 3. one direction at a time, as a KV offload moves: to pinned host memory now, back later
+            for mode, s in (("raw", HostStream(None)), ("compressed", HostStream(codecs, chunk_mb=best_chunk))):
+                copy = s.offload(xs)
+                back = s.fetch(copy)
+                ok = all(torch.equal(x, y) for x, y in zip(xs, back)) if mode == "raw" else \
+                    min(cos_mean(x, y) for x, y in zip(xs, back)) >= TARGET_COS - COS_SLACK
+                if not ok:
+                    raise RuntimeError(f"D={D} {mb} MB: offload + fetch ({mode}) came back wrong")
+                del back
+                one_way = {v: timed(mode, v, s.chunk_bytes / 2**20, call)
+                           for v, call in (("offload", lambda: s.offload(xs)), ("fetch", lambda: s.fetch(copy)))}
+                if mode == "raw":
+                    raw_one_way = one_way
+            for v in ("offload", "fetch"):
+                res.add(backend="rans", mode="compressed", variant=v, chunk_mb=best_chunk, metric="speedup_vs_raw",
+                        value=one_way[v] / raw_one_way[v], unit="x", device=device, **case)
+            print(f"    => offload {one_way['offload'] / raw_one_way['offload']:.2f}x, fetch "
+                  f"{one_way['fetch'] / raw_one_way['fetch']:.2f}x the raw copy's", flush=True)
+            # 4. where the time goes: the best pipeline's stages, from CUDA events
             s = HostStream(codecs, chunk_mb=best_chunk)
             for _ in range(HOST_WARMUP):  # graphs captured, kernels tuned: the steady state's timeline
                 s.round_trip(xs)
@@ -630,28 +656,35 @@ def plot(csv: Path | None = None, out: Path | None = None):
     csv = csv or RESULTS / f"{NAME}.csv"
     df = pd.read_csv(csv)
     host = df[df.metric == "effective_gbps"]
+    one_way = host[host.variant.isin(["offload", "fetch"])] if "variant" in host else host.iloc[:0]
+    host = host.drop(one_way.index)
     pair = df[df.metric == "stream_gbps"]
-    panels = [p for p, rows in (("host", host), ("pair", pair)) if len(rows)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels) + 2.5, 4.4), squeeze=False)
+    panels = [p for p, rows in (("host", host), ("one_way", one_way), ("pair", pair)) if len(rows)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 4.4 * len(panels)), squeeze=False)
+    axes = axes.T
     for ax, panel in zip(axes[0], panels):
-        if panel == "host":
-            best = best_rows(df)
+        if panel in ("host", "one_way"):
+            best = best_rows(host if panel == "host" else one_way)
+            first, second = ("pipelined", "serial") if panel == "host" else ("offload", "fetch")
             colors = {w: c for w, c in zip(sorted(best.channels.unique()), ("#0072B2", "#D55E00", "#009E73", "#CC79A7"))}
             for (D, mode, variant), g in best.groupby(["channels", "mode", "variant"]):
                 g = g.sort_values("tensor_mb")
                 ax.plot(g.tensor_mb, g.value, "-" if mode == "compressed" else "--", color=colors[D],
-                        marker="o" if variant == "pipelined" else "x", alpha=1.0 if variant == "pipelined" else 0.5,
+                        marker="o" if variant == first else "x", alpha=1.0 if variant == first else 0.55,
                         label=f"D={D}, {mode}, {variant}")
-            pipelined = best[best.variant == "pipelined"].pivot_table(index=["channels", "tensor_mb"], columns="mode",
-                                                                     values="value")
-            for (D, mb), r in pipelined.iterrows():  # each compressed point: x of the raw pipeline, same size
-                if r.notna().all():
-                    ax.annotate(f"{r.compressed / r.raw:.2f}x", (mb, r.compressed), textcoords="offset points",
-                                xytext=(0, -13), ha="center", fontsize=8, color=colors[D], weight="bold")
-            ax.set_title(f"GPU -> pinned host -> GPU, {int(host.stream.iloc[0])} tensors a call (labels: compressed "
-                         f"/ raw, both pipelined)  [{host.device.iloc[0]}]", fontsize=9)
+            for variant in (("pipelined",) if panel == "host" else ("offload", "fetch")):
+                pairs = best[best.variant == variant].pivot_table(index=["channels", "tensor_mb"], columns="mode",
+                                                                  values="value")
+                for (D, mb), r in pairs.iterrows():  # each compressed point: x of raw, same size and direction
+                    if r.notna().all():
+                        ax.annotate(f"{r.compressed / r.raw:.2f}x", (mb, r.compressed), textcoords="offset points",
+                                    xytext=(0, 6 if variant == "offload" else -13), ha="center", fontsize=8,
+                                    color=colors[D], weight="bold" if variant != "offload" else "normal")
+            what = ("GPU -> pinned host -> GPU in one call (labels: compressed / raw, both pipelined)"
+                    if panel == "host" else "one way: offload GPU -> pinned host, fetch pinned host -> GPU "
+                    "(labels: compressed / raw)")
+            ax.set_title(f"{what}\n{int(host.stream.iloc[0])} tensors a call  [{host.device.iloc[0]}]", fontsize=9)
             ax.set_ylabel("effective GB/s (original bf16 bytes / call time)")
-            ax.set_ylim(0, best.value.max() * 1.15)
         else:
             styles = {"raw": "--", "rans": "-"}
             colors = {"nccl": "#0072B2", "host_staged": "#D55E00"}
@@ -666,9 +699,11 @@ def plot(csv: Path | None = None, out: Path | None = None):
         ax.set_xscale("log")
         if panel == "pair":
             ax.set_yscale("log")
+        else:
+            ax.set_ylim(0, best.value.max() * 1.15)
         ax.xaxis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
-        sizes = (host if panel == "host" else pair).tensor_mb.unique()
+        sizes = {"host": host, "one_way": one_way, "pair": pair}[panel].tensor_mb.unique()
         ax.set_xticks(sorted(sizes))
         ax.set_xlabel("tensor size (MB of bf16)")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)

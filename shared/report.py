@@ -620,7 +620,7 @@ def host_round_trip() -> str | None:
     chunk = t.loc[t.groupby(["channels", "tensor_mb", "mode", "variant"]).value.idxmax()].set_index(
         ["channels", "tensor_mb", "mode", "variant"]).chunk_mb
     q = df[df.metric.isin(["ratio", "cos_min"])].set_index(["channels", "tensor_mb", "metric"]).value
-    rows = []
+    rows, one_way = [], []
     for (D, mb), _ in t.groupby(["channels", "tensor_mb"]):
         b = {k[2:]: v for k, v in best.items() if k[:2] == (D, mb)}
         rows.append([f"{int(D)}", f"{int(t.stream.iloc[0])} x {mb:g} MB", f"{b[('raw', 'serial')]:.1f}",
@@ -629,6 +629,10 @@ def host_round_trip() -> str | None:
                      f"{b[('compressed', 'pipelined')]:.1f} ({chunk[(D, mb, 'compressed', 'pipelined')]:g} MB)",
                      f"**{b[('compressed', 'pipelined')] / b[('raw', 'pipelined')]:.2f}x**",
                      f"{q[(D, mb, 'ratio')]:.2f}x", f"{q[(D, mb, 'cos_min')]:.5f}"])
+        if ("raw", "offload") in b:
+            one_way.append([f"{int(D)}", f"{int(t.stream.iloc[0])} x {mb:g} MB"] + [
+                f"{b[('raw', v)]:.1f} / {b[('compressed', v)]:.1f} (**{b[('compressed', v)] / b[('raw', v)]:.2f}x**)"
+                for v in ("offload", "fetch")])
     prof = df[df.metric == "kernel_us"]
     lines = []
     for (D, direction), g in prof.groupby(["channels", "direction"]):
@@ -641,6 +645,10 @@ def host_round_trip() -> str | None:
             "in one run; pipelined rows give their best chunk size:\n\n"
             + _table(rows, ["D", "tensors", "raw, serial", "raw, pipelined (chunk)", "compressed, serial",
                             "compressed, pipelined (chunk)", "compressed / raw pipelined", "ratio", "cos (worst)"])
+            + ("\n\nOne direction at a time, as a KV offload moves (`HostStream.offload`: GPU -> pinned host, "
+               "checked by a `fetch` first; `HostStream.fetch`: pinned host -> GPU), effective GB/s raw / compressed "
+               "in the same run:\n\n" + _table(one_way, ["D", "tensors", "offload, raw / compressed",
+                                                          "fetch, raw / compressed"]) if one_way else "")
             + ("\n\nKernel-only GPU time of one 64 MB tensor (torch.profiler; not a transfer figure): "
                + "; ".join(lines) + "." if lines else "")
             + "\n\n" + _source(df, "15_p2p_multi_gpu"))

@@ -1,8 +1,11 @@
 """Tensors through pinned host memory and back to a GPU, chunked and pipelined: the host-staged transfer
-(a KV offload's host link, GPUs without peer access, the staging of a send to another machine).
+(a KV offload's host link, GPUs without peer access, the staging of a send to another machine); and lists
+of tensors between processes over torch.distributed (PeerStream, at the end of this file).
 
     stream = HostStream(codecs)          # codecs[i]: a compute-codec TensorCodec for tensor i, or None: raw
     out = stream.round_trip(tensors)     # CUDA tensors -> pinned host memory -> the same GPU (or device=)
+    copy = stream.offload(tensors)       # ... or the two halves apart: to pinned host memory (a HostCopy)
+    out = stream.fetch(copy)             #     and back to a GPU later, as a KV offload does
     stream.last                          # what the last call moved: original and wire bytes, chunks
 
 The list is cut into chunks of about `chunk_mb` original bytes (whole tensors, or row blocks of a larger
@@ -46,6 +49,23 @@ class Chunk:
     coded: bool
     pieces: list = field(default_factory=list)
     nbytes: int = 0
+
+
+@dataclass
+class HostCopy:
+    """Tensors that HostStream.offload put in pinned host memory, for HostStream.fetch: per chunk its plan,
+    its pinned bytes (containers, or raw bytes) and, for a coded chunk, where each container starts and
+    ends; each tensor's shape and dtype; the codecs that coded them (fetch decodes with these)."""
+    chunks: list
+    buffers: list
+    spans: list
+    layout: list
+    codecs: list
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held: what crossed the link."""
+        return sum(b.numel() for b in self.buffers)
 
 
 def plan_chunks(tensors, coded: list[bool], chunk_bytes: int) -> list[Chunk]:
@@ -129,20 +149,13 @@ class HostStream:
             pass
 
     # -- the call ---------------------------------------------------------------------------------
-    def round_trip(self, tensors, device=None, timeline: bool = False) -> list:
-        """tensors: CUDA tensors [T, D] (the coded ones 2-D, a dtype the codec takes; raw ones any
-        shape) -> the same list on `device` (default: each tensor's own GPU), having crossed to pinned
-        host memory and back. The results are ordered on the caller's current stream. timeline=True:
-        self.last["timeline"] holds each chunk's stages as (stage, chunk, start_ms, end_ms) from CUDA
-        events, relative to the call's start."""
+    def _checked(self, tensors, call: str):
+        """(codecs, the GPU of tensors) after checking the list for this stream; raises naming the problem."""
         import torch
 
         from .codecs.base import require_cuda
 
-        tensors = list(tensors)
-        require_cuda("HostStream.round_trip")
-        if not tensors:
-            return []
+        require_cuda(f"HostStream.{call}")
         codecs = self.codecs if self.codecs is not None else [None] * len(tensors)
         if len(codecs) != len(tensors):
             raise ConfigurationError(f"this stream has {len(codecs)} codecs for {len(tensors)} tensors: give one "
@@ -159,10 +172,21 @@ class HostStream:
         src = tensors[0].device
         if any(x.device != src for x in tensors):
             raise InvalidTensorError("every tensor of one call must be on one GPU")
-        dst = torch.device(device) if device is not None else src
-        if dst.type != "cuda":
-            raise ConfigurationError(f"device={device!r}: the round trip ends on a GPU")
-        dst = torch.device("cuda", torch.cuda.current_device() if dst.index is None else dst.index)
+        return codecs, src
+
+    def round_trip(self, tensors, device=None, timeline: bool = False) -> list:
+        """tensors: CUDA tensors [T, D] (the coded ones 2-D, a dtype the codec takes; raw ones any
+        shape) -> the same list on `device` (default: each tensor's own GPU), having crossed to pinned
+        host memory and back. The results are ordered on the caller's current stream. timeline=True:
+        self.last["timeline"] holds each chunk's stages as (stage, chunk, start_ms, end_ms) from CUDA
+        events, relative to the call's start."""
+        import torch
+
+        tensors = list(tensors)
+        if not tensors:
+            return []
+        codecs, src = self._checked(tensors, "round_trip")
+        dst = _gpu(device, src)
         st = self._cuda_streams(src, dst)
         caller = torch.cuda.current_stream(src)
         for name in ("encode", "d2h"):
@@ -245,6 +269,116 @@ class HostStream:
             self.last["timeline"] = marks.rows()
         return outputs
 
+    def offload(self, tensors) -> "HostCopy":
+        """tensors (CUDA, as round_trip takes them) -> a HostCopy in pinned host memory: the coded ones as
+        their containers, the raw ones as their bytes. Chunk k is encoded while chunk k-1 is copied to the
+        host, so a compressed offload runs at the encoder's speed where that beats the copy. Returns once
+        every byte is on the host (the inputs may then change)."""
+        import torch
+
+        tensors = list(tensors)
+        codecs, src = self._checked(tensors, "offload") if tensors else ([], None)
+        copy = HostCopy([], [], [], [(tuple(x.shape), x.dtype) for x in tensors], codecs)
+        if not tensors:
+            return copy
+        st = self._cuda_streams(src, src)
+        caller = torch.cuda.current_stream(src)
+        st["encode"].wait_stream(caller)
+        st["d2h"].wait_stream(caller)
+        held = []
+        for ch in plan_chunks(tensors, [c is not None for c in codecs], self.chunk_bytes):
+            if ch.coded:
+                with torch.cuda.stream(st["encode"]):
+                    from .pipeline import encode_many
+
+                    blobs = encode_many([codecs[p.index] for p in ch.pieces],
+                                        [tensors[p.index][p.start:p.stop] for p in ch.pieces])
+                sources, n = [(blobs.buffer, 0, blobs.buffer.numel())], blobs.buffer.numel()
+                held.append(blobs.buffer)
+                spans = (blobs.starts, blobs.ends)
+            else:
+                sources, n = [], 0
+                for p in ch.pieces:
+                    x = tensors[p.index]
+                    row = x.numel() // x.shape[0] * x.element_size()
+                    sources.append((_bytes_of(x), p.start * row, p.stop * row))
+                    n += (p.stop - p.start) * row
+                spans = None
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            st["d2h"].wait_stream(st["encode"])
+            with torch.cuda.stream(st["d2h"]):
+                at = 0
+                for b, a, z in sources:
+                    host[at:at + z - a].copy_(b[a:z], non_blocking=True)
+                    at += z - a
+            copy.chunks.append(ch)
+            copy.buffers.append(host)
+            copy.spans.append(spans)
+        st["d2h"].synchronize()  # every byte on the host: the inputs and the encoder's buffers are free again
+        original = sum(x.numel() * x.element_size() for x in tensors)
+        self.last = dict(original_bytes=original, wire_bytes=copy.nbytes, chunks=len(copy.chunks),
+                         ratio=original / copy.nbytes)
+        return copy
+
+    def fetch(self, copy: "HostCopy", device=None) -> list:
+        """A HostCopy -> its tensors on `device` (default: the current GPU): every chunk's copy to the GPU
+        queued at once on the H2D stream, each chunk decoded as soon as its bytes are there, so the copies
+        run behind the decoder. The results are ordered on the caller's current stream."""
+        import torch
+
+        from .codecs.base import require_cuda
+        from .codecs.rans_cuda import Containers
+        from .pipeline import decode_many
+
+        require_cuda("HostStream.fetch")
+        if not isinstance(copy, HostCopy):
+            raise InvalidTensorError(f"fetch takes the HostCopy that offload made, got {type(copy).__name__}")
+        dst = _gpu(device, torch.device("cuda"))
+        st = self._cuda_streams(dst, dst)
+        caller = torch.cuda.current_stream(dst)
+        st["h2d"].wait_stream(caller)
+        raw_out, arrived = {}, []
+        with torch.cuda.stream(st["h2d"]):
+            for ch, host, spans in zip(copy.chunks, copy.buffers, copy.spans):
+                if ch.coded:
+                    dev = torch.empty(host.numel(), dtype=torch.uint8, device=dst)
+                    dev.copy_(host, non_blocking=True)
+                else:
+                    at = 0
+                    for p in ch.pieces:
+                        shape, dtype = copy.layout[p.index]
+                        if p.index not in raw_out:
+                            raw_out[p.index] = torch.empty(shape, dtype=dtype, device=dst)
+                        out = _bytes_of(raw_out[p.index])
+                        row = out.numel() // shape[0]
+                        n = (p.stop - p.start) * row
+                        out[p.start * row:p.stop * row].copy_(host[at:at + n], non_blocking=True)
+                        at += n
+                    dev = None
+                ready = torch.cuda.Event()
+                ready.record(st["h2d"])
+                arrived.append((dev, ready))
+        pieces_of = {}
+        for ch, spans, (dev, ready) in zip(copy.chunks, copy.spans, arrived):
+            if not ch.coded:
+                continue
+            st["decode"].wait_event(ready)
+            with torch.cuda.stream(st["decode"]):
+                values = decode_many([copy.codecs[p.index] for p in ch.pieces], Containers(dev, *spans), device=dst)
+            dev.record_stream(st["decode"])
+            for p, y in zip(ch.pieces, values):
+                pieces_of.setdefault(p.index, []).append(y)
+        caller.wait_stream(st["h2d"])
+        caller.wait_stream(st["decode"])
+        outputs = [None] * len(copy.layout)
+        for i, ys in pieces_of.items():
+            outputs[i] = ys[0] if len(ys) == 1 else torch.cat(ys)
+        for i, y in raw_out.items():
+            outputs[i] = y
+        for y in outputs:
+            y.record_stream(caller)
+        return outputs
+
     def _cross(self, st, s, k, sources, host, n, make_destination, marks):
         """D2H of sources (device uint8 tensors, byte ranges) into pinned slot s, then H2D of the same
         bytes into make_destination() (made on the H2D stream: one tensor, or a list of (tensor, start,
@@ -288,6 +422,16 @@ class HostStream:
             values = list(decode_many(codecs, blobs, device=dst))
             marks.at("decode", k, stream)
         return values
+
+
+def _gpu(device, default):
+    """torch.device of the GPU `device` names (default: `default`); ConfigurationError for anything else."""
+    import torch
+
+    dst = torch.device(device) if device is not None else default
+    if dst.type != "cuda":
+        raise ConfigurationError(f"device={device!r}: a host stream's tensors come back to a GPU")
+    return torch.device("cuda", torch.cuda.current_device() if dst.index is None else dst.index)
 
 
 def _bytes_of(x):

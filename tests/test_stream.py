@@ -106,3 +106,27 @@ def test_wide_projection_matches_the_float64_reference(D, K):
     assert torch.equal(sm, sym.long().sum(0))
     narrow, stats, _ = proj.quantize_many(x.unsqueeze(0), [step], narrow=True)
     assert narrow.dtype == torch.int16 and torch.equal(narrow[0].int(), sym) and torch.equal(stats[2][0], sm)
+
+
+@pytest.mark.gpu
+def test_offload_then_fetch_gives_the_tensors_back():
+    from shared.rdquant import calibrate_step
+    from shared.stream import HostCopy
+
+    D = 256
+    calib = _heavy_tailed(4096, D, 1)
+    codec = TensorCodec(calibrate_step(fit_basis([calib], k=D), [calib], 0.999), backend="rans")
+    xs = [torch.from_numpy(_heavy_tailed(t, D, 5 + i)).cuda().bfloat16() for i, t in enumerate((3000, 9000))]
+    xs.append(torch.randn(5000, 33, device="cuda").half())  # raw, cut into row blocks
+    s = HostStream([codec, codec, None], chunk_mb=1.0)
+    for _ in range(3):
+        copy = s.offload(xs)
+        assert isinstance(copy, HostCopy) and all(b.is_pinned() for b in copy.buffers)
+        assert copy.nbytes < sum(x.numel() * x.element_size() for x in xs)
+        ys = s.fetch(copy)
+        assert torch.equal(ys[2], xs[2])
+        for x, y in zip(xs[:2], ys[:2]):
+            a, b = x.float(), y.float()
+            assert y.shape == x.shape and ((a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1))).mean() >= 0.998
+    with pytest.raises(InvalidTensorError, match="HostCopy"):
+        s.fetch(xs)
