@@ -11,8 +11,12 @@ its own TCP connection, so a dual-lane stream sends both at once.
 
 Wire format per message: little-endian uint32 index, uint64 length, then the payload; index
 0xFFFFFFFF ends a lane. The raw payload is the tensor's bytes in its dtype (bf16 stays 2 bytes a value).
-Both ends load the same stream files (tensors.safetensors, codecs.pkl): the receiver knows each raw
-tensor's shape and dtype, and checks what it got against the original after the clock stops.
+A raw message describes itself: after the index and length come its dtype code, its number of dims and
+each dim (uint8, uint8, uint64 each), so the receiver builds the tensor from the message alone. A coded
+message is a container, which describes itself too; the receiver needs only its codec's basis. Both ends
+read the stream's folder (codecs.json and the basis files it names: a codec is rebuilt from its settings
+and basis, never unpickled; tensors.safetensors, which the receiver reads only to check what it got
+against the original after the clock stops).
 Both ends time with time.perf_counter (CLOCK_MONOTONIC, one clock for every namespace of the machine).
 
 The stream the transfer PoCs send: SmolLM2's KV cache, one tensor per (layer, K/V), [T, 192] (`kv_cache_tensors`),
@@ -21,9 +25,7 @@ each with its own PCA basis and compute-codec step fitted on calibration tokens 
 from __future__ import annotations
 
 import argparse
-import copyreg
 import json
-import pickle
 import queue
 import struct
 import sys
@@ -35,12 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.codecs.base import Backend, get_backend
 from shared.links import LinkError, connect, listen, recv_exact
 
-copyreg.pickle(Backend, lambda b: (get_backend, (b.name,)))   # a codec's backend travels by its registry name
-
 HEAD = struct.Struct("<IQ")
+RAW_DESC = struct.Struct("<BB")  # a raw message's dtype code and number of dims, then that many uint64 dims
+RAW_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool")
 END = 0xFFFFFFFF
 LANES = ("raw", "coded")
 PORT = 5301                      # first TCP port on the receiver; lane i listens on PORT + i
@@ -103,6 +104,39 @@ def kv_codecs(calib: torch.Tensor, settings: dict, target_cos: float) -> dict:
             for label, s in settings.items()}
 
 
+def codec_spec(codec, folder: Path) -> dict | None:
+    """A TensorCodec as JSON-able settings, its basis saved beside them (once per basis, named by its hash)."""
+    if codec is None:
+        return None
+    basis = None
+    if codec.basis is not None:
+        basis = f"basis_{codec.basis.content_hash[:16]}.safetensors"
+        if not (folder / basis).exists():
+            codec.basis.save(folder / basis)
+    quantizer = getattr(codec, "quantizer", None) if codec.symbols else None  # the frame path has none
+    step = None if quantizer is None else float(quantizer.step)
+    return {"backend": "rans" if codec.symbols else codec.backend.name, "basis": basis, "step": step,
+            "target_cos": codec.target_cos if codec.symbols else None,
+            "water_fill": bool(getattr(codec, "water_fill", False)), "lane_tokens": getattr(codec, "lane_tokens", None),
+            "frame_size": codec.frame_size, "min_cos": codec.min_cos, "settings": dict(codec.codec_settings),
+            "decoder": None if codec.decoder is None else codec.decoder.name}
+
+
+def codec_from_spec(spec: dict | None, folder: Path):
+    """The TensorCodec codec_spec described (its basis loaded from folder)."""
+    if spec is None:
+        return None
+    from shared.basis import PCABasis
+    from shared.pipeline import TensorCodec
+
+    basis = None if spec["basis"] is None else PCABasis.load(folder / spec["basis"])
+    kw = dict(frame_size=spec["frame_size"], min_cos=spec["min_cos"], decoder=spec["decoder"], **spec["settings"])
+    if spec["backend"] == "rans":
+        kw = dict(min_cos=spec["min_cos"], water_fill=spec["water_fill"], lane_tokens=spec["lane_tokens"],
+                  **({"step": spec["step"]} if spec["step"] is not None else {"target_cos": spec["target_cos"]}))
+    return TensorCodec(basis, backend=spec["backend"], **kw)
+
+
 def write_stream(folder: str | Path, tensors: list[torch.Tensor], codecs: list) -> Path:
     """Save a stream (tensors as they are, codecs[i] a TensorCodec or None for the raw lane) for both ends."""
     from safetensors.torch import save_file
@@ -112,7 +146,7 @@ def write_stream(folder: str | Path, tensors: list[torch.Tensor], codecs: list) 
     if len(tensors) != len(codecs):
         raise ValueError(f"{len(tensors)} tensors but {len(codecs)} codecs; give one codec (or None) per tensor")
     save_file({f"t{i:05d}": t.contiguous() for i, t in enumerate(tensors)}, str(folder / "tensors.safetensors"))
-    (folder / "codecs.pkl").write_bytes(pickle.dumps(codecs))
+    (folder / "codecs.json").write_text(json.dumps([codec_spec(c, folder) for c in codecs]))
     return folder
 
 
@@ -122,7 +156,29 @@ def load_stream(folder: str | Path) -> tuple[list[torch.Tensor], list]:
     folder = Path(folder)
     loaded = load_file(str(folder / "tensors.safetensors"))
     tensors = [loaded[k] for k in sorted(loaded)]
-    return tensors, pickle.loads((folder / "codecs.pkl").read_bytes())
+    return tensors, [codec_from_spec(spec, folder) for spec in json.loads((folder / "codecs.json").read_text())]
+
+
+def raw_header(x: torch.Tensor) -> bytes:
+    """What a raw message carries before the tensor's bytes: its dtype code, dims and shape."""
+    return RAW_DESC.pack(RAW_DTYPES.index(str(x.dtype).removeprefix("torch.")), x.dim()) + \
+        struct.pack(f"<{x.dim()}Q", *x.shape)
+
+
+def read_raw(sock, n: int) -> torch.Tensor:
+    """A raw message's tensor (n: the message length, header included), built from the message alone."""
+    code, ndim = RAW_DESC.unpack(recv_exact(sock, RAW_DESC.size))
+    if code >= len(RAW_DTYPES) or ndim > 8:
+        raise LinkError(f"a raw message names dtype code {code} and {ndim} dims: not this stream's")
+    shape = struct.unpack(f"<{ndim}Q", recv_exact(sock, 8 * ndim))
+    dtype = getattr(torch, RAW_DTYPES[code])
+    body = n - RAW_DESC.size - 8 * ndim
+    if body != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        raise LinkError(f"a raw message of shape {shape} {RAW_DTYPES[code]} carries {body} bytes: truncated or corrupt")
+    buf = bytearray(body)
+    recv_exact(sock, body, buf)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape) if body else \
+        torch.empty(shape, dtype=dtype)
 
 
 def tensor_bytes(x: torch.Tensor) -> memoryview:
@@ -154,15 +210,17 @@ def sender(host: str, folder: str, encode_workers: int, timeout: float) -> dict:
     def send_lane(lane, items):
         s = socks[lane]
         for i, payload in items:
-            payload = payload.result() if hasattr(payload, "result") else payload
-            s.sendall(HEAD.pack(i, len(payload)))
-            s.sendall(payload)
-            sent[lane] += len(payload) + HEAD.size
+            parts = payload if isinstance(payload, tuple) else (payload.result(),)  # raw: (its header, its bytes)
+            n = sum(len(p) for p in parts)
+            s.sendall(HEAD.pack(i, n))
+            for p in parts:
+                s.sendall(p)
+            sent[lane] += n + HEAD.size
         s.sendall(HEAD.pack(END, 0))
 
     t0 = time.perf_counter()
     futures = [(i, pool.submit(encode, i)) for i, c in enumerate(codecs) if c is not None]
-    raw = [(i, tensor_bytes(tensors[i])) for i, c in enumerate(codecs) if c is None]
+    raw = [(i, (raw_header(tensors[i]), tensor_bytes(tensors[i]))) for i, c in enumerate(codecs) if c is None]
     threads = [threading.Thread(target=send_lane, args=(lane, futures if lane == "coded" else raw))
                for lane in lanes]
     for th in threads:
@@ -212,13 +270,12 @@ def receiver(host: str, folder: str, decode_workers: int, timeout: float) -> dic
                 i, n = HEAD.unpack(recv_exact(s, HEAD.size))
                 if i == END:
                     return
-                buf = bytearray(n)
-                recv_exact(s, n, buf)
                 if lane == "raw":
-                    ref = tensors[i]
-                    results[i] = torch.frombuffer(buf, dtype=torch.uint8).view(ref.dtype).reshape(ref.shape)
+                    results[i] = read_raw(s, n)
                     done_t[i] = time.perf_counter()
                 else:
+                    buf = bytearray(n)
+                    recv_exact(s, n, buf)
                     futures.append(pool.submit(decode, i, bytes(buf)))
         except BaseException as e:   # noqa: BLE001 - handed to the main thread
             errors.put(e)

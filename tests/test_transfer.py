@@ -25,10 +25,18 @@ def test_write_stream_refuses_a_codec_list_of_another_length(tmp_path):
 
 
 def test_stream_files_round_trip(tmp_path):
-    xs, codec = low_rank_stream(n=2)
-    back, codecs = load_stream(write_stream(tmp_path, xs, [None, codec]))
+    from shared.rdquant import calibrate_step
+
+    xs, codec = low_rank_stream(n=3)
+    rans = TensorCodec(calibrate_step(codec.basis, [xs[0].float().numpy()], 0.999), backend="rans", lane_tokens=256)
+    back, codecs = load_stream(write_stream(tmp_path, xs, [None, codec, rans]))
     assert all(torch.equal(a, b) for a, b in zip(xs, back))
-    assert codecs[0] is None and codecs[1].backend.name == "zstd"
+    assert not list(tmp_path.glob("*.pkl"))  # settings and basis files: nothing is unpickled from a peer
+    assert codecs[0] is None and codecs[1].backend.name == "zstd" and codecs[1].codec_settings == {"level": 3}
+    assert codecs[2].symbols and codecs[2].quantizer.step == rans.quantizer.step and codecs[2].lane_tokens == 256
+    assert codecs[1].basis.content_hash == codec.basis.content_hash
+    for original, rebuilt in zip((codec, rans), codecs[1:]):  # the rebuilt codec writes the same bitstream
+        assert bytes(rebuilt.encode(xs[1])) == bytes(original.encode(xs[1]))
 
 
 def test_tokens_for_a_size():
@@ -44,7 +52,29 @@ def test_two_lanes_cross_a_shaped_link_checked(tmp_path):
     summ = check_summary(r["checks"])
     assert summ["raw_bit_exact"] is True and summ["shapes_ok"] and summ["cos_min"] > 0.999
     raw_bytes = 2 * xs[0].numel() * 2
-    assert r["bytes"]["raw"] == raw_bytes + 2 * 12                    # tensor bytes + one header each
+    assert r["bytes"]["raw"] == raw_bytes + 2 * (12 + 2 + 2 * 8)       # tensor bytes + its header and shape
     assert r["bytes"]["coded"] < raw_bytes                              # low-rank tensors compress
     wire_s = r["bytes_on_wire"] * 8 / (200e6 * 0.95)
     assert wire_s * 0.8 < r["seconds"] < 60
+
+
+def test_a_raw_message_describes_itself_and_a_wrong_length_is_refused():
+    import socket
+
+    from shared.links import LinkError
+    from shared.transfer import raw_header, read_raw
+
+    x = torch.arange(12, dtype=torch.int16).reshape(3, 4)
+    head, body = raw_header(x), x.numpy().tobytes()
+    for message, length, error in ((head + body, len(head) + len(body), None),
+                                   (head + body[:-2], len(head) + len(body) - 2, "truncated or corrupt"),
+                                   (bytes([200, 2]), 100, "not this stream's")):
+        a, b = socket.socketpair()
+        with a, b:
+            a.sendall(message)
+            if error is None:
+                y = read_raw(b, length)
+                assert torch.equal(x, y) and y.dtype == torch.int16
+            else:
+                with pytest.raises(LinkError, match=error):
+                    read_raw(b, length)
