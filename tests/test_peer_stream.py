@@ -74,7 +74,10 @@ def _rank(rank, port, role, fault, out):
             rx = PeerStream(0, codecs, stream_id=7, timeout_s=TIMEOUT_S)
             t0 = time.perf_counter()
             try:
-                got = rx.recv()
+                got = rx.recv("cuda" if fault == "cuda" else None)
+                if fault == "cuda":
+                    assert all(y.is_cuda for y in got), [y.device for y in got]
+                    got = [y.cpu() for y in got]
                 out.put(("ok", (time.perf_counter() - t0, [(tuple(y.shape), str(y.dtype)) for y in got],
                                 _compare(got))))
             except Exception as e:  # noqa: BLE001 - reported to the test
@@ -111,7 +114,7 @@ def _sender(fault, codecs):
 
     from shared import stream
 
-    xs = _tensors()
+    xs = [x.cuda() for x in _tensors()] if fault == "cuda" else _tensors()  # CUDA: coded on the GPU, staged
     tx = stream.PeerStream(1, codecs, stream_id=8 if fault == "other_stream" else 7)
     if fault == "stall":
         time.sleep(TIMEOUT_S + 2)
@@ -169,8 +172,9 @@ def _run(fault: str):
     return rx[0]
 
 
-def test_a_list_of_raw_and_coded_tensors_arrives_whole():
-    kind, (seconds, shapes, compared) = _run("none")
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_list_of_raw_and_coded_tensors_arrives_whole(where):
+    kind, (seconds, shapes, compared) = _run("none" if where == "cpu" else "cuda")
     assert kind == "ok"
     xs = _tensors()
     assert shapes == [(tuple(x.shape), str(x.dtype)) for x in xs]
