@@ -46,3 +46,55 @@ def test_a_loaded_basis_still_codes(basis, tmp_path):
     x = torch.randn(32, 16)
     codec = TensorCodec(loaded, backend="zstd", frame_size=64)
     assert codec.decode(codec.encode(x)).shape == x.shape
+
+
+# ---------------------------------------------------------------- 2. a KV codec's kind
+
+@pytest.fixture(scope="module")
+def kv_codec():
+    from shared.kvcodec import fit_kv_codec
+
+    g = torch.Generator().manual_seed(0)
+    calib = [[(torch.randn(24, 8, generator=g), torch.randn(24, 8, generator=g)) for _ in range(2)]]
+    return fit_kv_codec(calib, heads=2)
+
+
+def test_a_kv_kind_typo_lists_the_kinds(kv_codec):
+    x = torch.randn(10, 8)
+    with pytest.raises(ConfigurationError, match=r"kind='K' \(did you mean 'k'\?\): this codec codes kind "
+                                                 r"'k' \(keys\) or 'v' \(values\)"):
+        kv_codec.encode(x, layer=0, kind="K")
+    with pytest.raises(ConfigurationError, match="kind='keys'"):
+        kv_codec.roundtrip(x, 0, "keys", count_bytes=False)
+    with pytest.raises(ConfigurationError, match="kind='q'"):
+        kv_codec.step(0, "q")
+
+
+def test_a_kv_layer_it_was_not_fitted_on_is_named(kv_codec):
+    from shared.errors import InvalidTensorError
+
+    with pytest.raises(InvalidTensorError, match=r"no transform for layer 5 'k' \(it holds layers 0..1\)"):
+        kv_codec.encode(torch.randn(10, 8), layer=5, kind="k")
+
+
+def test_a_kv_header_naming_another_layer_is_a_bitstream_error(kv_codec):
+    from shared.errors import BitstreamError
+    from shared.pipeline import pack, unpack_container
+
+    blob = kv_codec.encode(torch.randn(10, 8), layer=1, kind="v")
+    assert kv_codec.decode(blob).shape == (10, 8)
+    header, chunks = unpack_container(blob)
+    with pytest.raises(BitstreamError, match="layer 9 kind 'v'.*no transform"):
+        kv_codec.decode(pack(dict(header, layer=9), chunks))
+
+
+def test_a_kv_codec_of_other_kinds_names_its_own():
+    """PoC 05 codes diffusion activations with kind 'x': the kinds listed are the codec's."""
+    from shared.kvcodec import KVCodec, TensorTransform
+
+    eye = np.eye(4, dtype=np.float32)
+    codec = KVCodec({(0, "x"): TensorTransform(np.zeros(4, np.float32), eye, eye, 1.0)})
+    assert codec.step(0, "x") == 1.0
+    with pytest.raises(ConfigurationError, match=r"kind='k': this codec codes kind 'x'"):
+        codec.step(0, "k")
+
