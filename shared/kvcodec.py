@@ -142,13 +142,26 @@ def query_metric(queries: list[torch.Tensor], heads: int, rope: Rope, prefix: in
     """[kv_heads, d, d]: sum over each KV head's query heads of E[q q^T] of the queries that read the
     cache. queries: pre-RoPE q rows [T, q_heads * d] of the scored tokens (positions >= prefix).
     pre_rope False: post-RoPE queries (for keys coded post-RoPE); True: queries rotated by their offset
-    to a random cached position, m - n (for keys coded pre-RoPE: q_m^T R(n - m) dk)."""
+    to a random cached position, m - n (for keys coded pre-RoPE: q_m^T R(n - m) dk).
+    prefix: how many cached tokens come before the scored ones (>= 1 with pre_rope: the random
+    position is drawn from 0..prefix-1). Raises ConfigurationError for a prefix out of range,
+    InvalidTensorError without a rope or queries."""
+    if rope is None:
+        raise InvalidTensorError("query_metric needs the model's rotary embedding (rope=rope_of(model))")
+    if isinstance(prefix, bool) or not isinstance(prefix, (int, np.integer)) or prefix < 0:
+        raise ConfigurationError(f"query_metric prefix={prefix!r}: use the number of cached tokens before the scored "
+                                 "queries, an int >= 0")
+    if pre_rope and prefix < 1:
+        raise ConfigurationError("query_metric(pre_rope=True) rotates each query by its offset to a random cached "
+                                 f"position in 0..prefix-1, so it needs prefix >= 1, got prefix={prefix}. Fix: pass "
+                                 "the number of cached tokens the scored queries attend to, or pre_rope=False for keys "
+                                 "coded post-RoPE")
+    if not len(queries):
+        raise InvalidTensorError("query_metric got no queries: pass the pre-RoPE q rows of the scored tokens")
     out = None
     for q in queries:
         T, Cq = q.shape
         positions = torch.arange(prefix, prefix + T)
-        if rope is None:
-            raise InvalidTensorError("query_metric needs the model's rotary embedding")
         if not pre_rope:
             qr = rope.apply(q.float(), positions=positions)
         else:

@@ -98,3 +98,35 @@ def test_a_kv_codec_of_other_kinds_names_its_own():
     with pytest.raises(ConfigurationError, match=r"kind='k': this codec codes kind 'x'"):
         codec.step(0, "k")
 
+
+# ---------------------------------------------------------------- 3. query_metric's prefix
+
+@pytest.fixture(scope="module")
+def rope():
+    from shared.kvcodec import Rope
+
+    return Rope(1.0 / 10000 ** (np.arange(0, 8, 2) / 8))  # head_dim 8
+
+
+def test_query_metric_prefix_out_of_range_is_named(rope):
+    from shared.kvcodec import query_metric
+
+    qs = [torch.randn(5, 16)]
+    with pytest.raises(ConfigurationError, match=r"needs prefix >= 1, got prefix=0.*pre_rope=False"):
+        query_metric(qs, 2, rope, 0, True, np.random.default_rng(0))
+    with pytest.raises(ConfigurationError, match=r"prefix=-3: .*an int >= 0"):
+        query_metric(qs, 2, rope, -3, False, np.random.default_rng(0))
+    with pytest.raises(ConfigurationError, match=r"prefix=2.5"):
+        query_metric(qs, 2, rope, 2.5, False, np.random.default_rng(0))
+    assert query_metric(qs, 2, rope, 0, False, np.random.default_rng(0)).shape == (2, 8, 8)  # post-RoPE: 0 is fine
+    assert query_metric(qs, 2, rope, np.int64(4), True, np.random.default_rng(0)).shape == (2, 8, 8)
+
+
+def test_query_metric_without_rope_or_queries_is_named(rope):
+    from shared.errors import InvalidTensorError
+    from shared.kvcodec import query_metric
+
+    with pytest.raises(InvalidTensorError, match="rotary embedding"):
+        query_metric([torch.randn(5, 16)], 2, None, 4, False, np.random.default_rng(0))
+    with pytest.raises(InvalidTensorError, match="no queries"):
+        query_metric([], 2, rope, 4, False, np.random.default_rng(0))
