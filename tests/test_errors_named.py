@@ -130,3 +130,50 @@ def test_query_metric_without_rope_or_queries_is_named(rope):
         query_metric([torch.randn(5, 16)], 2, None, 4, False, np.random.default_rng(0))
     with pytest.raises(InvalidTensorError, match="no queries"):
         query_metric([], 2, rope, 4, False, np.random.default_rng(0))
+
+
+# ---------------------------------------------------------------- 4. setting values, checked when the codec is made
+
+@pytest.mark.parametrize("backend, settings, message", [
+    ("zstd", dict(level=99), r"zstd level=99: use an int from -131072 \(fastest\) to 22 \(smallest\)"),
+    ("zstd", dict(level="3"), r"zstd level='3': use an int"),
+    ("zstd", dict(threads=1000), r"zstd threads=1000: use an int from -1"),
+    ("x265", dict(qp=80), r"x265 qp=80: use None \(lossless\) or an int from 0 to 51"),
+    ("x265", dict(qp=18.5), r"x265 qp=18.5"),
+    ("x265", dict(preset="fastest"), r"x265 preset='fastest': use one of ultrafast, .*placebo"),
+    ("x265", dict(intra="yes"), r"x265 intra='yes': use True or False"),
+    ("ffmpeg-x265", dict(qp=80), r"x265 qp=80: use None \(lossless\) or an int from 0 to 51"),
+    ("nvdec-hevc", dict(qp=60), r"NVENC qp=60: use None \(lossless\) or an int from 0 to 51"),
+    ("nvdec-hevc", dict(preset="P9"), r"NVENC preset='P9': use one of P1, .*P7"),
+])
+def test_a_setting_out_of_range_is_refused_when_the_codec_is_made(basis, backend, settings, message):
+    """No encode runs (nor a GPU is needed): the codec is refused where it is made."""
+    with pytest.raises(ConfigurationError, match=message):
+        TensorCodec(basis, backend=backend, **settings)
+    with pytest.raises(ConfigurationError, match=message):
+        TensorCodec(None, backend=backend, **settings)
+
+
+def test_settings_in_range_are_taken(basis):
+    for backend, settings in [("zstd", dict(level=22)), ("zstd", dict(level=-5, threads=-1)),
+                              ("x265", dict(qp=51, preset="ultrafast", intra=True)), ("x265", dict(qp=None)),
+                              ("ffmpeg-x265", dict(qp=0, preset="slow")), ("nvdec-hevc", dict(qp=30, preset="p1"))]:
+        TensorCodec(basis, backend=backend, **settings)
+
+
+def test_a_session_checks_the_values_and_a_decoder_takes_a_header_as_it_is():
+    from shared.codecs import get_backend
+
+    with pytest.raises(ConfigurationError, match="zstd level=99"):
+        get_backend("zstd").encoder(64, 64, level=99)
+    get_backend("zstd").decoder(64, 64, level=99).close()  # a header's settings: not the decoder's to judge
+    get_backend("x265").decoder(64, 64, qp=80).close()
+
+
+def test_zstd_level_99_used_to_fail_only_at_encode(basis):
+    """The reported case, end to end: made and coded with a valid level, refused at once with 99."""
+    x = torch.randn(32, 16)
+    codec = TensorCodec(basis, backend="zstd", level=3, frame_size=64)
+    assert codec.decode(codec.encode(x)).shape == x.shape
+    with pytest.raises(ConfigurationError, match="level=99"):
+        TensorCodec(basis, backend="zstd", level=99, frame_size=64)
