@@ -177,3 +177,20 @@ def test_zstd_level_99_used_to_fail_only_at_encode(basis):
     assert codec.decode(codec.encode(x)).shape == x.shape
     with pytest.raises(ConfigurationError, match="level=99"):
         TensorCodec(basis, backend="zstd", level=99, frame_size=64)
+
+
+# ---------------------------------------------------------------- 5. SpillCache's mode
+
+def test_a_spill_cache_mode_typo_lists_the_modes():
+    from shared.kvcache import SpillCache
+
+    with pytest.raises(ConfigurationError, match=r"mode must be one of raw_fetch, compressed_fetch, gpu_resident; "
+                                                 r"got 'raw_fecth' \(did you mean 'raw_fetch'\?\)"):
+        SpillCache(2, "raw_fecth")
+    with pytest.raises(ConfigurationError, match=r"got 'swap'$"):
+        SpillCache(2, "swap")
+    with pytest.raises(ConfigurationError, match=r"compressed_fetch needs codecs: one \(codec_k, codec_v\) pair"):
+        SpillCache(2, "compressed_fetch")
+    with pytest.raises(ConfigurationError, match="chunk_tokens must be >= 1"):
+        SpillCache(2, chunk_tokens=0)
+    assert SpillCache(2, "gpu_resident").mode == "gpu_resident"
