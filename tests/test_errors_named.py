@@ -194,3 +194,53 @@ def test_a_spill_cache_mode_typo_lists_the_modes():
     with pytest.raises(ConfigurationError, match="chunk_tokens must be >= 1"):
         SpillCache(2, chunk_tokens=0)
     assert SpillCache(2, "gpu_resident").mode == "gpu_resident"
+
+
+# ---------------------------------------------------------------- 6. fit_basis, PCABasis.save / load
+
+@pytest.mark.parametrize("fn", [fit_basis, PCABasis.save, PCABasis.load])
+def test_the_basis_functions_say_what_they_take_return_and_raise(fn):
+    doc = fn.__doc__ or ""
+    assert len(doc.split()) > 20 and "Args" in doc and "Raises" in doc and "Returns" in doc
+
+
+def test_fit_basis_mistakes_are_named(basis):
+    from shared.errors import BasisMismatchError, InvalidTensorError
+
+    x = np.random.default_rng(1).standard_normal((32, 16)).astype(np.float32)
+    with pytest.raises(InvalidTensorError, match=r"got one tensor of shape \(32, 16\); pass it in a list: fit_basis\(\[x\], k\)"):
+        fit_basis(x, 4)
+    with pytest.raises(InvalidTensorError, match=r"got one tensor of shape \(32, 16\)"):
+        fit_basis(torch.from_numpy(x), 4)
+    with pytest.raises(InvalidTensorError, match="no captures"):
+        fit_basis([], 4)
+    with pytest.raises(InvalidTensorError, match=r"K=17 must be in 1..D=16"):
+        fit_basis([x], 17)
+    with pytest.raises(BasisMismatchError, match="capture has 8 channels"):
+        fit_basis([x, x[:, :8]], 4)
+    assert fit_basis(x[None], 4).k == 4  # a stack of captures [N, T, D] is an iterable of them
+
+
+def test_basis_save_and_load_mistakes_are_named(basis, tmp_path):
+    from safetensors.numpy import save_file
+
+    from shared.errors import BitstreamError
+
+    path = tmp_path / "b.safetensors"
+    basis.save(path)
+    back = PCABasis.load(path)
+    assert back.content_hash == basis.content_hash and back.meta == basis.meta
+    with pytest.raises(FileNotFoundError):
+        PCABasis.load(tmp_path / "missing.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes(path.read_bytes()[:40])
+    with pytest.raises(BitstreamError, match="not a readable safetensors file.*PCABasis.save"):
+        PCABasis.load(tmp_path / "cut.safetensors")
+    save_file({"0.k.mean": np.zeros(4, np.float32)}, str(tmp_path / "kv.safetensors"), metadata={"settings": "{}"})
+    with pytest.raises(BitstreamError, match=r"not a PCABasis: no basis metadata.*holds 0.k.mean.*KVCodec.load"):
+        PCABasis.load(tmp_path / "kv.safetensors")
+    with pytest.raises(FileNotFoundError, match="does not exist; create it first"):
+        basis.save(tmp_path / "no" / "b.safetensors")
+    odd = fit_basis([np.random.default_rng(2).standard_normal((8, 4))], 2, model=object())
+    with pytest.raises(ConfigurationError, match="values JSON can hold"):
+        odd.save(tmp_path / "odd.safetensors")
+    assert not (tmp_path / "odd.safetensors").exists()
