@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import BasisMismatchError, InvalidTensorError
+from .errors import BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 
 
 def as_float_matrix(x, name: str = "tensor") -> np.ndarray:
@@ -166,25 +166,71 @@ class PCABasis:
         return 4 * (self.dim + self.dim * self.k)
 
     def save(self, path: str | Path, dtype=np.float32) -> None:
+        """Write the basis to a safetensors file at `path` (the per-layer artifact both ends load).
+
+        Args: path: the file to write (replaced if it exists; its folder must exist). dtype: of the
+        mean and components on disk (np.float16 halves the file; PCABasis.load reads them back as
+        float32, and a basis read back from float16 has another content_hash); the eigenvalues stay float32.
+        The metadata holds meta as JSON (meta_json), each meta value as text, dim, k and content_hash.
+        Returns None. Raises ConfigurationError where meta holds a value JSON cannot write (it must
+        travel with the file), FileNotFoundError where the folder does not exist."""
         from safetensors.numpy import save_file
 
+        try:
+            meta_json = json.dumps(self.meta)
+        except TypeError as e:
+            raise ConfigurationError(f"the basis meta cannot be written to the file ({e}): give fit_basis(..., **meta) "
+                                     "values JSON can hold (str, int, float, bool, None, lists, dicts)") from None
+        if not Path(path).parent.is_dir():
+            raise FileNotFoundError(f"cannot write the basis to {str(path)!r}: its folder {str(Path(path).parent)!r} "
+                                    "does not exist; create it first")
         meta = {k: str(v) for k, v in self.meta.items()}
-        meta.update(content_hash=self.content_hash, dim=str(self.dim), k=str(self.k), meta_json=json.dumps(self.meta))
+        meta.update(content_hash=self.content_hash, dim=str(self.dim), k=str(self.k), meta_json=meta_json)
         tensors = {"mean": self.mean.astype(dtype), "components": self.components.astype(dtype),
                    "eigenvalues": self.eigenvalues.astype(np.float32)}
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata=meta)
 
     @classmethod
     def load(cls, path: str | Path) -> "PCABasis":
-        from safetensors import safe_open
+        """Read a basis written by PCABasis.save.
 
-        with safe_open(str(path), "numpy") as f:
-            meta = json.loads(f.metadata()["meta_json"])
-            t = {k: f.get_tensor(k).astype(np.float32) for k in f.keys()}
-        return cls(t["mean"], t["components"], t["eigenvalues"], meta)
+        Args: path: the safetensors file. Returns the PCABasis, mean, components and eigenvalues as
+        float32, meta as saved. Raises FileNotFoundError where there is no such file,
+        BitstreamError where the file is not a readable safetensors file (truncated, corrupt) or is
+        one but not a basis (no basis metadata, or no mean / components / eigenvalues: e.g. a KV
+        codec's file, which KVCodec.load reads)."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), "numpy") as f:
+                meta_json = (f.metadata() or {}).get("meta_json")
+                t = {k: f.get_tensor(k).astype(np.float32) for k in f.keys()}
+        except SafetensorError as e:
+            raise BitstreamError(f"{str(path)!r} is not a readable safetensors file ({e}): truncated or corrupt; "
+                                 "write it again with PCABasis.save") from None
+        missing = [k for k in ("mean", "components", "eigenvalues") if k not in t]
+        if meta_json is None or missing:
+            what = "no basis metadata (meta_json)" if meta_json is None else f"no {', '.join(missing)}"
+            raise BitstreamError(f"{str(path)!r} is a safetensors file but not a PCABasis: {what}; it holds "
+                                 f"{', '.join(sorted(t)) or 'no tensors'}. A basis file is written by PCABasis.save "
+                                 "(a KV codec's file loads with shared.kvcodec.KVCodec.load)")
+        return cls(t["mean"], t["components"], t["eigenvalues"], json.loads(meta_json))
 
 
 def fit_basis(captures: Iterable, k: int, **meta) -> PCABasis:
+    """The PCA basis of calibration captures: their float64 mean and covariance (streamed, one
+    capture in memory at a time), its k largest-variance eigenvectors kept.
+
+    Args: captures: an iterable (list, generator) of [T, D] tensors (numpy or torch, any float
+    dtype), all with the same D; a single tensor goes in a list: fit_basis([x], k). k: components
+    kept, 1..D. meta: what to record with the basis (model=, layer=...; saved with it, so
+    JSON-serializable), beside n_captures and n_tokens. Returns a PCABasis (float32 mean [D],
+    components [D, k], the whole eigenvalue spectrum [D]). Raises InvalidTensorError for no
+    captures, a single tensor passed bare, a capture that is not a finite 2-D float tensor, fewer
+    than 2 tokens in all or k outside 1..D; BasisMismatchError for captures of different D."""
+    if (hasattr(captures, "detach") or isinstance(captures, np.ndarray)) and getattr(captures, "ndim", 0) == 2:
+        raise InvalidTensorError(f"fit_basis takes a list of [T, D] captures, got one tensor of shape "
+                                 f"{tuple(captures.shape)}; pass it in a list: fit_basis([x], k)")
     acc = None
     for x in captures:
         x = as_float_matrix(x, "capture")

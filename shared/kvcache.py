@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .errors import InvalidTensorError, TensorCodecError
+from .errors import ConfigurationError, InvalidTensorError, TensorCodecError
 
 MODES = ("raw_fetch", "compressed_fetch", "gpu_resident")
 SLOTS = 2  # staging slots: the layer in use and the one being fetched
@@ -271,15 +271,19 @@ class SpillCache(Cache):
                  max_tokens: int | None = None, prefetch: bool = True, keep_decoded: bool | None = None,
                  contiguous: bool = True):
         if mode not in MODES:
-            raise InvalidTensorError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+            import difflib
+
+            close = difflib.get_close_matches(str(mode), MODES, n=1)
+            raise ConfigurationError(f"SpillCache mode must be one of {', '.join(MODES)}; got {mode!r}"
+                                     + (f" (did you mean {close[0]!r}?)" if close else ""))
         if mode == "compressed_fetch":
             if codecs is None or len(codecs) != num_layers or any(len(pair) != 2 for pair in codecs):
-                raise InvalidTensorError(
+                raise ConfigurationError(
                     f"compressed_fetch needs codecs: one (codec_k, codec_v) pair per layer ({num_layers}); got "
                     f"{'none' if codecs is None else len(codecs)}. Fix: codecs=[(TensorCodec(basis_k[i], "
                     f"backend='rans', step=s), TensorCodec(basis_v[i], ...)) for i in range({num_layers})]")
         if int(chunk_tokens) < 1:
-            raise InvalidTensorError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+            raise ConfigurationError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         super().__init__(layers=[SpillLayer() for _ in range(num_layers)])
         self.mode, self.codecs = mode, codecs
         self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens

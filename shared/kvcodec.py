@@ -41,10 +41,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import BitstreamError, InvalidTensorError
+from .errors import BitstreamError, ConfigurationError, InvalidTensorError
 from .pipeline import pack, unpack_container
 
 CODEC_ID = "kv_attn_rans"
+KINDS = ("k", "v")  # what a fitted KV codec codes: keys and values
 
 
 # ---------------------------------------------------------------- RoPE
@@ -141,13 +142,26 @@ def query_metric(queries: list[torch.Tensor], heads: int, rope: Rope, prefix: in
     """[kv_heads, d, d]: sum over each KV head's query heads of E[q q^T] of the queries that read the
     cache. queries: pre-RoPE q rows [T, q_heads * d] of the scored tokens (positions >= prefix).
     pre_rope False: post-RoPE queries (for keys coded post-RoPE); True: queries rotated by their offset
-    to a random cached position, m - n (for keys coded pre-RoPE: q_m^T R(n - m) dk)."""
+    to a random cached position, m - n (for keys coded pre-RoPE: q_m^T R(n - m) dk).
+    prefix: how many cached tokens come before the scored ones (>= 1 with pre_rope: the random
+    position is drawn from 0..prefix-1). Raises ConfigurationError for a prefix out of range,
+    InvalidTensorError without a rope or queries."""
+    if rope is None:
+        raise InvalidTensorError("query_metric needs the model's rotary embedding (rope=rope_of(model))")
+    if isinstance(prefix, bool) or not isinstance(prefix, (int, np.integer)) or prefix < 0:
+        raise ConfigurationError(f"query_metric prefix={prefix!r}: use the number of cached tokens before the scored "
+                                 "queries, an int >= 0")
+    if pre_rope and prefix < 1:
+        raise ConfigurationError("query_metric(pre_rope=True) rotates each query by its offset to a random cached "
+                                 f"position in 0..prefix-1, so it needs prefix >= 1, got prefix={prefix}. Fix: pass "
+                                 "the number of cached tokens the scored queries attend to, or pre_rope=False for keys "
+                                 "coded post-RoPE")
+    if not len(queries):
+        raise InvalidTensorError("query_metric got no queries: pass the pre-RoPE q rows of the scored tokens")
     out = None
     for q in queries:
         T, Cq = q.shape
         positions = torch.arange(prefix, prefix + T)
-        if rope is None:
-            raise InvalidTensorError("query_metric needs the model's rotary embedding")
         if not pre_rope:
             qr = rope.apply(q.float(), positions=positions)
         else:
@@ -359,8 +373,28 @@ class KVCodec:
         return KVCodec(self.transforms, sink=self.sink, recent=recent, pre_rope=self.pre_rope, rope=self.rope,
                        scale=self.scale, meta=meta)
 
+    def transform(self, layer: int, kind: str) -> TensorTransform:
+        """The transform and unit of (layer, kind). A kind the codec holds no transform of is a
+        ConfigurationError listing the ones it holds ('k' and 'v' for a fitted KV codec); a layer it
+        was not fitted on, an InvalidTensorError naming the layers it holds."""
+        t = self.transforms.get((layer, kind))
+        if t is not None:
+            return t
+        kinds = sorted({key[1] for key in self.transforms}, key=lambda k: (k not in KINDS, str(k)))
+        if kind not in kinds:
+            hint = (f" (did you mean {kind.lower()!r}?)" if isinstance(kind, str) and kind.lower() in kinds else "")
+            names = {"k": "'k' (keys)", "v": "'v' (values)"}
+            held = " or ".join(names.get(k, repr(k)) for k in kinds) or "nothing (no transforms)"
+            raise ConfigurationError(f"kind={kind!r}{hint}: this codec codes kind {held}")
+        layers = sorted({key[0] for key in self.transforms if key[1] == kind})
+        held = (f"layer {layers[0]}" if len(layers) == 1 else
+                f"layers {layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1))
+                else f"layers {layers}")
+        raise InvalidTensorError(f"the codec has no transform for layer {layer!r} {kind!r} (it holds {held}); "
+                                 "fit it on that model")
+
     def step(self, layer: int, kind: str) -> float:
-        return self.scale * self.transforms[(layer, kind)].unit
+        return self.scale * self.transform(layer, kind).unit
 
     def _mats(self, layer: int, kind: str, device="cpu"):
         key = (layer, kind, str(device))
@@ -384,8 +418,7 @@ class KVCodec:
 
     def symbols(self, x: torch.Tensor, layer: int, kind: str, start: int = 0) -> torch.Tensor:
         """int32 [T - sink - recent, C] on x's device: the quantized coefficients of the coded tokens."""
-        if (layer, kind) not in self.transforms:
-            raise InvalidTensorError(f"the codec has no transform for layer {layer} {kind!r}; fit it on that model")
+        self.transform(layer, kind)
         mean, A, _ = self._mats(layer, kind, x.device)
         body = self._body(self._prepare(x, kind, start))
         return torch.round(((body - mean) @ A) / self.step(layer, kind)).to(torch.int32)
@@ -406,6 +439,7 @@ class KVCodec:
 
         if coder not in ("auto", "cpu"):
             raise InvalidTensorError(f"coder must be 'auto' or 'cpu', got {coder!r}")
+        self.transform(layer, kind)
         self._check_rows(x)
         sink, recent = (t.cpu().contiguous().view(torch.int16).numpy().tobytes() for t in self._raw(x))
         header = {"shape": list(x.shape), "dtype": "bfloat16", "layer": layer, "kind": kind, "start": start,
@@ -442,6 +476,9 @@ class KVCodec:
             raise BitstreamError(f"bitstream was coded with codec tables {header.get('basis')}, this codec holds "
                                  f"{self.meta.get('hash')}; load the sender's codec file")
         T, C = header["shape"]
+        if not isinstance(header.get("layer"), int) or (header["layer"], header.get("kind")) not in self.transforms:
+            raise BitstreamError(f"the header names layer {header.get('layer')!r} kind {header.get('kind')!r}, which "
+                                 "this codec has no transform for: the blob is corrupt or from another codec")
 
         def rows(tag: str, n: int) -> torch.Tensor:
             if not n:

@@ -200,6 +200,30 @@ def _is_tensor(x) -> bool:
 _GRAPH_FIELDS = frozenset({"basis", "quantizer", "_proj", "lane_tokens", "water_fill"})
 
 
+def _check_basis(basis) -> None:
+    """Refuse, naming the fix, a basis that is neither None nor a PCABasis: a path (load the file
+    first; a path is not loaded here, so the one basis can serve several codecs and a missing file
+    fails where it is read), a backend name (it goes to backend=), or another object."""
+    if basis is None or isinstance(basis, PCABasis):
+        return
+    import os
+
+    if isinstance(basis, (str, os.PathLike)):
+        from .codecs import all_backends
+
+        text = os.fspath(basis)
+        if isinstance(text, str) and text in {b.name for b in all_backends()}:
+            raise ConfigurationError(f"TensorCodec's first argument is the basis (a PCABasis, or None for the raw "
+                                     f"channels), got the backend name {text!r}. Fix: TensorCodec(basis, "
+                                     f"backend={text!r}), or TensorCodec(None, backend={text!r}) without a basis")
+        raise ConfigurationError(f"TensorCodec takes a PCABasis (or None for the raw channels) as its basis, got the "
+                                 f"path {text!r}. Fix: load the basis first: TensorCodec(PCABasis.load({text!r}), ...) "
+                                 "(from shared.basis import PCABasis)")
+    raise ConfigurationError(f"TensorCodec takes a PCABasis (or None for the raw channels) as its basis, got a "
+                             f"{type(basis).__name__}. Fix: fit one (shared.basis.fit_basis) or load one "
+                             "(PCABasis.load(path))")
+
+
 class TensorCodec:
     """basis (or None for the raw channels) -> quantizer -> codec -> a self-describing bitstream.
 
@@ -275,7 +299,10 @@ class TensorCodec:
     def __setattr__(self, name, value):
         """Setting what a CUDA graph of this codec was made from (basis, step, lane length) gives
         the codec a new graph token, so encode_many and decode_many key their graphs by one read
-        per codec instead of three. A new basis drops the projections and header made from the old one."""
+        per codec instead of three. A new basis drops the projections and header made from the old one.
+        A basis that is not a PCABasis (or None) is a ConfigurationError, here and in __init__."""
+        if name == "basis":
+            _check_basis(value)
         object.__setattr__(self, name, value)
         if name in _GRAPH_FIELDS:
             if name == "basis":

@@ -11,8 +11,10 @@ that made it.
 Committed results are not overwritten by accident:
 - a `--quick` run (the PoC's command line holds `--quick`) writes results/local/ and figures/local/
   (both ignored by git), and its rows say `run=quick`; figures drawn in that run read the quick CSV;
-- a full run that would replace a CSV first prints what changes (rows added, removed, values moved),
-  then writes it: `git diff --stat results/` and `git checkout results/` undo it;
+- a full run that would replace a CSV first prints what changes and what it reproduced (diff_summary:
+  rows matched on the PoC's own columns and the device, not on the code, date or versions; rows
+  added, removed; values reproduced exactly and within 5%; those that moved most), then writes it:
+  `git diff --stat results/` and `git checkout results/` undo it;
 - a run on a machine without the GPU that measured a committed CSV writes results/local/ instead.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import sys
 from functools import lru_cache
@@ -107,50 +110,130 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-ENV_COLUMNS = {"value", "date", "python", "cpu_count", "driver", "run"}
+# What a rerun's row carries beside the PoC's own columns: the machine and libraries (environment();
+# each v_<package> of VERSIONED), and the bookkeeping ResultsWriter.frame adds (run, date). A PoC
+# column of the same name as an environment key keeps its name and the environment's becomes env_<key>.
+ENV_COLUMNS = {"python", "cpu_count", "driver", "code"}
+BOOKKEEPING_COLUMNS = {"run", "date"}
+EXACT_RTOL, EXACT_ATOL = 1e-6, 1e-9  # a value within these of the committed one reproduced
+NEAR = 0.05  # ... and within this relative change it reproduced as a timing does
+TIMING_UNITS = re.compile(r"^(ns|us|ms|s)\b|/s\b")  # ms, us of GPU time per call, GB/s, tokens/s, ...
+
+
+def is_environment_column(name: str, columns=()) -> bool:
+    """True for a column that says where and when a row was made, not what was measured: the value
+    of no PoC setting (environment() keys, v_<package>, env_<key>, run, date). `columns`: the frame's
+    columns (a PoC's own column X sits beside env_X, and stays a key)."""
+    name = str(name)
+    if name.startswith(("v_", "env_")) or name in BOOKKEEPING_COLUMNS:
+        return True
+    return name in ENV_COLUMNS and f"env_{name}" not in columns
+
+
+def key_columns(df) -> list[str]:
+    """The columns that say which measurement a row is (the PoC's key): every column but the value,
+    the environment and bookkeeping columns, and columns holding fractional numbers (measurements
+    recorded beside the value, like cos_mean or call_ms). device stays: another GPU is another row."""
+    import pandas as pd
+
+    cols = []
+    for c in df.columns:
+        if c == "value" or is_environment_column(c, df.columns):
+            continue
+        if pd.api.types.is_float_dtype(df[c]) and (df[c].dropna() % 1 != 0).any():
+            continue
+        cols.append(c)
+    return cols
+
+
+def _key_text(v) -> str:
+    """A key cell as text that reads the same from a CSV and from memory (8, 8.0 and '8.0' are '8')."""
+    import pandas as pd
+
+    if v is None or (not isinstance(v, str) and pd.isna(v)):
+        return ""
+    if isinstance(v, bool):
+        return str(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if f != f or f in (float("inf"), float("-inf")):
+        return str(v)
+    return str(int(f)) if f.is_integer() and abs(f) < 2 ** 63 else repr(f)
 
 
 def diff_summary(old, new, show: int = 5) -> list[str]:
-    """What replacing CSV `old` by `new` changes: rows added/removed, values moved (largest first).
+    """What replacing CSV `old` by `new` changes, and what the rerun reproduced.
 
-    Rows are matched on every column that is not the value, a library version or the date, and
-    that holds no fractional number (those are measurements recorded beside the value)."""
+    Rows are matched on the key columns both frames share (key_columns: the PoC's own settings and
+    device; never the environment, the code, the date or the run), repeated keys in order. Lines: rows
+    added / removed / matched and how many matched values changed; how many reproduced exactly
+    (within EXACT_RTOL relative, EXACT_ATOL absolute) and within NEAR (5%, the run-to-run spread of a
+    timing), with the timing rows (TIMING_UNITS) counted apart; then the `show` values that changed
+    most, each named by its key."""
     import numpy as np
     import pandas as pd
 
-    def keyed(df):
-        cols = [c for c in df.columns if c not in ENV_COLUMNS and not c.startswith("v_")]
-        cols = [c for c in cols if not (pd.api.types.is_float_dtype(df[c])
-                                        and (df[c].dropna() % 1 != 0).any())]
-        text = df[cols].apply(lambda col: col.map(lambda v: "" if pd.isna(v) else str(v)))
-        return df.assign(_key=text.agg("|".join, axis=1) if cols else ""), cols
-
-    old, old_cols = keyed(old.reset_index(drop=True))
-    new, new_cols = keyed(new.reset_index(drop=True))
+    old, new = old.reset_index(drop=True), new.reset_index(drop=True)
+    old_keys, new_keys = key_columns(old), key_columns(new)
+    cols = [c for c in old_keys if c in new_keys]
     lines = []
-    if old_cols != new_cols:
-        lines.append(f"columns: {len(old_cols)} key columns before, {len(new_cols)} now")
-    for df in (old, new):
-        df["_n"] = df.groupby("_key").cumcount()
-    m = old.merge(new, on=["_key", "_n"], how="outer", suffixes=("_old", "_new"), indicator=True)
-    gone, added = (m["_merge"] == "left_only").sum(), (m["_merge"] == "right_only").sum()
-    both = m[m["_merge"] == "both"]
+    only_old, only_new = [c for c in old_keys if c not in cols], [c for c in new_keys if c not in cols]
+    if only_old or only_new:
+        lines.append("key columns not matched on: " + "; ".join(
+            part for part in (f"only before: {', '.join(only_old)}" if only_old else "",
+                              f"only now: {', '.join(only_new)}" if only_new else "") if part))
+
+    def texts(df):
+        return df[cols].apply(lambda col: col.map(_key_text)) if cols else pd.DataFrame(index=df.index)
+
+    def keyed(df, text):
+        key = text.agg("\x1f".join, axis=1) if cols else pd.Series("", index=df.index)
+        df = df[["value"] + (["unit"] if "unit" in df else [])].assign(_key=key.to_numpy(), _row=df.index)
+        return df.assign(_n=df.groupby("_key").cumcount())
+
+    new_text = texts(new)
+    m = keyed(old, texts(old)).merge(keyed(new, new_text), on=["_key", "_n"], how="outer", suffixes=("_old", "_new"),
+                                     indicator=True)
+    gone, added = int((m["_merge"] == "left_only").sum()), int((m["_merge"] == "right_only").sum())
+    both = m[m["_merge"] == "both"].reset_index(drop=True)
     a = pd.to_numeric(both["value_old"], errors="coerce").to_numpy(float)
     b = pd.to_numeric(both["value_new"], errors="coerce").to_numpy(float)
-    rel = np.abs(b - a) / np.maximum(np.abs(a), 1e-12)
-    moved = ~(np.isclose(a, b, rtol=1e-9, atol=0) | (np.isnan(a) & np.isnan(b)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.abs(b - a) / np.abs(a)
+    rel[(a == b) | (np.isnan(a) & np.isnan(b))] = 0.0
+    exact = np.isclose(b, a, rtol=EXACT_RTOL, atol=EXACT_ATOL) | (np.isnan(a) & np.isnan(b))
+    near = exact | (rel <= NEAR)
+    unit = both["unit_new"] if "unit_new" in both else pd.Series("", index=both.index)
+    timing = unit.map(lambda u: bool(isinstance(u, str) and TIMING_UNITS.search(u))).to_numpy(bool)
+    n = len(both)
     lines.append(f"{len(old)} rows before, {len(new)} now: {added} added, {gone} removed, "
-                 f"{int(moved.sum())} of {len(both)} matched values changed")
-    if moved.any():
-        order = np.argsort(-np.nan_to_num(rel, nan=np.inf))[: show]
-        for i in order:
-            if not moved[i]:
-                continue
-            r = both.iloc[i]
-            what = ", ".join(f"{c}={r[c + '_old'] if c + '_old' in r else r[c]}" for c in ("backend", "metric")
-                             if (c + "_old") in r)
-            lines.append(f"  {what} [{r['_key'][:90]}]: {a[i]:.6g} -> {b[i]:.6g} ({100 * rel[i]:+.1f}%)"
-                         if np.isfinite(rel[i]) else f"  {what}: {a[i]} -> {b[i]}")
+                 f"{int((~exact).sum())} of {n} matched values changed")
+    tol = f"within rel {EXACT_RTOL:g}, abs {EXACT_ATOL:g}"
+    if n and exact.all():
+        lines.append(f"all {n} matched values reproduced ({tol})")
+    elif n:
+        line = (f"reproduced: {int(exact.sum())} of {n} matched values {tol}, {int(near.sum())} within "
+                f"{100 * NEAR:g}%")
+        if timing.any():
+            line += (f"; timings ({', '.join(sorted(set(unit[timing])))[:60]}): {int(near[timing].sum())} of "
+                     f"{int(timing.sum())} within {100 * NEAR:g}%")
+        lines.append(line)
+    if not exact.all():
+        lines.append(f"changed most (of {int((~exact).sum())}):" if (~exact).sum() > show else "changed:")
+        order = np.argsort(-np.nan_to_num(np.where(exact, -1.0, rel), nan=np.inf), kind="stable")
+        for i in order[:show]:
+            if exact[i]:
+                break
+            row = new_text.loc[int(both["_row_new"].iloc[i])]
+            named = [c for c in ("metric", "backend") if c in cols] + [c for c in cols if c not in (
+                "metric", "backend", "poc", "unit", "device")] + (["device"] if "device" in cols else [])
+            key = ", ".join(f"{c}={row[c]}" for c in named if row[c])
+            key = key if len(key) <= 200 else key[:197] + "..."
+            change = (f"{a[i]:.6g} -> {b[i]:.6g} ({100 * (b[i] - a[i]) / abs(a[i]):+.1f}%)" if np.isfinite(rel[i])
+                      else f"{a[i]} -> {b[i]}")
+            lines.append(f"  [{key}]: {change}")
     return lines
 
 

@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from poc_module import load_poc
 from shared.basis import fit_basis, fit_basis_torch
-from shared.errors import InvalidTensorError, TensorCodecError
+from shared.errors import ConfigurationError, InvalidTensorError, TensorCodecError
 from shared.kvcache import MODES, SpillCache, cache_kwarg, rows_to_states, states_to_rows
 from shared.llm import cache_kv, kv_to_rows
 from shared.pipeline import TensorCodec
@@ -157,11 +157,11 @@ def test_crop_removes_recent_tokens_only(llama, prompt):
 
 
 def test_refuses_what_it_cannot_do(llama, prompt):
-    with pytest.raises(InvalidTensorError, match="mode must be one of"):
+    with pytest.raises(ConfigurationError, match="mode must be one of"):
         SpillCache(2, "swap")
-    with pytest.raises(InvalidTensorError, match="needs codecs"):
+    with pytest.raises(ConfigurationError, match="needs codecs"):
         SpillCache(2, "compressed_fetch")
-    with pytest.raises(InvalidTensorError, match="chunk_tokens"):
+    with pytest.raises(ConfigurationError, match="chunk_tokens"):
         SpillCache(2, chunk_tokens=0)
     cache = SpillCache(2)
     with pytest.raises(InvalidTensorError, match="batch 1"):

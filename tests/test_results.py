@@ -106,3 +106,93 @@ def test_api_table_names_how_its_rows_were_timed(tree, monkeypatch):
     queued = api_rows(timing="blocks in turns", repeats=24, after=(("encode_gbps_queued", 75.0),))
     assert "| 75.0 (1.50x) |" in queued  # queued encodes, beside the D2H copy of the same bytes
     assert "median of 10;" in api_rows()
+
+
+# ---------------------------------------------------------------- reruns say what they reproduced (issue #42)
+
+def rows(values, **env):
+    """A small results frame: two ratios (one setting k), a timing, and environment columns `env`."""
+    df = pd.DataFrame({"poc": ["99"] * 3, "device": ["cpu"] * 3, "backend": ["x265", "x265", "zstd"],
+                       "metric": ["ratio", "ratio", "encode_ms"], "value": values, "unit": ["x", "x", "ms"],
+                       "k": [8, 16, None], "source": ["gauss", "gauss", "gauss"]})
+    return df.assign(**env)
+
+
+ENV_OLD = dict(python="3.11.9", cpu_count="2", v_torch="2.5.0", v_numpy="1.26.4", driver="550.1", code="1234567",
+               run="full", date="2026-11-01")
+ENV_NEW = dict(python="3.12.1", cpu_count="16", v_torch="2.9.0", v_numpy="2.1.0", driver="580.2", code="abcdef0+",
+               run="full", date="2026-12-06")
+
+
+def test_a_rerun_differing_only_in_environment_reproduced_every_value():
+    """Code, date, run, library versions, python, driver, cpu count: none of them makes a row another
+    row, so a rerun that only ran elsewhere or later matches every row and says all reproduced."""
+    old = rows([2.0, 3.0, 12.5], **ENV_OLD)
+    new = rows([2.0, 3.0 * (1 + 1e-9), 12.5], **ENV_NEW)
+    new["k"] = pd.Series([8, "16.0", None], dtype=object)  # old: 8.0, 16.0, NaN (a CSV and memory differ so)
+    lines = results.diff_summary(old, new)
+    assert lines[0] == "3 rows before, 3 now: 0 added, 0 removed, 0 of 3 matched values changed"
+    assert lines[1] == "all 3 matched values reproduced (within rel 1e-06, abs 1e-09)"
+    assert len(lines) == 2
+
+
+def test_a_changed_value_is_named_and_timings_are_counted_within_5_percent():
+    old = rows([2.0, 3.0, 12.5], **ENV_OLD)
+    new = rows([2.0, 3.3, 12.75], **ENV_NEW)  # a ratio moved 10%, the timing 2%
+    lines = results.diff_summary(old, new)
+    assert lines[0] == "3 rows before, 3 now: 0 added, 0 removed, 2 of 3 matched values changed"
+    assert lines[1] == ("reproduced: 1 of 3 matched values within rel 1e-06, abs 1e-09, 2 within 5%; "
+                        "timings (ms): 1 of 1 within 5%")
+    assert lines[2] == "changed:"
+    assert lines[3] == "  [metric=ratio, backend=x265, k=16, source=gauss, device=cpu]: 3 -> 3.3 (+10.0%)"
+    assert lines[4] == "  [metric=encode_ms, backend=zstd, source=gauss, device=cpu]: 12.5 -> 12.75 (+2.0%)"
+
+
+def test_the_values_that_changed_most_come_first_up_to_show():
+    old = pd.DataFrame({"poc": "99", "device": "cpu", "backend": "b", "metric": "m", "unit": "x",
+                        "value": [1.0] * 8, "i": range(8), "date": "d1"})
+    new = old.assign(value=[1.0 + 0.01 * i for i in range(8)], date="d2")
+    lines = results.diff_summary(old, new, show=3)
+    assert lines[2] == "changed most (of 7):"
+    assert [line.split("]")[0] for line in lines[3:]] == ["  [metric=m, backend=b, i=7, device=cpu",
+                                                          "  [metric=m, backend=b, i=6, device=cpu",
+                                                          "  [metric=m, backend=b, i=5, device=cpu"]
+
+
+def test_device_and_a_poc_column_named_like_the_environment_stay_keys():
+    old = rows([2.0, 3.0, 12.5], **ENV_OLD)
+    other_gpu = old.assign(device="NVIDIA H100 80GB HBM3")
+    assert results.diff_summary(old, other_gpu)[0].startswith("3 rows before, 3 now: 3 added, 3 removed, 0 of 0")
+    # a PoC column "driver" (its own setting) sits beside env_driver, the machine's: it is a key
+    mine = old.assign(env_driver="550.1", driver=["hf", "hf", "hf"])
+    theirs = mine.assign(env_driver="580.2", driver=["hf", "spill", "hf"])
+    assert results.key_columns(mine)[-1] == "driver" and "env_driver" not in results.key_columns(mine)
+    assert results.diff_summary(mine, theirs)[0] == "3 rows before, 3 now: 1 added, 1 removed, 0 of 2 matched values changed"
+
+
+def test_every_environment_column_is_left_out_of_the_key():
+    for name in [*results.environment(), *results.BOOKKEEPING_COLUMNS, "code", "driver", "v_anything", "env_python"]:
+        assert results.is_environment_column(name), name
+    assert not results.is_environment_column("device") and not results.is_environment_column("k")
+
+
+def test_a_full_rerun_elsewhere_prints_that_it_reproduced(tree, capsys, monkeypatch):
+    """Through ResultsWriter.save: the committed CSV read back against this run's frame in memory."""
+    machine = lambda env: {k: v for k, v in env.items() if k not in ("run", "date")}  # noqa: E731
+    monkeypatch.setattr(results, "environment", lambda: machine(ENV_OLD))
+    writer([2.0, 3.0], quick=False, extra=[(1, 5.0)]).save()
+    capsys.readouterr()
+    monkeypatch.setattr(results, "environment", lambda: machine(ENV_NEW))
+    writer([2.0, 3.0], quick=False, extra=[(1, 5.0)]).save()
+    out = capsys.readouterr().out
+    assert "3 rows before, 3 now: 0 added, 0 removed, 0 of 3 matched values changed" in out
+    assert "all 3 matched values reproduced" in out
+
+
+def test_a_key_column_on_one_side_only_is_named_and_rows_still_match():
+    old = rows([2.0, 3.0, 12.5], **ENV_OLD)
+    new = rows([2.0, 3.0, 12.5], **ENV_NEW).assign(lanes=[256, 256, 256])  # a setting this run added
+    lines = results.diff_summary(old, new)
+    assert lines[0] == "key columns not matched on: only now: lanes"
+    assert lines[1:] == ["3 rows before, 3 now: 0 added, 0 removed, 0 of 3 matched values changed",
+                         "all 3 matched values reproduced (within rel 1e-06, abs 1e-09)"]

@@ -178,6 +178,9 @@ class Backend:
         to a library that checks them itself (nvCOMP's codec options).
     decoder_settings: settings only its decoder takes (where and how it runs on this machine).
     A setting outside these is a ConfigurationError naming it (a typo such as QP= is not ignored).
+    check_values: checks the encoder settings' values (ranges, types) and raises ConfigurationError
+        naming the valid ones; it runs in check_settings, so a codec made with qp=80 is refused when
+        it is made (TensorCodec), not at its first encode.
     """
 
     name: str
@@ -192,12 +195,18 @@ class Backend:
     stream_format: str | None = None
     settings: tuple[str, ...] | None = ()
     decoder_settings: tuple[str, ...] = ()
+    check_values: Callable[[dict], None] | None = None
 
     def check_settings(self, settings: dict, decoder: bool = False) -> None:
         """Raise ConfigurationError naming each setting this backend's encoder (decoder=False) or
-        decoder does not take, with the closest known name and the full list."""
-        if self.settings is None:
-            return
+        decoder does not take, with the closest known name and the full list; for the encoder also
+        a value out of range (check_values). A decoder takes a header's settings as they are."""
+        if self.settings is not None:
+            self._check_names(settings, decoder)
+        if not decoder and self.check_values is not None:
+            self.check_values(settings)
+
+    def _check_names(self, settings: dict, decoder: bool) -> None:
         known = set(self.settings) | (set(self.decoder_settings) if decoder else set())
         unknown = sorted(set(settings) - known)
         if not unknown:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import BitstreamError, CodecError
 from .base import Backend, BufferedDecoder, BufferedEncoder, register
+from .pyav import _check_x265_settings  # the same libx265 settings (pyav imports PyAV only when a session opens)
 
 
 @lru_cache(maxsize=None)
@@ -79,5 +80,5 @@ FFMPEG_X265 = register(Backend(
     name="ffmpeg-x265", kind="frames", settings=("qp", "preset"),
     description="libx265 through one ffmpeg subprocess per call (the baseline); same stream format as 'x265'",
     encoder_cls=SubprocessEncoder, decoder_cls=SubprocessDecoder, probe=_probe, lossless=None,
-    stream_format="hevc-annexb",
+    stream_format="hevc-annexb", check_values=_check_x265_settings,
 ))

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import BackendUnavailable, BitstreamError, CodecError, InvalidTensorError
+from ..errors import BackendUnavailable, BitstreamError, CodecError, ConfigurationError, InvalidTensorError
 from .base import Backend, DecoderSession, EncoderSession, check_frames, register
 
 NAME = "nvdec-hevc"
@@ -395,6 +395,21 @@ class _CudaPlane:
                                          "data": (ptr, False), "version": 3}
 
 
+def _check_nvenc_settings(settings: dict) -> None:
+    """ConfigurationError, naming the valid values, for a qp or preset NVENC does not take (checked
+    when the codec is made; a preset in any case, a qp anything int() reads as 0..51, as before)."""
+    qp, preset = settings.get("qp"), settings.get("preset", "P4")
+    if str(preset).upper() not in NVENC_PRESETS:
+        raise ConfigurationError(f"NVENC preset={preset!r}: use one of {', '.join(NVENC_PRESETS)}")
+    if qp is not None:
+        try:
+            ok = 0 <= int(qp) <= 51
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigurationError(f"NVENC qp={qp!r}: use None (lossless) or an int from 0 to 51")
+
+
 class NvencEncoder(EncoderSession):
     """NVENC HEVC 4:4:4 8-bit. settings: qp=None (lossless) or 0..51 (constant QP), preset 'P1'..'P7'
     (default 'P4'), gpu (0), stream (torch.cuda.Stream or handle; None = default stream).
@@ -406,11 +421,8 @@ class NvencEncoder(EncoderSession):
     def __init__(self, width, height, qp: int | None = None, preset: str = "P4", gpu: int = 0, stream=None,
                  **settings):
         super().__init__(width, height, qp=qp, preset=preset, **settings)
+        _check_nvenc_settings({"qp": qp, "preset": preset})
         preset = str(preset).upper()
-        if preset not in NVENC_PRESETS:
-            raise InvalidTensorError(f"NVENC preset must be one of {', '.join(NVENC_PRESETS)}, got {preset!r}")
-        if qp is not None and not 0 <= int(qp) <= 51:
-            raise InvalidTensorError(f"qp must be None (lossless) or 0..51, got {qp}")
         self.qp, self.preset, self.gpu, self.stream = qp, preset, int(gpu), stream
         self.caps = require_nvenc(self.gpu)
         if qp is None and int(self.caps.get("support_lossless_encode", 1)) == 0:
@@ -478,4 +490,5 @@ NVDEC_HEVC = register(Backend(
     description="NVIDIA NVDEC HEVC 4:4:4 decode through PyNvVideoCodec (frames straight into CUDA tensors); "
                 "its encoder is NVENC, absent on the NVIDIA H200",
     encoder_cls=NvencEncoder, decoder_cls=NvdecDecoder, stream_format="hevc-annexb",
+    check_values=_check_nvenc_settings,
 ))

@@ -53,6 +53,8 @@ X265_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium"
 
 
 def _check_x265_settings(settings: dict) -> None:
+    """ConfigurationError, naming the valid values, for a qp, preset or intra libx265 does not take
+    (also the check of 'ffmpeg-x265', the same encoder in a subprocess)."""
     qp, preset, intra = settings.get("qp"), settings.get("preset", "medium"), settings.get("intra", False)
     if qp is not None and (isinstance(qp, bool) or not isinstance(qp, int) or not 0 <= qp <= 51):
         raise ConfigurationError(f"x265 qp={qp!r}: use None (lossless) or an int from 0 to 51")
@@ -260,7 +262,7 @@ X265 = register(Backend(
     name="x265", kind="frames", settings=("qp", "preset", "intra"),
     description="libx265 HEVC 4:4:4 8-bit in process (PyAV); qp=None lossless, else constant QP",
     encoder_cls=X265Encoder, decoder_cls=HevcDecoder, probe=lambda: _probe_av("libx265"), lossless=None,
-    stream_format="hevc-annexb",
+    stream_format="hevc-annexb", check_values=_check_x265_settings,
 ))
 FFV1 = register(Backend(
     name="ffv1", kind="frames", description="FFV1 lossless intra codec in process (PyAV)",

@@ -7,6 +7,25 @@ from ..errors import BitstreamError, ConfigurationError
 from .base import Backend, BufferedDecoder, BufferedEncoder, register
 
 DEFAULT_LEVEL = 19
+MIN_LEVEL = -(1 << 17)  # zstd's fastest negative level
+
+
+def _max_level() -> int:
+    try:
+        import zstandard
+    except ImportError:  # the backend is unavailable then (its probe says why); zstd's maximum level
+        return 22
+    return zstandard.MAX_COMPRESSION_LEVEL
+
+
+def _check_settings(settings: dict) -> None:
+    """ConfigurationError, naming the valid range, for a level or threads zstd does not take."""
+    level, threads = settings.get("level", DEFAULT_LEVEL), settings.get("threads", 0)
+    if isinstance(level, bool) or not isinstance(level, int) or not MIN_LEVEL <= level <= _max_level():
+        raise ConfigurationError(f"zstd level={level!r}: use an int from {MIN_LEVEL} (fastest) to "
+                                 f"{_max_level()} (smallest)")
+    if isinstance(threads, bool) or not isinstance(threads, int) or not -1 <= threads <= 256:
+        raise ConfigurationError(f"zstd threads={threads!r}: use an int from -1 (one per core) to 256")
 
 
 def _probe() -> str | None:
@@ -22,12 +41,8 @@ class ZstdEncoder(BufferedEncoder):
         super().__init__(width, height, **settings)
         import zstandard
 
+        _check_settings(settings)
         level, threads = settings.get("level", DEFAULT_LEVEL), settings.get("threads", 0)
-        if isinstance(level, bool) or not isinstance(level, int) or not -(1 << 17) <= level <= zstandard.MAX_COMPRESSION_LEVEL:
-            raise ConfigurationError(f"zstd level={level!r}: use an int from {-(1 << 17)} (fastest) to "
-                                     f"{zstandard.MAX_COMPRESSION_LEVEL} (smallest)")
-        if isinstance(threads, bool) or not isinstance(threads, int) or not -1 <= threads <= 256:
-            raise ConfigurationError(f"zstd threads={threads!r}: use an int from -1 (one per core) to 256")
         self._compressor = zstandard.ZstdCompressor(level=level, threads=threads)
 
     def flush(self) -> bytes:
@@ -73,5 +88,5 @@ class ZstdDecoder(BufferedDecoder):
 
 ZSTD = register(Backend(
     name="zstd", kind="bytes", settings=("level", "threads"), description="zstd (level 19 by default) on the raw plane bytes, CPU",
-    encoder_cls=ZstdEncoder, decoder_cls=ZstdDecoder, probe=_probe, lossless=True,
+    encoder_cls=ZstdEncoder, decoder_cls=ZstdDecoder, probe=_probe, lossless=True, check_values=_check_settings,
 ))
