@@ -1,4 +1,4 @@
-# Two commands from a fresh clone:  make poc-01   and   make test
+# Two commands from a fresh clone:  make poc-01   and   make test   (make test-all: every test, as CI)
 # On a machine whose Python already has the packages (the GPU machine):  make poc-09 PYTHON=python3
 VENV    := .venv
 PYTHON  ?= $(VENV)/bin/python
@@ -17,7 +17,7 @@ endif
 POCS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14 15 16 17 18 19
 RESULTS := $(wildcard results/[0-9][0-9]_*.csv)
 
-.PHONY: help test fuzz pocs figures readme planes clean setup lock models $(addprefix poc-,$(POCS))
+.PHONY: help test test-all fuzz pocs figures readme planes clean setup lock models $(addprefix poc-,$(POCS))
 
 help:
 	@echo "make poc-01 .. poc-19   run one PoC (writes results/NN_*.csv and figures/NN_*.png); ARGS=--quick for a small run"
@@ -26,7 +26,8 @@ help:
 	@echo "make lock               re-pin requirements.txt (with hashes) from requirements.in"
 	@echo "make readme             rewrite README.md's results tables from results/*.csv"
 	@echo "make planes             export real quantized PCA planes for the GPU benchmarks (data/planes/)"
-	@echo "make test               the test suite (GPU tests skip without a GPU)"
+	@echo "make test               the fast tests, about 1-2.5 min on 2 CPU cores (not the ones marked slow)"
+	@echo "make test-all           every test, the slow ones too, about 15 min (what CI runs; GPU tests skip without a GPU)"
 	@echo "make fuzz               20,000 mutated bitstreams over every CPU backend (writes results/fuzz_summary.csv)"
 	@echo "make models             retrain the embedded diffusion model"
 	@echo "make clean              remove caches and captured activations (keeps results/ and figures/)"
@@ -73,7 +74,12 @@ readme: $(SETUP)
 planes: $(SETUP)
 	$(PYTHON) -m shared.sources export
 
+# make test leaves out the tests marked slow (Triton-interpreter and compile runs, whole quick PoC runs);
+# each family keeps a fast test in it. make test-all runs every test, as CI does.
 test: $(SETUP)
+	$(PYTHON) -m pytest -m "not slow"
+
+test-all: $(SETUP)
 	$(PYTHON) -m pytest
 
 # The decoder against hostile bitstreams; FUZZ_CASES mutants per backend (5 backends).

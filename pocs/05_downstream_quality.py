@@ -979,73 +979,204 @@ def save(res: ResultsWriter, domains: list[str], prefixes: list[int] | None = No
     res.save(frame=new)
 
 
-CURVE_STYLE = {"codec": ("-", "o"), "KIVI": ("--", "s"), "compute codec as shipped": (":", "^"),
-               "QuantizedCache": ("", "D"), "int8": ("", "P"), "fp8": ("", "X")}
+PANEL_SERIES = 8  # at most this many series in one panel of the figure
+# colour-blind-safe colours without black (black is the codec each panel is read against)
+PANEL_COLORS = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#882255", "#44AA99"]
+PANEL_MARKERS = "osD^vPXh"
 
 
-def plot_diffusion(ax, df: pd.DataFrame):
-    """Ratio vs final-image PSNR, one curve per method; the title says the ratios at PSNR_TARGET."""
-    diff = df[(df.domain == "diffusion") & (df.metric == "psnr")]
-    if "curve" not in diff or diff.curve.isna().all():
-        return
-    import matplotlib
+def _panels(title: str, refs: list, others: list) -> list[tuple[str, list]]:
+    """(title, series) panels: the reference series in each, the others PANEL_SERIES - len(refs) at a
+    time (a CSV with more curves than one panel holds gets more panels, never a crowded one)."""
+    room = max(1, PANEL_SERIES - len(refs))
+    chunks = [others[i:i + room] for i in range(0, len(others), room)]
+    out = []
+    for i, chunk in enumerate(chunks):
+        if chunk:  # a panel of reference series alone says nothing new
+            out.append((title if len(chunks) == 1 else f"{title} ({i + 1}/{len(chunks)})", refs + chunk))
+    return out
 
-    simple_colors = iter(["0.15", "0.45", "0.65", "tab:brown", "tab:olive", "tab:pink", "0.8"])
-    codec_colors = iter(matplotlib.colormaps["tab20"].colors[::2] + matplotlib.colormaps["tab20"].colors[1::2])
-    for curve, g in diff.groupby("curve", sort=False):
-        g = g.sort_values("ratio")
-        if g.kind.iloc[0] == "simple":
-            ax.plot(g.ratio, g.value, ls="--" if len(g) > 1 else "none", marker="s", ms=4, color=next(simple_colors),
-                    label=curve)
-        elif "calibrated" in curve:
-            ax.errorbar(g.ratio, g.value, yerr=g.psnr_sd, ls="none", marker="*", ms=12, capsize=3,
-                        color=next(codec_colors), label=f"{curve} (bar: SD over images)")
-        else:
-            bold = "image-weighted" in curve or curve.startswith("compute codec")
-            ax.plot(g.ratio, g.value, ls="-", marker="o", ms=4, lw=2.2 if bold else 1, color=next(codec_colors),
-                    label=curve)
-    ax.axhline(PSNR_TARGET, color="0.6", lw=0.7, ls=":")
-    ax.set_xscale("log")
-    ax.set_xlabel("activation compression ratio vs bf16, every stored byte counted, per-model tables apart (x)")
-    ax.set_ylabel("final-image PSNR vs untouched (dB, mean over images)")
+
+def _wrap(label: str, width: int = 80, indent: str = "   ") -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(label, width, subsequent_indent=indent))
+
+
+def _llm_panels(llm_df: pd.DataFrame) -> list[tuple[str, list[tuple[str, dict]]]]:
+    """The LLM curves in panels: peers against the codec's operating points (KIVI-style curves apart
+    from the one-setting quantizers), then the codec's ablation. Each series: (curve, style)."""
+    curves = list(dict.fromkeys(llm_df.curve))
+    part = llm_df.groupby("curve", sort=False)["part"].first() if "part" in llm_df else pd.Series(dtype=object)
+    shipped = [c for c in curves if c.startswith("compute codec as shipped")]
+    best = [c for c in curves if c == "codec, all ideas"]
+    calibrated = [c for c in curves if c.startswith("codec") and "calibrated" in c]
+    ops = shipped + best + calibrated
+    def is_peer(c):  # by the CSV's part column; rows without one: by name
+        return part.get(c) == "peers" if isinstance(part.get(c), str) else not c.startswith("codec")
+
+    peers = [c for c in curves if c not in ops and is_peer(c)]
+    ablation = [c for c in curves if c not in ops and c not in peers]
+    style = {c: dict(color="0.5", ls=":", marker="^", lw=1.5) for c in shipped}
+    style.update({c: dict(color="#000000", ls="-", marker="o", lw=2.4) for c in best})
+    style.update({c: dict(color="#D55E00", ls="none", marker="*", ms=12, lw=1.5) for c in calibrated})
+    peer_colors = [c for c in PANEL_COLORS if c != "#D55E00"]
+    for i, c in enumerate(peers):
+        single = (llm_df.curve == c).sum() == 1
+        style[c] = dict(color=peer_colors[i % len(peer_colors)], ls="none" if single else "--",
+                        marker="sDPXvh<>"[i % 8], ms=7 if single else 5, lw=1.5)
+    for i, c in enumerate(ablation):
+        style[c] = dict(color=PANEL_COLORS[i % 8], marker=PANEL_MARKERS[i % 8], ls="-",
+                        lw=2.4 if c.startswith("codec, all but") else 1.3)
+    kivi = [c for c in peers if c.startswith("KIVI")]
+    one = [c for c in peers if c not in kivi]
+    panels = (_panels("peers: the KIVI-style curves vs the codec's operating points", [], kivi + ops)
+              if len(kivi) + len(ops) <= PANEL_SERIES else _panels("peers: KIVI-style vs the codec's operating points", ops, kivi))
+    panels += _panels("peers at one setting each vs the codec's operating points", ops, one)
+    panels += _panels("the codec's ablation: each idea alone, then together (the full codec, all ideas: left)", [], ablation)
+    return [(t, [(c, style[c]) for c in series]) for t, series in panels]
+
+
+def _diffusion_panels(diff: pd.DataFrame) -> list[tuple[str, list[tuple[str, dict]]]]:
+    """The diffusion curves in panels: the simple quantizers against libx265 and the compute codec;
+    the compute codec's variants; the image-weighted codecs and every codec calibrated for the target."""
+    kinds = diff.groupby("curve", sort=False)["kind"].first()
+    curves = list(kinds.index)
+    simple = [c for c in curves if kinds[c] == "simple"]
+    calibrated = [c for c in curves if c not in simple and "calibrated" in c]
+    base = [c for c in curves if c.startswith("compute codec") and c not in calibrated]
+    x265 = [c for c in curves if c.startswith("libx265")]
+    weighted = [c for c in curves if "image-weighted" in c and c not in calibrated]
+    variants = [c for c in curves if c not in simple + calibrated + base + x265 + weighted]
+    style = {c: dict(color="#000000", ls="-", marker="o", lw=2.4) for c in base}
+    style.update({c: dict(color="#0072B2", ls="-", marker="o", lw=1.3) for c in x265})
+    simple_colors = ["0.35"] + [c for c in PANEL_COLORS if c != "#0072B2"]
+    for i, c in enumerate(simple):
+        single = (diff.curve == c).sum() == 1
+        style[c] = dict(color=simple_colors[i % len(simple_colors)], ls="none" if single else "--",
+                        marker="sDPXvh<>"[i % 8], ms=7 if single else 5, lw=1.3)
+    for i, c in enumerate(variants):
+        style[c] = dict(color=PANEL_COLORS[i % 8], marker=PANEL_MARKERS[i % 8], ls="-", lw=1.3)
+    weighted_colors = ["#D55E00", "#009E73", "#CC79A7", "#56B4E9"]
+    for i, c in enumerate(weighted):
+        style[c] = dict(color=weighted_colors[i % len(weighted_colors)], ls="-", marker="o", lw=1.8)
+    for c in calibrated:  # the colour of the curve it was calibrated from; filled: mean, hollow: 95% of images
+        origin = c.split(", calibrated for")[0]
+        color = style.get(origin, {}).get("color", "0.3")
+        style[c] = dict(color=color, ls="none", marker="*", ms=13, lw=1.2,
+                        mfc="white" if "95%" in c else color, bar="psnr_sd")
+    panels = _panels("simple quantizers vs libx265 and the compute codec", [], simple + x265 + base) \
+        if len(simple + x265 + base) <= PANEL_SERIES else _panels("simple quantizers vs the codecs", x265 + base, simple)
+    panels += _panels("the compute codec's variants (one basis, one step: black)", base, variants)
+    panels += _panels(f"image-weighted codecs, and codecs calibrated for {PSNR_TARGET:g} dB "
+                      "(filled star: mean over images, hollow: 95% of images; bar: SD over images)", [],
+                      weighted + calibrated)
+    return [(t, [(c, style[c]) for c in series]) for t, series in panels]
+
+
+def _draw(ax, g: pd.DataFrame, label: str, style: dict, x: str, y, yerr=None):
+    style = dict(style)
+    style.pop("bar", None)
+    ls = style.pop("ls")
+    kw = dict(ls=ls, label=_wrap(label), ms=style.pop("ms", 5), **style)
+    if yerr is not None:
+        ax.errorbar(g[x], y, yerr=yerr, capsize=2, elinewidth=0.8, **kw)
+    else:
+        ax.plot(g[x], y, **kw)
+
+
+def _llm_headline(df: pd.DataFrame, llm_df: pd.DataFrame, prefix: int) -> str:
+    """The codec's ratio at the smallest perplexity target that a peer curve also reaches, from the
+    ratio_at_ppl_change rows."""
+    at = df[(df.domain == "llm") & (df.metric == "ratio_at_ppl_change")]
+    at = at[at.prefix == prefix] if "prefix" in at else at
+    peers = set(llm_df[llm_df.part == "peers"].curve) if "part" in llm_df else set()
+    for t in sorted(at.target.dropna().unique()):
+        here = at[at.target == t]
+        codec, peer = here[here.curve == "codec, all ideas"], here[here.curve.isin(peers)]
+        if len(codec) and len(peer):
+            c, q = codec.value.iloc[0], peer.sort_values("value").iloc[-1]
+            return (f": at +{100 * t:g}% perplexity the codec (all ideas) reaches {c:.1f}x "
+                    f"= {c / q.value:.1f}x the best peer curve ({q.curve}, {q.value:.1f}x)")
+    return ""
+
+
+def _diffusion_headline(df: pd.DataFrame) -> str:
     at = df[(df.domain == "diffusion") & (df.metric == "ratio_at_psnr")]
     at = at[at.criterion == CRITERIA["psnr"]] if "criterion" in at else at
-    title = "diffusion: tiny FLUX, middle double block coded at every step"
     if len(at) and (at.kind == "simple").any() and (at.kind == "codec").any():
         q = at[at.kind == "simple"].sort_values("value").iloc[-1]
         c = at[at.kind == "codec"].sort_values("value").iloc[-1]
-        title = (f"diffusion (tiny FLUX) at {PSNR_TARGET:g} dB: the best codec {c.value:.1f}x\n= "
-                 f"{c.value / q.value:.1f}x the best simple quantizer ({q.value:.1f}x)")
-    ax.set_title(title, fontsize=9, loc="right")
-    ax.legend(bbox_to_anchor=(0, -0.16), loc="upper left", ncol=2, fontsize=7)
+        return (f": at {PSNR_TARGET:g} dB the best codec reaches {c.value:.1f}x "
+                f"= {c.value / q.value:.1f}x the best simple quantizer ({q.value:.1f}x)")
+    return ""
 
 
 def plot(csv: str = "05_downstream_quality", name: str = "05_downstream_quality"):
+    """Two rows of panels, each panel at most PANEL_SERIES series with its own legend below it: the
+    LLM (perplexity change vs KV-cache ratio), then the diffusion model (image PSNR vs activation ratio)."""
     plt = apply_style()
     df = load(csv)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.2))
     llm_df = df[(df.domain == "llm") & (df.metric == "perplexity_change")]
     main_prefix = PREFIX if (llm_df.prefix == PREFIX).any() or llm_df.empty else int(llm_df.prefix.min())
     llm_df = llm_df[llm_df.prefix == main_prefix]
-    for curve, g in llm_df.groupby("curve", sort=False):
-        g = g.sort_values("ratio")
-        ls, marker = next((v for k, v in CURVE_STYLE.items() if curve.startswith(k)), ("-", "o"))
-        if "calibrated" in curve:
-            ls, marker = "-", "*"
-        bold = curve.startswith("codec, all") or curve.startswith("KIVI-style int")
-        ax1.errorbar(g.ratio, 100 * g.value, yerr=100 * g.se_token, ls=ls or "none", marker=marker, ms=9 if marker == "*" else 4,
-                     lw=2 if bold else 1, capsize=2, label=curve)
-    for t in TARGETS:
-        ax1.axhline(100 * t, color="0.6", lw=0.7, ls=":")
-    ax1.set_yscale("symlog", linthresh=0.1)
-    ax1.set_xlabel("KV-cache compression ratio vs bf16, all layers, every side byte counted (x)")
-    ax1.set_ylabel("perplexity change vs untouched cache (%, held-out text)")
-    ax1.set_title(f"LLM (SmolLM2-135M, {main_prefix}-token prefix): the codec with all ideas reaches higher ratios "
-                  "at equal perplexity", fontsize=9)
-    ax1.legend(bbox_to_anchor=(0, -0.16), loc="upper left", ncol=3, fontsize=7)
-    plot_diffusion(ax2, df)
+    diff = df[(df.domain == "diffusion") & (df.metric == "psnr")]
+    if "curve" not in diff or diff.curve.isna().all():
+        diff = diff[:0]
+    rows = []
+    if len(llm_df):
+        rows.append(("llm", _llm_panels(llm_df),
+                     f"LLM, SmolLM2-135M, {main_prefix}-token prefix, every layer's K and V through the method"
+                     + _llm_headline(df, llm_df, main_prefix),
+                     "every side byte counted (codes, scales, zero-points, container); bar: SE per token; "
+                     "dotted: the +0.3 / 1 / 5% targets"))
+    if len(diff):
+        rows.append(("diffusion", _diffusion_panels(diff),
+                     "diffusion, tiny FLUX, middle double block coded at every denoising step" + _diffusion_headline(df),
+                     "every stored byte counted, the per-model tables apart; PSNR: mean over held-out images; "
+                     f"dotted: {PSNR_TARGET:g} dB"))
+    ncols = max([len(row[1]) for row in rows] + [1])
+    fig = plt.figure(figsize=(6.2 * ncols, 7.0 * max(1, len(rows))))
+    subfigs = fig.subfigures(max(1, len(rows)), 1, squeeze=False)[:, 0]
+    for sub, (domain, panels, headline, note) in zip(subfigs, rows):
+        # the LLM panels share both axes; the diffusion panels share the PSNR axis, each its own ratios
+        axes = sub.subplots(1, ncols, sharex=domain == "llm", sharey=True, squeeze=False)[0]
+        sub.subplots_adjust(left=0.06, right=0.98, top=0.84, bottom=0.38, wspace=0.12)
+        sub.text(0.06, 0.985, headline, fontsize=11.5, fontweight="bold", ha="left", va="top")
+        sub.text(0.06, 0.945, note, fontsize=8.5, color="0.35", ha="left", va="top")
+        for ax, (title, series) in zip(axes, panels):
+            for curve, style in series:
+                if domain == "llm":
+                    g = llm_df[llm_df.curve == curve].sort_values("ratio")
+                    _draw(ax, g, curve, style, "ratio", 100 * g.value, 100 * g.se_token)
+                else:
+                    g = diff[diff.curve == curve].sort_values("ratio")
+                    bar = style.get("bar")
+                    _draw(ax, g, curve, style, "ratio", g.value, g[bar] if bar and bar in g else None)
+            ax.set_title(_wrap(title, 64, ""), fontsize=9.5, loc="left")
+            ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.14), fontsize=7.5, handlelength=2.6)
+            if domain == "llm":
+                for t in TARGETS:
+                    ax.axhline(100 * t, color="0.6", lw=0.7, ls=":")
+                ax.set_xlabel("KV-cache compression ratio vs bf16 (x)")
+            else:
+                ax.axhline(PSNR_TARGET, color="0.6", lw=0.7, ls=":")
+                ax.set_xlabel("activation compression ratio vs bf16 (x, log)")
+                ax.set_xscale("log")
+                ax.xaxis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.FuncFormatter(
+                    lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "2345" else ""))
+        for ax in axes[len(panels):]:
+            ax.set_visible(False)
+        if domain == "llm":
+            axes[0].set_yscale("symlog", linthresh=0.1)
+            lo, hi = (100 * (llm_df.value - llm_df.se_token)).min(), (100 * (llm_df.value + llm_df.se_token)).max()
+            axes[0].set_ylim(1.3 * min(lo, -0.05), 2 * max(hi, 1.0))
+            axes[0].set_ylabel("perplexity change vs untouched cache (%, held-out text)")
+        else:
+            axes[0].set_ylabel("final-image PSNR vs untouched (dB)")
     fig.suptitle("PoC 05: downstream cost of KV-cache and activation compression, every method on the same tensors",
-                 fontsize=11)
+                 fontsize=13, y=1.03)
     save_figure(fig, name, f"{csv}.csv")
 
 

@@ -319,6 +319,7 @@ def test_version_1_containers_still_read():
     assert quality(x.float().numpy(), y.float().numpy())["cos_mean"] > 0.99
 
 
+@pytest.mark.slow
 def test_compute_codec_container_checks_itself():
     """A rans DATA chunk carries no CRC32 (trailer 0): its own checksum catches every flipped byte,
     and a nonzero trailer is refused."""
@@ -414,6 +415,7 @@ def test_frames_work_on_torch_and_uint16(shape):
     np.testing.assert_array_equal(framing.from_frames(ft, layout).numpy(), planes.astype(np.int32))
 
 
+@pytest.mark.slow
 def test_compute_codec_path_meets_target_and_round_trips():
     x = make_tensor(tokens=512)
     basis = fit_basis([make_tensor(tokens=512)], k=64)

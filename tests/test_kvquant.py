@@ -63,7 +63,8 @@ def test_peers_refuse_bad_input(kv):
         kq.kivi(9, 32, 32)(*kv)
 
 
-@pytest.mark.parametrize("backend,package", [("quanto", "optimum.quanto"), ("hqq", "hqq")])
+@pytest.mark.parametrize("backend,package", [pytest.param("quanto", "optimum.quanto", marks=pytest.mark.slow),
+                                             ("hqq", "hqq")])
 def test_transformers_backends_count_their_stored_bytes(kv, backend, package):
     if importlib.util.find_spec(package.split(".")[0]) is None:
         pytest.skip(f"{package} is not installed")

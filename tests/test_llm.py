@@ -30,6 +30,7 @@ def chunks(smollm2):
     return text_chunks(smollm2[1], 2, CHUNK)
 
 
+@pytest.mark.slow  # loads SmolLM2 (about 20 s on 2 CPU cores)
 def test_answers_paris(smollm2):
     model, tokenizer = smollm2
     prompt = tokenizer("The capital of France is", return_tensors="pt")
@@ -38,6 +39,7 @@ def test_answers_paris(smollm2):
     assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
 
 
+@pytest.mark.slow  # loads SmolLM2 (about 20 s on 2 CPU cores)
 def test_load_is_cached_per_process(smollm2):
     start = time.perf_counter()
     assert load_smollm2() is smollm2
@@ -45,6 +47,7 @@ def test_load_is_cached_per_process(smollm2):
     assert time.perf_counter() - start < 1.0
 
 
+@pytest.mark.slow  # loads SmolLM2 (about 20 s on 2 CPU cores)
 def test_text_chunks_are_fixed_consecutive_and_bounded(smollm2):
     tokenizer = smollm2[1]
     two = text_chunks(tokenizer, 2, 64)
@@ -56,6 +59,7 @@ def test_text_chunks_are_fixed_consecutive_and_bounded(smollm2):
         text_chunks(tokenizer, 10_000, 1024)
 
 
+@pytest.mark.slow  # loads SmolLM2 (about 20 s on 2 CPU cores)
 def test_capture_shapes_post_rope_and_reuse(smollm2, tmp_path):
     model, tokenizer = smollm2
     chunks = text_chunks(tokenizer, 2, 32)
@@ -82,6 +86,7 @@ def test_capture_shapes_post_rope_and_reuse(smollm2, tmp_path):
     assert CaptureStore(tmp_path / "kv").keys() == ["chunk000"]  # other chunks: recaptured
 
 
+@pytest.mark.slow  # loads SmolLM2 (about 20 s on 2 CPU cores)
 def test_identity_transform_matches_untouched_model(smollm2, chunks):
     model = smollm2[0]
     seen = []
@@ -103,6 +108,7 @@ def test_identity_transform_matches_untouched_model(smollm2, chunks):
     assert reference.perplexity == pytest.approx(math.exp(sum(reference.chunk_nll) / len(chunks)))
 
 
+@pytest.mark.slow  # loads SmolLM2 (about 20 s on 2 CPU cores)
 def test_suffix_nll_from_a_captured_prefix_matches_perplexity(smollm2, chunks, tmp_path):
     """Scoring from a stored prefix capture (what PoC 05 does for every method) gives the
     perplexity harness's numbers, and pre-RoPE queries rotate into the model's own."""
@@ -129,6 +135,7 @@ def test_suffix_nll_from_a_captured_prefix_matches_perplexity(smollm2, chunks, t
     torch.testing.assert_close(rope.invert(t["layer0.k"].double()).float(), k_pre, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # loads SmolLM2 (about 20 s on 2 CPU cores)
 def test_lossy_transform_raises_perplexity(smollm2, chunks):
     model = smollm2[0]
     generator = torch.Generator().manual_seed(0)
@@ -140,6 +147,7 @@ def test_lossy_transform_raises_perplexity(smollm2, chunks):
     assert perplexity(model, chunks[:1], noisy, PREFIX, progress=False).perplexity > 1.05 * baseline
 
 
+@pytest.mark.slow  # loads SmolLM2 (about 20 s on 2 CPU cores)
 def test_bad_transform_output_is_named(smollm2, chunks):
     model = smollm2[0]
     with pytest.raises(InvalidTensorError, match="shape"):

@@ -237,6 +237,7 @@ def run_interpreted(body: str):
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton)")
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("sample_rows,escape_slots", [(rans_tables.HIST_SAMPLE_ROWS, rans_cuda.ESCAPES_PER_GROUP), (64, 2)])
 def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
@@ -277,6 +278,21 @@ def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
     """)
 
 
+@needs_triton
+def test_triton_interpreter_writes_the_same_bytes_on_a_small_case():
+    """The fast stand-in of the test above (which is marked slow): one small tensor, the GPU
+    encoder's bytes equal the numpy coder's and the GPU decoder gives the tensor back."""
+    run_interpreted("""
+        import torch
+        x = pca_like(200, 8)
+        payload = rans.encode(x, lane_tokens=64)
+        assert bytes(rans_cuda.encode_cuda(torch.from_numpy(x), lane_tokens=64).numpy()) == payload
+        y = rans_cuda.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        np.testing.assert_array_equal(y.numpy(), x)
+    """)
+
+
+@pytest.mark.slow
 @needs_triton
 def test_triton_interpreter_tables_int64_fallbacks_write_the_same_bytes():
     """The tables kernel's int64 paths, which the host picks where counts or bit costs could pass
@@ -322,6 +338,7 @@ def test_triton_interpreter_rejects_corruption():
     """)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_interpreter_codes_many_payloads_in_one_launch():
     """encode_many_cuda writes the numpy coder's bytes for each tensor; decode_many_cuda: payloads of one shape but different tables, widths and escapes decode
@@ -638,6 +655,8 @@ def test_triton_interpreter_stages_aligned_and_unaligned_containers():
     """)
 
 
+@pytest.mark.slow
+@needs_triton
 def test_triton_interpreter_decodes_staged_containers_checked_on_the_device():
     """SlotDecoder (the decode CUDA graph's body): containers copied into slots in one launch, each
     held against the container the host checked (same bytes before the payload but its length, same
@@ -695,6 +714,7 @@ def test_triton_interpreter_decodes_staged_containers_checked_on_the_device():
     """)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_interpreter_slot_decoder_narrow_symbols_flag_values_beyond_int16():
     """The decode graph's int16 symbols: the int32 decoder's values where every value fits; a
@@ -856,6 +876,7 @@ def test_cuda_rejects_corruption(monkeypatch):
             rans_cuda.decode_cuda(bad)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_interpreter_scaled_decode_and_gemm_match_the_cpu_decoder():
     """The GPU decode of bf16 containers, under the interpreter on CPU tensors: the decoder writes

@@ -106,6 +106,7 @@ def test_torch_tensors_quantize_like_numpy():
     assert tq.step == pytest.approx(nq.step, rel=1e-3)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_fused_projection_in_triton_interpreter():
     """CudaProjection's kernels (run by Triton's CPU interpreter): symbols equal the float64
