@@ -71,7 +71,9 @@ def _rank(rank, port, role, fault, out):
                 out.put(("send_refused", str(e)))
             time.sleep(0.5 if fault != "die" else 0)
         else:
-            rx = PeerStream(0, codecs, stream_id=7, timeout_s=TIMEOUT_S)
+            # a fault must be named within TIMEOUT_S; a healthy list may wait for the sender's first
+            # compile (the GPU coder's kernels: tens of seconds on a fresh machine)
+            rx = PeerStream(0, codecs, stream_id=7, timeout_s=TIMEOUT_S if fault not in ("none", "cuda") else 120)
             t0 = time.perf_counter()
             try:
                 got = rx.recv("cuda" if fault == "cuda" else None)
