@@ -487,7 +487,8 @@ TENSOR_WORDS = 5 + MAX_DIMS  # per tensor: lane (0 raw, 1 coded), dtype, ndim, d
 #                              container's offset in the blob and length, for a raw one 0 and its payload check
 RAW, CODED = 0, 1
 MAX_TENSORS = 1 << 16        # a head naming more is refused before anything is sized from it
-TIMEOUT_S = 30.0             # a receive waits this long for each message before naming the stall
+TIMEOUT_S = 120.0            # a receive waits this long for each message before naming the stall (a sender's
+#                              first list may wait for its GPU coder's kernels to compile: tens of seconds)
 
 
 def _wire_dtypes():
