@@ -24,7 +24,7 @@ help:
 	@echo "make pocs               every PoC that runs on this machine"
 	@echo "make figures            redraw every figure from its CSV (no rerun)"
 	@echo "make lock               re-pin requirements.txt (with hashes) from requirements.in"
-	@echo "make readme             rewrite README.md's results tables from results/*.csv"
+	@echo "make readme             rewrite the results tables (docs/results.md, docs/decoder-checks.md) from results/*.csv"
 	@echo "make planes             export real quantized PCA planes for the GPU benchmarks (data/planes/)"
 	@echo "make test               the fast tests, about 1-2.5 min on 2 CPU cores (not the ones marked slow)"
 	@echo "make test-all           every test, the slow ones too, about 15 min (what CI runs; GPU tests skip without a GPU)"

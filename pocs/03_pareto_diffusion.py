@@ -37,7 +37,7 @@ QPS = [None, 4, 10, 18, 26, 34]           # libx265: None = lossless, else const
 PRESET = "medium"         # x265 preset
 FRAME = 128               # frame side, pixels (D = 128 channels)
 WRITEUP_POINTS = [(0.991, 6.1, "6.1x at cos 0.991"), (0.966, 18.4, "18.4x at cos 0.966"),
-                  (0.943, 37.0, "37x at cos 0.943")]  # the original write-up, FLUX.2 Klein 9B (README)
+                  (0.943, 37.0, "37x at cos 0.943")]  # the original write-up, FLUX.2 Klein 9B (README.md)
 
 
 def step_tensors(quick: bool):

@@ -40,7 +40,7 @@ KS = [8, 16, 32, 48, 64, 96, 128, 192]   # PCA ranks (capped at D)
 QPS = [None, 4, 10, 18, 26, 34]          # libx265: None = lossless, else constant QP
 PRESET = "medium"         # x265 preset
 FRAME = 256               # frame side, pixels
-WRITEUP_POINTS = [(0.999, 2.7, "2.7x at cos 0.999")]  # the original write-up, Mistral 7B layer 16 (README)
+WRITEUP_POINTS = [(0.999, 2.7, "2.7x at cos 0.999")]  # the original write-up, Mistral 7B layer 16 (README.md)
 
 
 def captures(model_name: str, quick: bool):

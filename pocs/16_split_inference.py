@@ -891,7 +891,8 @@ def summary(res: ResultsWriter) -> None:
 
 
 def markdown_table(csv_path: Path) -> str:
-    """The README's PoC 16 tables, from the CSV alone (python pocs/16_split_inference.py --table)."""
+    """The PoC 16 tables of docs/results.md ("Split inference over a shaped link"), from the CSV alone
+    (python pocs/16_split_inference.py --table)."""
     import pandas as pd
 
     df = pd.read_csv(csv_path)
@@ -949,7 +950,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="CI-sized run (under ~90 s on a 2-core CPU machine)")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     ap.add_argument("--loopback", action="store_true", help="unshaped 127.0.0.1 instead of the shaped veth link")
-    ap.add_argument("--table", action="store_true", help="print the README's tables from the CSV")
+    ap.add_argument("--table", action="store_true", help="print docs/results.md's PoC 16 tables from the CSV")
     ap.add_argument("--out", type=Path, default=None, help="write the CSV and figure into this folder instead")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)

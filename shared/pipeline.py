@@ -604,7 +604,8 @@ def _same_shape_groups(keys) -> list[list[int]]:
 
 
 GRAPH_MAX_BYTES = 1 << 30  # calls moving up to this many input bytes replay a CUDA graph (0: never); a graph
-# keeps its buffers on the GPU (see README, "CUDA graphs", for what each direction holds per input byte)
+# keeps its buffers on the GPU (see docs/library.md, "CUDA graphs keep GPU memory", for what each direction holds
+# per input byte)
 COPY_OUT_SLACK = 4096  # bytes a sync graph's output buffer holds beyond 9/8 of the last call's containers
 GRAPH_PLANS = 4  # CUDA graphs kept, one per repeated list of codecs and shapes (each holds its buffers)
 _GRAPHS = {}  # key -> _EncodeGraph, or the number of eager calls seen with that key so far

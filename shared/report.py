@@ -1,7 +1,10 @@
-"""Rewrite the README's results section from results/*.csv (run by `make readme`).
+"""Rewrite the results tables from results/*.csv (run by `make readme`).
 
-Every number in the README's results tables comes from here: each table names the CSV it was read
-from and the device that measured it. A PoC whose CSV is missing gets no table.
+Every number in the generated tables comes from here: each table names the CSV it was read from and
+the device that measured it. A PoC whose CSV is missing gets no table. The tables live between markers
+(<!-- RESULTS --> ... <!-- /RESULTS -->, now in docs/results.md; <!-- FUZZ --> ... <!-- /FUZZ -->, now
+in docs/decoder-checks.md); `update_readme` rewrites them in every file among README.md and docs/*.md
+that holds them.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import pandas as pd
 
 from .results import CSV_DTYPES, RESULTS, ROOT
 
-WRITEUP_NUMBERS = {  # the original write-up's numbers (README, 'Where this started'), on much larger models
+WRITEUP_NUMBERS = {  # the original write-up's numbers (README.md, 'Where this started'), on much larger models
     ("diffusion", 0.99): "6.1x at cos 0.991 (FLUX.2 Klein 9B)",
     ("diffusion", 0.97): "18.4x at cos 0.966",
     ("diffusion", 0.94): "37x at cos 0.943",
@@ -737,15 +740,49 @@ def render() -> str:
     return "\n\n".join(out)
 
 
-def update_readme(path: Path = ROOT / "README.md") -> None:
-    text = path.read_text()
-    new = re.sub(r"<!-- RESULTS -->.*<!-- /RESULTS -->", lambda _: f"<!-- RESULTS -->\n{render()}\n<!-- /RESULTS -->",
-                 text, flags=re.S)
-    fuzz = fuzz_summary()
-    if fuzz:
-        new = re.sub(r"<!-- FUZZ -->.*<!-- /FUZZ -->", lambda _: f"<!-- FUZZ -->\n{fuzz}\n<!-- /FUZZ -->", new, flags=re.S)
-    path.write_text(new)
-    print(f"rewrote the results section of {path.name}")
+MARKERS = ("RESULTS", "FUZZ")  # <!-- NAME --> ... <!-- /NAME -->: the blocks update_readme rewrites
+
+
+def marked_files(root: Path = ROOT) -> list[Path]:
+    """README.md and docs/*.md, those of them that hold a start marker of MARKERS."""
+    candidates = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    return [p for p in candidates
+            if p.exists() and any(f"<!-- {m} -->" in p.read_text() for m in MARKERS)]
+
+
+def _substitute(text: str, name: str, body: str) -> str:
+    return re.sub(rf"<!-- {name} -->.*<!-- /{name} -->", lambda _: f"<!-- {name} -->\n{body}\n<!-- /{name} -->",
+                  text, flags=re.S)
+
+
+def update_readme(path: Path | None = None) -> list[Path]:
+    """Rewrite the generated tables between the markers, wherever they live.
+
+    With no path: every file among README.md and docs/*.md that holds a marker (the RESULTS block is in
+    docs/results.md, the FUZZ block in docs/decoder-checks.md). With a path: that file alone. Returns the
+    files it rewrote; a file whose text did not change is left untouched.
+    """
+    paths = [Path(path)] if path is not None else marked_files()
+    if not paths:
+        raise SystemExit("no file among README.md and docs/*.md holds a <!-- RESULTS --> or <!-- FUZZ --> marker")
+    results = fuzz = None
+    rewritten = []
+    for p in paths:
+        text = p.read_text()
+        new = text
+        if "<!-- RESULTS -->" in new:
+            results = render() if results is None else results
+            new = _substitute(new, "RESULTS", results)
+        if "<!-- FUZZ -->" in new:
+            fuzz = fuzz_summary() if fuzz is None else fuzz
+            if fuzz:
+                new = _substitute(new, "FUZZ", fuzz)
+        if new != text:
+            p.write_text(new)
+            rewritten.append(p)
+        name = p.relative_to(ROOT) if p.resolve().is_relative_to(ROOT.resolve()) else p
+        print(f"{'rewrote' if new != text else 'already current:'} the generated tables of {name}")
+    return rewritten
 
 
 if __name__ == "__main__":

@@ -241,7 +241,7 @@ def diff_summary(old, new, show: int = 5) -> list[str]:
 # minutes: (full run, --quick run). CPU time (user + system) measured with /usr/bin/time on
 # 2026-12-01, which is about the wall time of an idle machine (that day's machine was busy); PoC 07's
 # full run: its wall time on a fresh clone before its study was made cheaper. None: not measured.
-# The README's "Run times" table gives the same numbers with the wall times.
+# The "Run times" table of docs/hardware.md gives the same numbers with the wall times.
 RUN_MINUTES = {
     "01": (1.5, 0.05), "02": (3.2, 0.63), "03": (None, 0.27), "04": (None, 0.4), "05": (None, None),
     "06": (None, 0.73), "07": (36, 0.52), "08": (0.23, 0.05), "13": (None, 0.75), "14": (None, 0.23),
@@ -260,7 +260,7 @@ def announce(poc: str, machine: str = "a 2-core CPU machine") -> None:
     kind, other_kind = ("quick", "full") if is_quick() else ("full", "quick")
     said = (f"a {kind} run takes about {_minutes(mine)} on {machine} (measured there, captures included; "
             "longer when the machine is busy)" if mine is not None else f"a {kind} run's time on {machine} is not "
-            "measured (README: Run times)")
+            "measured (docs/hardware.md: Run times)")
     if other is not None:
         said += f"; the {other_kind} run takes about {_minutes(other)}"
     print(f"PoC {poc}: {said}. Progress bars follow.", flush=True)
