@@ -94,6 +94,9 @@ class Rope:
 
 
 def rope_of(model) -> Rope:
+    """The rotary embedding of a loaded Llama-style transformers model (`model.model.rotary_emb`):
+    its inverse frequencies and attention scaling, what fit_kv_codec(pre_rope=True) needs to rotate
+    keys back to before RoPE."""
     emb = model.model.rotary_emb
     return Rope(emb.inv_freq.detach().double().cpu().numpy(), float(getattr(emb, "attention_scaling", 1.0)))
 
@@ -348,6 +351,11 @@ class TensorTransform:
 
 
 class KVCodec:
+    """A fitted attention-aware KV codec (see the module docstring): one transform and unit per
+    (layer, "k" | "v"), the raw sink / recent token counts, whether keys are coded before RoPE, and
+    the global scale that sets every step. Made by fit_kv_codec or KVCodec.load; encode / decode one
+    tensor of rows [T, C] at a time; save writes the artifact a decoder loads."""
+
     def __init__(self, transforms: dict[tuple[int, str], TensorTransform], *, sink: int = 0, recent: int = 0,
                  pre_rope: bool = False, rope: Rope | None = None, scale: float = 1.0, meta: dict | None = None):
         if pre_rope and rope is None:
@@ -467,6 +475,9 @@ class KVCodec:
         return torch.cat(parts, 0)
 
     def decode(self, blob: bytes) -> torch.Tensor:
+        """The float32 rows [T, C] of a container made by encode (raw sink rows, the dequantized body,
+        raw recent rows; keys rotated forward again when coded pre-RoPE). Raises BitstreamError for a
+        blob of another codec or one fitted with other transforms (the header's hash differs)."""
         from .codecs import rans_cpu
 
         header, chunks = unpack_container(blob)
@@ -514,6 +525,8 @@ class KVCodec:
 
     # -- the artifact ----------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
+        """Write the codec to a safetensors file: every transform (float32), the RoPE frequencies
+        and, as metadata, sink, recent, pre_rope, scale, units and meta (a calibrated target with it)."""
         from safetensors.numpy import save_file
 
         tensors = {}
@@ -532,6 +545,7 @@ class KVCodec:
 
     @classmethod
     def load(cls, path: str | Path) -> "KVCodec":
+        """The codec a save() wrote, ready to decode (and encode) what the saved one did."""
         from safetensors import safe_open
 
         with safe_open(str(path), "numpy") as f:
