@@ -87,7 +87,9 @@ figures: $(SETUP)
 # version with its hashes; commit both files. `make lock` re-pins both locks: requirements.txt here,
 # requirements-cuda.txt through lock-cuda.
 PIP_TOOLS := pip-tools==7.5.3
-lock: lock-cpu lock-cuda
+lock:
+	$(MAKE) lock-cpu
+	$(MAKE) lock-cuda
 
 lock-cpu:
 	@py=$(PYTHON); [ -x "$$py" ] || py=python3; \
@@ -107,6 +109,7 @@ lock-cpu:
 # the CUDA torch allows.
 TORCH_CUDA := 2.11.0
 LOCK_CUDA_PY_VERSION := 3.12
+# Where python3.12 is not on PATH: make lock-cuda LOCK_CUDA_PYTHON=/path/to/python3.12
 LOCK_CUDA_PYTHON ?= python$(LOCK_CUDA_PY_VERSION)
 lock-cuda:
 	@set -e; tmp=$$(mktemp -d); trap 'rm -rf $$tmp' EXIT; \
