@@ -17,13 +17,14 @@ endif
 POCS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14 15 16 17 18 19
 RESULTS := $(wildcard results/[0-9][0-9]_*.csv)
 
-.PHONY: help test test-all fuzz pocs figures readme planes clean setup lock models $(addprefix poc-,$(POCS))
+.PHONY: help test test-all fuzz pocs figures readme planes clean setup lock lock-cpu lock-cuda models $(addprefix poc-,$(POCS))
 
 help:
 	@echo "make poc-01 .. poc-19   run one PoC (writes results/NN_*.csv and figures/NN_*.png); ARGS=--quick for a small run"
 	@echo "make pocs               every PoC that runs on this machine"
 	@echo "make figures            redraw every figure from its CSV (no rerun)"
-	@echo "make lock               re-pin requirements.txt (with hashes) from requirements.in"
+	@echo "make setup              make .venv: the CUDA torch lock where nvidia-smi lists a GPU, else the CPU one (TORCH=cpu|cuda overrides)"
+	@echo "make lock               re-pin requirements.txt and requirements-cuda.txt (with hashes) from requirements.in"
 	@echo "make readme             rewrite the results tables (docs/results.md, docs/decoder-checks.md) from results/*.csv"
 	@echo "make planes             export real quantized PCA planes for the GPU benchmarks (data/planes/)"
 	@echo "make test               the fast tests, about 1-2.5 min on 2 CPU cores (not the ones marked slow)"
@@ -34,13 +35,37 @@ help:
 
 setup: $(SETUP)
 
-# requirements.txt is the lock file (exact versions and hashes), made from requirements.in by `make lock`.
-$(VENV)/.installed: requirements.txt requirements-nodeps.txt
-	@echo ">> creating $(VENV) and installing the pinned requirements (first run only; about 5 minutes)"
+# Which torch build the virtualenv gets: cuda where `nvidia-smi -L` lists a GPU, else cpu.
+# Override with  make setup TORCH=cpu  or  make setup TORCH=cuda  (every target takes it).
+#   cpu:  requirements.txt       (torch 2.13.0+cpu; triton 3.6.0 for its interpreter)
+#   cuda: requirements-cuda.txt  (torch 2.11.0 from PyPI, the CUDA 13.0 build, and its nvidia-* wheels; triton 3.6.0)
+ifndef TORCH
+TORCH := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu)
+endif
+ifeq ($(TORCH),cuda)
+LOCK := requirements-cuda.txt
+else ifeq ($(TORCH),cpu)
+LOCK := requirements.txt
+else
+$(error TORCH=$(TORCH): use TORCH=cpu or TORCH=cuda)
+endif
+
+# requirements.txt and requirements-cuda.txt are lock files (exact versions and hashes), made from
+# requirements.in by `make lock`. The stamp .venv/.installed holds the build it installed (cpu or cuda):
+# asking for the other one rebuilds the virtualenv from scratch.
+ifneq ($(SETUP),)
+ifneq ($(shell cat $(SETUP) 2>/dev/null),$(TORCH))
+.PHONY: $(SETUP)
+endif
+endif
+$(VENV)/.installed: $(LOCK) requirements-nodeps.txt
+	@if [ -s $@ ] && [ "$$(cat $@)" != "$(TORCH)" ]; then \
+	  echo ">> $(VENV) holds the $$(cat $@) build of torch; TORCH=$(TORCH) asked: recreating it"; rm -rf $(VENV); fi
+	@echo ">> creating $(VENV) and installing $(LOCK) (TORCH=$(TORCH); first run only; about 5 minutes)"
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install --progress-bar on --require-hashes -r requirements.txt
+	$(VENV)/bin/pip install --progress-bar on --require-hashes -r $(LOCK)
 	$(VENV)/bin/pip install --progress-bar on --no-deps -r requirements-nodeps.txt
-	touch $@
+	echo $(TORCH) > $@
 
 # poc-NN runs pocs/NN_<name>.py; a PoC not built yet says so and fails.
 $(addprefix poc-,$(POCS)): poc-%: $(SETUP)
@@ -59,14 +84,46 @@ figures: $(SETUP)
 	  echo ">> $(PYTHON) pocs/$$n.py --plot-only"; $(PYTHON) pocs/$$n.py --plot-only || exit $$?; done
 
 # pip-tools resolves requirements.in on this machine (Python 3.11, Linux x86_64) and writes every
-# version with its hashes; commit both files.
+# version with its hashes; commit both files. `make lock` re-pins both locks: requirements.txt here,
+# requirements-cuda.txt through lock-cuda.
 PIP_TOOLS := pip-tools==7.5.3
 lock:
+	$(MAKE) lock-cpu
+	$(MAKE) lock-cuda
+
+lock-cpu:
 	@py=$(PYTHON); [ -x "$$py" ] || py=python3; \
-	$$py -m piptools --version >/dev/null 2>&1 || $$py -m pip install --quiet $(PIP_TOOLS); \
+	$$py -m piptools compile --version >/dev/null 2>&1 || $$py -m pip install --quiet $(PIP_TOOLS); \
 	echo ">> $$py -m piptools compile requirements.in -> requirements.txt (a few minutes)"; \
 	CUSTOM_COMPILE_COMMAND="make lock" $$py -m piptools compile --quiet --generate-hashes --strip-extras \
 	  --allow-unsafe --no-emit-index-url --no-emit-find-links -o requirements.txt requirements.in
+
+# The CUDA lock: requirements.in with torch at $(TORCH_CUDA) (PyPI's Linux x86_64 torch wheel is the
+# CUDA build and pulls the nvidia-* / cuda-toolkit wheels it needs). PyPI's torch 2.13.0 needs
+# triton 3.7.1, not the triton==3.6.0 that requirements.in pins (the Triton the GPU results and the
+# kernel tests were made with); torch 2.11.0 is the newest PyPI torch that needs triton 3.6.0, and is
+# the torch that measured the committed GPU results. Resolved on Python $(LOCK_CUDA_PY_VERSION) (the GPU
+# machine's), from PyPI alone (this machine's pip config and local wheels are left out), in a
+# throwaway virtualenv; it holds every wheel of each pinned release, so it installs on cp311 and cp312.
+# It starts from requirements.txt's pins (less torch), so both locks hold the same versions wherever
+# the CUDA torch allows.
+TORCH_CUDA := 2.11.0
+LOCK_CUDA_PY_VERSION := 3.12
+# Where python3.12 is not on PATH: make lock-cuda LOCK_CUDA_PYTHON=/path/to/python3.12
+LOCK_CUDA_PYTHON ?= python$(LOCK_CUDA_PY_VERSION)
+lock-cuda:
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf $$tmp' EXIT; \
+	{ echo "# Generated by make lock-cuda from requirements.in (edit that file, not this one): torch==$(TORCH_CUDA),"; \
+	  echo "# the CUDA build that PyPI serves for Linux x86_64. requirements-cuda.txt is its lock."; \
+	  sed 's/^torch==.*/torch==$(TORCH_CUDA)/' requirements.in; } > requirements-cuda.in; \
+	awk '/^torch==/{skip=1; next} /^[a-z]/{skip=0} !skip' requirements.txt > requirements-cuda.txt; \
+	$(LOCK_CUDA_PYTHON) -m venv $$tmp/venv; \
+	export PIP_CONFIG_FILE=/dev/null; unset PIP_FIND_LINKS PIP_EXTRA_INDEX_URL PIP_INDEX_URL PIP_CONSTRAINT; \
+	$$tmp/venv/bin/pip install --quiet --index-url https://pypi.org/simple $(PIP_TOOLS); \
+	echo ">> piptools compile requirements-cuda.in -> requirements-cuda.txt on $$($$tmp/venv/bin/python -V), PyPI only (a few minutes)"; \
+	CUSTOM_COMPILE_COMMAND="make lock-cuda" $$tmp/venv/bin/python -m piptools compile --quiet --generate-hashes \
+	  --strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links --index-url https://pypi.org/simple \
+	  -o requirements-cuda.txt requirements-cuda.in
 
 readme: $(SETUP)
 	$(PYTHON) -m shared.report
