@@ -673,7 +673,7 @@ def bench_profile(res: ResultsWriter, torch):
 
 # ---------------------------------------------------------------------------------------------
 # The compute codec's CPU path through the API (TensorCodec on a bf16 CPU tensor), on one core,
-# stage by stage, beside a memcpy of the same bytes in the same run (rans_cpu.benchmark_cpu_pipeline).
+# stage by stage, beside a memcpy of the same bytes in the same run (rans_cpu_bench.benchmark_cpu_pipeline).
 
 CPU_API_TOKENS = [2048, 16384]  # tokens of the real-K tensors ([T, 192]; 16384 cycles the held-out rows)
 CPU_API_SYNTHETIC_K = (None, 256, 1024)  # synthetic [4096, 1024] bf16: raw channels, PCA K=256 and K=1024
@@ -696,7 +696,7 @@ def bench_api_cpu(res: ResultsWriter, repeats: int, quick: bool = False):
     import torch
 
     from shared.basis import fit_basis
-    from shared.codecs import rans_cpu
+    from shared.codecs import rans_cpu_bench
     from shared.rdquant import calibrate_step
 
     calib, test, desc = api_source()
@@ -705,10 +705,10 @@ def bench_api_cpu(res: ResultsWriter, repeats: int, quick: bool = False):
     test_t = torch.from_numpy(test).to(torch.bfloat16)
     cases = [(f"{desc.split(' (')[0]} [{T}, {D}], PCA K={D}", test_t[torch.arange(T) % len(test_t)].contiguous(),
               basis, float(basis.meta["rans_step"])) for T in (CPU_API_TOKENS[:1] if quick else CPU_API_TOKENS)]
-    cases += rans_cpu.synthetic_cases(T=1024 if quick else 4096, ks=CPU_API_SYNTHETIC_K[:2] if quick
+    cases += rans_cpu_bench.synthetic_cases(T=1024 if quick else 4096, ks=CPU_API_SYNTHETIC_K[:2] if quick
                                       else CPU_API_SYNTHETIC_K, target_cos=API_TARGET_COS)
     machine = _cpu_model()
-    for row in rans_cpu.benchmark_cpu_pipeline(cases, threads=1, reps=repeats, check_reference=not quick):
+    for row in rans_cpu_bench.benchmark_cpu_pipeline(cases, threads=1, reps=repeats, check_reference=not quick):
         res.add(backend="rans", device="cpu", path="api_cpu", cpu_model=machine, source=desc,
                 target_gbps=CPU_API_TARGET_GBPS, **row)
 

@@ -38,6 +38,7 @@ from . import schema
 from .basis import PCABasis, as_float_matrix
 from .codecs import get_backend, require_cuda
 from .codecs.base import LazyViews
+from .codecs.rans import read_header as read_rans_header
 from .errors import BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from .quant import PerChannelQuantizer
 
@@ -111,7 +112,7 @@ def unpack(blob, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> tuple[dict,
     blob = _host_bytes(blob)
     header, spans = _parse(blob, len(blob), max_elements=max_elements)
     chunks = {tag: blob[a:b] for tag, (a, b) in spans.items()}
-    schema.check_chunks(header, chunks)
+    schema.check_chunks(header, chunks, read_inner=read_rans_header)
     return header, chunks
 
 
@@ -1014,7 +1015,7 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
             (qa, qb), (a, b) = spans.get("QPAR", (0, 0)), spans["DATA"]
             if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(heads[i]) and qb <= len(heads[i]):
                 inner = schema.check_chunks(header, {"QPAR": heads[i][qa:qb], "DATA": heads[i][a:a + 64]},
-                                            data_len=b - a)  # the rANS header, checked as its decoder checks it
+                                            data_len=b - a, read_inner=read_rans_header)  # as its decoder checks it
                 jobs.append((i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64], inner, heads[i][:a]))
                 continue
         header, chunks = unpack(blob, max_elements)

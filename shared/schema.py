@@ -225,12 +225,14 @@ def components(header: dict) -> int:
     return header["basis"]["k"] if header["basis"] is not None else header["shape"][1]
 
 
-def check_chunks(header: dict, chunks: dict[str, bytes], data_len: int | None = None):
+def check_chunks(header: dict, chunks: dict[str, bytes], data_len: int | None = None, read_inner=None):
     """Each chunk's size against what the (validated) header implies; the rANS payload's own header
     against the container's shape and K (so its decoder, CPU or GPU, sizes nothing beyond them).
     data_len: DATA's length when chunks["DATA"] holds only its first bytes (a container read in
-    place on a GPU). Returns the rANS payload's parsed header (rans.read_header, limited to the
-    container's T x K values) for a compute-codec container, else None."""
+    place on a GPU). read_inner: the compute codec's payload-header reader (shared.codecs.rans.
+    read_header), which a compute-codec container needs: the container format imports no codec.
+    Returns the rANS payload's parsed header (limited to the container's T x K values) for a
+    compute-codec container, else None."""
     K = components(header)
     qpar, data = chunks["QPAR"], chunks["DATA"]
     if header["quant"]["kind"] == "per_channel":
@@ -246,11 +248,11 @@ def check_chunks(header: dict, chunks: dict[str, bytes], data_len: int | None = 
     if step != header["quant"]["step"]:
         raise BitstreamError(f"chunk 'QPAR' step {step!r} differs from header field 'quant.step' "
                              f"{header['quant']['step']!r}: the bitstream is corrupt")
-    from .codecs import rans
-
+    if read_inner is None:
+        raise ValueError("check_chunks needs read_inner (shared.codecs.rans.read_header) for a compute-codec container")
     T = header["shape"][0]
     try:
-        inner = rans.read_header(data, max_elements=T * K, total_len=data_len)
+        inner = read_inner(data, max_elements=T * K, total_len=data_len)
     except BitstreamError as e:
         raise BitstreamError(f"chunk 'DATA': {e}") from None
     if (inner.T, inner.K) != (T, K):
