@@ -68,6 +68,20 @@ class HostCopy:
         return sum(b.numel() for b in self.buffers)
 
 
+def compute_codecs(codecs, who: str):
+    """codecs as a list (None stays None), each entry a compute-codec TensorCodec or None; a codec of
+    the frame path is refused, naming `who` needs the compute codec."""
+    if codecs is None:
+        return None
+    codecs = list(codecs)
+    for i, c in enumerate(codecs):
+        if c is not None and not getattr(c, "symbols", False):
+            raise ConfigurationError(f"codecs[{i}] uses backend {getattr(c.backend, 'name', c.backend)!r}: "
+                                     f"{who} codes on the GPU, so give it compute codecs "
+                                     "(TensorCodec(basis, backend='rans', ...)) or None for a raw tensor")
+    return codecs
+
+
 def plan_chunks(tensors, coded: list[bool], chunk_bytes: int) -> list[Chunk]:
     """Consecutive tensors of one lane grouped into chunks of at least chunk_bytes (the last may be
     smaller); a tensor larger than chunk_bytes is cut into row blocks of about chunk_bytes, each its own chunk."""
@@ -97,13 +111,7 @@ class HostStream:
     decode worker are made on first use and kept for the calls after it."""
 
     def __init__(self, codecs=None, *, chunk_mb: float | None = None, slots: int = SLOTS):
-        if codecs is not None:
-            codecs = list(codecs)
-            for i, c in enumerate(codecs):
-                if c is not None and not getattr(c, "symbols", False):
-                    raise ConfigurationError(f"codecs[{i}] uses backend {getattr(c.backend, 'name', c.backend)!r}: "
-                                             "a host stream codes on the GPU, so give it compute codecs "
-                                             "(TensorCodec(basis, backend='rans', ...)) or None for a raw tensor")
+        codecs = compute_codecs(codecs, "a host stream")
         chunk_mb = (RAW_CHUNK_MB if not codecs or all(c is None for c in codecs) else CHUNK_MB) \
             if chunk_mb is None else chunk_mb
         if not (isinstance(chunk_mb, (int, float)) and chunk_mb > 0):
@@ -193,7 +201,6 @@ class HostStream:
             st[name].wait_stream(caller)  # the inputs were made on the caller's stream
         chunks = plan_chunks(tensors, [c is not None for c in codecs], self.chunk_bytes)
         marks = _Marks(timeline, caller)
-        outputs: list = [None] * len(tensors)
         raw_out = {}
         decoded: list = []
         held = []  # device buffers read by work on other streams: kept until the call's end
@@ -227,38 +234,26 @@ class HostStream:
                         Containers(dev_buf, blobs.starts, blobs.ends), dst, k, marks))
                     wire += n
                 else:
-                    parts, n = [], 0
                     for p in ch.pieces:
-                        x = tensors[p.index]
                         if p.index not in raw_out:
+                            x = tensors[p.index]
                             with torch.cuda.stream(st["h2d"]):
                                 raw_out[p.index] = torch.empty(x.shape, dtype=x.dtype, device=dst)
-                        row = x.numel() // x.shape[0] * x.element_size()
-                        parts.append((_bytes_of(x), p.start * row, p.stop * row, raw_out[p.index]))
-                        held.append(parts[-1][0])  # read by the D2H copy after this call returns
-                        n += (p.stop - p.start) * row
+                    sources = _row_ranges(tensors, ch.pieces)
+                    held += [b for b, _, _ in sources]  # read by the D2H copy after this call returns
+                    n = sum(z - a for _, a, z in sources)
                     host = self._slot(s, n)
-                    self._cross(st, s, k, [(b, a, z) for b, a, z, _ in parts], host, n,
-                                lambda parts=parts: [(_bytes_of(o), a, z) for _, a, z, o in parts], marks)
+                    self._cross(st, s, k, sources, host, n,
+                                lambda pieces=ch.pieces: _row_ranges(raw_out, pieces), marks)
                     wire += n
             results = [f.result() for f in decoded]
         except BaseException:
             for f in decoded:
                 f.cancel()
             raise
-        # the caller's stream orders the results after the copies and decodes that made them
-        caller.wait_stream(st["h2d"])
-        caller.wait_stream(st["decode"])
-        pieces_of = {}
-        for k, ch in enumerate(c for c in chunks if c.coded):
-            for p, y in zip(ch.pieces, results[k]):
-                pieces_of.setdefault(p.index, []).append(y)
-        for i, ys in pieces_of.items():
-            outputs[i] = ys[0] if len(ys) == 1 else torch.cat(ys)
-        for i, y in raw_out.items():
-            outputs[i] = y
-        for y in outputs:
-            y.record_stream(caller)
+        coded = [ch for ch in chunks if ch.coded]
+        outputs = _assemble(len(tensors), [(p, y) for ch, ys in zip(coded, results) for p, y in zip(ch.pieces, ys)],
+                            raw_out, caller, st)
         for b in held:  # freed by the caller's next allocation only after the streams that read them
             for name in ("d2h", "h2d", "decode"):
                 b.record_stream(st[name])
@@ -297,20 +292,12 @@ class HostStream:
                 held.append(blobs.buffer)
                 spans = (blobs.starts, blobs.ends)
             else:
-                sources, n = [], 0
-                for p in ch.pieces:
-                    x = tensors[p.index]
-                    row = x.numel() // x.shape[0] * x.element_size()
-                    sources.append((_bytes_of(x), p.start * row, p.stop * row))
-                    n += (p.stop - p.start) * row
-                spans = None
+                sources, spans = _row_ranges(tensors, ch.pieces), None
+                n = sum(z - a for _, a, z in sources)
             host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
             st["d2h"].wait_stream(st["encode"])
             with torch.cuda.stream(st["d2h"]):
-                at = 0
-                for b, a, z in sources:
-                    host[at:at + z - a].copy_(b[a:z], non_blocking=True)
-                    at += z - a
+                _gather(host, sources)
             copy.chunks.append(ch)
             copy.buffers.append(host)
             copy.spans.append(spans)
@@ -344,21 +331,16 @@ class HostStream:
                     dev = torch.empty(host.numel(), dtype=torch.uint8, device=dst)
                     dev.copy_(host, non_blocking=True)
                 else:
-                    at = 0
                     for p in ch.pieces:
-                        shape, dtype = copy.layout[p.index]
                         if p.index not in raw_out:
+                            shape, dtype = copy.layout[p.index]
                             raw_out[p.index] = torch.empty(shape, dtype=dtype, device=dst)
-                        out = _bytes_of(raw_out[p.index])
-                        row = out.numel() // shape[0]
-                        n = (p.stop - p.start) * row
-                        out[p.start * row:p.stop * row].copy_(host[at:at + n], non_blocking=True)
-                        at += n
+                    _scatter(host, _row_ranges(raw_out, ch.pieces))
                     dev = None
                 ready = torch.cuda.Event()
                 ready.record(st["h2d"])
                 arrived.append((dev, ready))
-        pieces_of = {}
+        decoded = []
         for ch, spans, (dev, ready) in zip(copy.chunks, copy.spans, arrived):
             if not ch.coded:
                 continue
@@ -366,18 +348,8 @@ class HostStream:
             with torch.cuda.stream(st["decode"]):
                 values = decode_many([copy.codecs[p.index] for p in ch.pieces], Containers(dev, *spans), device=dst)
             dev.record_stream(st["decode"])
-            for p, y in zip(ch.pieces, values):
-                pieces_of.setdefault(p.index, []).append(y)
-        caller.wait_stream(st["h2d"])
-        caller.wait_stream(st["decode"])
-        outputs = [None] * len(copy.layout)
-        for i, ys in pieces_of.items():
-            outputs[i] = ys[0] if len(ys) == 1 else torch.cat(ys)
-        for i, y in raw_out.items():
-            outputs[i] = y
-        for y in outputs:
-            y.record_stream(caller)
-        return outputs
+            decoded += zip(ch.pieces, values)
+        return _assemble(len(copy.layout), decoded, raw_out, caller, st)
 
     def _cross(self, st, s, k, sources, host, n, make_destination, marks):
         """D2H of sources (device uint8 tensors, byte ranges) into pinned slot s, then H2D of the same
@@ -390,20 +362,14 @@ class HostStream:
         d2h.wait_event(st["free"][s])  # the H2D that last read this slot has run
         with torch.cuda.stream(d2h):
             marks.at("d2h", k, d2h, start=True)
-            at = 0
-            for b, a, z in sources:
-                host[at:at + z - a].copy_(b[a:z], non_blocking=True)
-                at += z - a
+            _gather(host, sources)
             marks.at("d2h", k, d2h)
         h2d.wait_stream(d2h)
         with torch.cuda.stream(h2d):
             made = make_destination()
             marks.at("h2d", k, h2d, start=True)
             if isinstance(made, list):
-                at = 0
-                for b, a, z in made:
-                    b[a:z].copy_(host[at:at + z - a], non_blocking=True)
-                    at += z - a
+                _scatter(host, made)
             else:
                 made.copy_(host[:n], non_blocking=True)
             marks.at("h2d", k, h2d)
@@ -432,6 +398,52 @@ def _gpu(device, default):
     if dst.type != "cuda":
         raise ConfigurationError(f"device={device!r}: a host stream's tensors come back to a GPU")
     return torch.device("cuda", torch.cuda.current_device() if dst.index is None else dst.index)
+
+
+def _row_ranges(tensors, pieces) -> list:
+    """(bytes of tensors[p.index], start, stop) of each piece's rows: a flat uint8 view and a byte range."""
+    out = []
+    for p in pieces:
+        x = tensors[p.index]
+        row = x.numel() // x.shape[0] * x.element_size()
+        out.append((_bytes_of(x), p.start * row, p.stop * row))
+    return out
+
+
+def _gather(host, ranges):
+    """Queue copies of the byte ranges [(uint8 tensor, start, stop)], one after the other, into host."""
+    at = 0
+    for b, a, z in ranges:
+        host[at:at + z - a].copy_(b[a:z], non_blocking=True)
+        at += z - a
+
+
+def _scatter(host, ranges):
+    """_gather's inverse: host's bytes, in order, into the byte ranges."""
+    at = 0
+    for b, a, z in ranges:
+        b[a:z].copy_(host[at:at + z - a], non_blocking=True)
+        at += z - a
+
+
+def _assemble(n: int, decoded, raw_out: dict, caller, st) -> list:
+    """The call's n results: each coded tensor's decoded pieces ((piece, tensor) in row order) joined, the raw
+    ones as received; ordered on the caller's stream after the copies and decodes that made them."""
+    import torch
+
+    caller.wait_stream(st["h2d"])
+    caller.wait_stream(st["decode"])
+    pieces_of = {}
+    for p, y in decoded:
+        pieces_of.setdefault(p.index, []).append(y)
+    outputs = [None] * n
+    for i, ys in pieces_of.items():
+        outputs[i] = ys[0] if len(ys) == 1 else torch.cat(ys)
+    for i, y in raw_out.items():
+        outputs[i] = y
+    for y in outputs:
+        y.record_stream(caller)
+    return outputs
 
 
 def _bytes_of(x):
@@ -545,12 +557,7 @@ class PeerStream:
 
     def __init__(self, peer: int, codecs=None, *, stream_id: int = 0, group=None, timeout_s: float = TIMEOUT_S,
                  max_bytes: int = 1 << 40):
-        if codecs is not None:
-            codecs = list(codecs)
-            for i, c in enumerate(codecs):
-                if c is not None and not getattr(c, "symbols", False):
-                    raise ConfigurationError(f"codecs[{i}]: a peer stream codes with compute codecs "
-                                             "(TensorCodec(basis, backend='rans', ...)) or None for raw")
+        codecs = compute_codecs(codecs, "a peer stream")
         if not (isinstance(stream_id, int) and 0 <= stream_id < 2**62):
             raise ConfigurationError(f"stream_id={stream_id!r}: use an int in [0, 2^62)")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
