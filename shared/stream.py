@@ -499,6 +499,7 @@ TENSOR_WORDS = 5 + MAX_DIMS  # per tensor: lane (0 raw, 1 coded), dtype, ndim, d
 #                              container's offset in the blob and length, for a raw one 0 and its payload check
 RAW, CODED = 0, 1
 MAX_TENSORS = 1 << 16        # a head naming more is refused before anything is sized from it
+CHECK_BLOCK_WORDS = 1 << 24  # 32-bit words a payload check sums at a time (64 MiB of payload)
 TIMEOUT_S = 120.0            # a receive waits this long for each message before naming the stall (a sender's
 #                              first list may wait for its GPU coder's kernels to compile: tens of seconds)
 
@@ -529,9 +530,14 @@ def payload_check(t) -> int:
     pad = (-b.numel()) % 4
     if pad:
         b = torch.cat([b, b.new_zeros(pad)])
-    w = b.view(torch.int32).to(torch.int64)
-    pos = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64)
-    s1, s2 = int(w.sum()), int((w * pos).sum())
+    words = b.view(torch.int32)
+    s1 = s2 = 0
+    # in blocks: int64 copies of the whole payload (words, positions, products) would be 6x its size; the
+    # sums are taken mod 2^63 at the end, so adding the blocks' wrapped int64 sums gives the same check
+    for at in range(0, words.numel(), CHECK_BLOCK_WORDS):
+        w = words[at:at + CHECK_BLOCK_WORDS].to(torch.int64)
+        pos = torch.arange(at + 1, at + w.numel() + 1, device=w.device, dtype=torch.int64)
+        s1, s2 = s1 + int(w.sum()), s2 + int((w * pos).sum())
     return ((s1 + 0x9E3779B97F4A7C15 * s2 + t.numel() * element_bits(t)) & 0x7FFFFFFFFFFFFFFF)
 
 

@@ -148,3 +148,16 @@ def test_row_blocks_gathered_to_host_bytes_and_scattered_back_are_the_tensors():
         _gather(host, sources)
         _scatter(host, _row_ranges(outs, ch.pieces))
     assert all(torch.equal(x, outs[i]) for i, x in enumerate(xs))
+
+
+def test_payload_check_in_blocks_equals_the_whole_sum(monkeypatch):
+    """payload_check sums its words in blocks; any block size gives the same check, and a changed word changes it."""
+    from shared import stream
+
+    x = torch.randint(-2**31, 2**31 - 1, (10_001,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    whole = stream.payload_check(x)
+    monkeypatch.setattr(stream, "CHECK_BLOCK_WORDS", 1000)
+    assert stream.payload_check(x) == whole
+    y = x.clone()
+    y[7777] ^= 1
+    assert stream.payload_check(y) != whole
