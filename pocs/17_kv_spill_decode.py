@@ -75,6 +75,9 @@ from shared.results import ResultsWriter, announce, apply_style, load, save_figu
 
 # -- the timing model ---------------------------------------------------------------------------------
 SHAPE = dict(layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128, mlp=27648, vocab=32000)  # 32B class
+MEMORY_SHARE = 0.90                                    # of the GPU's memory the timing model may plan for
+MEMORY_RESERVE = 3e9                                   # bytes kept for the step's buffers, staging, graphs
+PREFILL_TOKENS = 8192                                  # tokens per dense pass of the prefill (bounds its memory)
 SHAPE_SMOKE = dict(SHAPE, layers=4)                    # --quick on a GPU: the real layer shape, 4 layers
 SHAPE_CPU = dict(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, mlp=512, vocab=512)  # --quick on a CPU
 CONTEXTS = [4096, 8192, 16384, 32768, 65536]           # tokens of context
@@ -94,7 +97,7 @@ SEARCH_COS = 0.9992                                    # what the step search ai
                                                        # tokens and the GPU quantizer's bf16 arithmetic
 STEP_ITERS = 20                                        # bisection steps of the step search
 SEED = 0
-TIMING_BUDGET_S = 240                                  # the timing model's whole run; a context that would not
+TIMING_BUDGET_S = 420                                  # the timing model's whole run; a context that would not
                                                        # fit (from the last one's time x its growth) is skipped
 
 # -- the quality model (SmolLM2) ------------------------------------------------------------------------
@@ -135,6 +138,13 @@ class RandomDecoder:
         self.inv_freq = ROPE_THETA ** (-torch.arange(half, device=self.device, dtype=torch.float32) / half)
         self.cos, self.sin = self.rope_tables(torch.arange(max_positions))  # [positions, head_dim] float32
         self.graphs = None  # per layer (pre, post) CUDA graphs, made by capture_graphs()
+
+    @staticmethod
+    def layer_bytes(shape: dict, dtype=torch.bfloat16) -> int:
+        """Weight bytes of one decoder layer of this shape."""
+        q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+        h, m = shape["hidden"], shape["mlp"]
+        return (h * (q + 2 * kv) + q * h + h * 2 * m + m * h + 2 * h) * dtype.itemsize
 
     def param_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values()) + \
@@ -194,12 +204,16 @@ class RandomDecoder:
         for i in tqdm(range(s["layers"]), desc=f"prefill {T} tokens", unit="layer", leave=False,
                       disable=not progress):
             q, k, v = self.pre(i, h, cos, sin)
-            kv.append((k[0].transpose(0, 1).reshape(T, self.kv_dim).contiguous(),
-                       v[0].transpose(0, 1).reshape(T, self.kv_dim).contiguous()))
+            # the prompt's KV waits in host memory (a GPU holds the weights and one context's KV, not the
+            # whole prompt's twice)
+            kv.append((k[0].transpose(0, 1).reshape(T, self.kv_dim).cpu(),
+                       v[0].transpose(0, 1).reshape(T, self.kv_dim).cpu()))
             o = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                                is_causal=True)
             del q, k, v
-            self.post(i, h, o[0].transpose(0, 1).reshape(T, self.q_dim))
+            o = o[0].transpose(0, 1).reshape(T, self.q_dim)
+            for a in range(0, T, PREFILL_TOKENS):  # the MLP's [T, 2 x mlp] activations, a slice at a time
+                self.post(i, h[a:a + PREFILL_TOKENS], o[a:a + PREFILL_TOKENS])
             del o
         logits = F.rms_norm(h[-1:], (s["hidden"],), self.norm, 1e-5) @ self.lm_head
         return kv, logits[0]
@@ -274,19 +288,30 @@ def codec_pair(basis_k, step_k, basis_v, step_v):
             TensorCodec(basis_v, backend="rans", step=step_v, lane_tokens=LANE_TOKENS))
 
 
-def fit_codecs_on_prompt(kv, progress: bool = True):
+def layers_that_fit(shape: dict, context: int, device) -> int:
+    """The timing model's layer count on this GPU: as many of the shape's layers as fit, with the KV of
+    `context` tokens of each resident (the gpu_resident bound needs it), in MEMORY_SHARE of the card's
+    memory less MEMORY_RESERVE and the embedding and LM head."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    kv = 2 * (context + CHUNK_TOKENS + 2 * MAX_STEPS) * shape["kv_heads"] * shape["head_dim"] * 2
+    fixed = MEMORY_RESERVE + 2 * shape["vocab"] * shape["hidden"] * 2
+    return max(1, min(shape["layers"], int((total * MEMORY_SHARE - fixed) // (RandomDecoder.layer_bytes(shape) + kv))))
+
+
+def fit_codecs_on_prompt(kv, progress: bool = True, device=None):
     """Per layer K/V: a PCA basis (all components) on an evenly spaced sample of the prompt's rows, and
-    the largest shared step whose reconstruction reaches SEARCH_COS on part of that sample."""
+    the largest shared step whose reconstruction reaches SEARCH_COS on part of that sample (on `device`,
+    default the rows')."""
     codecs, steps = [], []
     for i, (k_rows, v_rows) in enumerate(tqdm(kv, desc="bases and steps", unit="layer", leave=False,
                                               disable=not progress)):
         pair = []
         for kind, rows in (("k", k_rows), ("v", v_rows)):
             stride = max(1, rows.shape[0] // BASIS_SAMPLE)
-            sample = rows[::stride][:BASIS_SAMPLE].float()
+            sample = rows[::stride][:BASIS_SAMPLE].to(device or rows.device).float()
             basis = fit_basis_torch(sample, rows.shape[1], model="random-32b-shape", layer=f"{i}.{kind}")
-            mean = torch.as_tensor(basis.mean, device=rows.device)
-            comps = torch.as_tensor(basis.components, device=rows.device)
+            mean = torch.as_tensor(basis.mean, device=sample.device)
+            comps = torch.as_tensor(basis.components, device=sample.device)
             part = sample[:STEP_SAMPLE]
             q = find_step((part - mean) @ comps, SEARCH_COS, "cos", reconstruct=lambda c: c @ comps.T + mean,
                           reference=part, iters=STEP_ITERS)
@@ -296,11 +321,12 @@ def fit_codecs_on_prompt(kv, progress: bool = True):
     return codecs, steps
 
 
-def fill(cache, kv, context: int, heads: int) -> None:
-    """Put the first `context` tokens of every layer's prompt KV into the cache, layer by layer, as a
-    prefill's Cache.update calls do (the cache stores them in its own form)."""
+def fill(cache, kv, context: int, heads: int, device=None) -> None:
+    """Put the first `context` tokens of every layer's prompt KV into the cache (on `device`, default
+    the rows'), layer by layer, as a prefill's Cache.update calls do (the cache stores them in its own form)."""
     for i, (k_rows, v_rows) in enumerate(kv):
-        cache.update(rows_to_states(k_rows[:context], heads), rows_to_states(v_rows[:context], heads), i)
+        k, v = (rows[:context].to(device or rows.device) for rows in (k_rows, v_rows))
+        cache.update(rows_to_states(k, heads), rows_to_states(v, heads), i)
     cache.flush()
 
 
@@ -309,9 +335,10 @@ def check_fetch(cache, kv, context: int) -> dict:
     exact, cos = True, []
     for i, (k_rows, v_rows) in enumerate(kv):
         k, v = cache.fetched_kv(i)
-        exact &= torch.equal(k, k_rows[:context]) and torch.equal(v, v_rows[:context])
+        k_ref, v_ref = k_rows[:context].to(k.device), v_rows[:context].to(v.device)
+        exact &= torch.equal(k, k_ref) and torch.equal(v, v_ref)
         if cache.mode == "compressed_fetch":
-            cos += [cosine(k_rows[:context], k), cosine(v_rows[:context], v)]
+            cos += [cosine(k_ref, k), cosine(v_ref, v)]
     return {"exact": bool(exact), "cos_mean": float(np.mean(cos)) if cos else 1.0,
             "cos_min": float(np.min(cos)) if cos else 1.0}
 
@@ -345,10 +372,10 @@ def timed_decode(model: RandomDecoder, cache, context: int, first_token: int):
 
 
 def decode_api(cache) -> str:
-    from shared import pipeline
-    many = "decode_many" if hasattr(pipeline, "decode_many") else "TensorCodec.decode per blob"
-    return f"{many}, blobs as {cache.input_kind}" if cache.mode == "compressed_fetch" and cache.on_cuda else \
-        (many if cache.mode == "compressed_fetch" else "")
+    if cache.mode != "compressed_fetch":
+        return ""
+    return ("one H2D copy of the layer's packed containers, then pipeline.StagedDecode (a CUDA graph per layer) "
+            "into the staging slot; payload checks read once per step") if cache.on_cuda else "decode_many"
 
 
 # ---------------------------------------------------------------- the timing model rows
@@ -357,6 +384,12 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
     on_cuda = torch.device(device).type == "cuda"
     shape = (SHAPE_SMOKE if quick else SHAPE) if on_cuda else SHAPE_CPU
     contexts = (CONTEXTS_SMOKE if quick else CONTEXTS) if on_cuda else CONTEXTS_CPU
+    if on_cuda and not quick:
+        fit = layers_that_fit(shape, max(contexts), device)
+        if fit < shape["layers"]:
+            print(f"  {shape['layers']} layers and {max(contexts)} tokens of resident KV do not fit this GPU's "
+                  f"{torch.cuda.get_device_properties(device).total_memory / 1e9:.0f} GB: timing {fit} layers of the shape")
+        shape = dict(shape, layers=fit)
     dtype = torch.bfloat16 if on_cuda else torch.float32
     label = (f"random weights, {shape['layers']} layers x (hidden {shape['hidden']}, {shape['heads']} q heads, "
              f"{shape['kv_heads']} KV heads of {shape['head_dim']}, MLP {shape['mlp']}), "
@@ -370,7 +403,7 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
     kv, _ = model.prefill(ids[:max(contexts)])
     sync(device)
     print(f"  prompt of {max(contexts)} random tokens through the decoder: {time.perf_counter() - start:.1f} s")
-    codecs, steps = fit_codecs_on_prompt(kv)
+    codecs, steps = fit_codecs_on_prompt(kv, device=device)
     print(f"  bases and steps on the prompt's own KV (in-sample): step {min(steps):.4g}..{max(steps):.4g}")
     graphs = False
     if on_cuda:
@@ -380,7 +413,8 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
         except Exception as error:  # eager fallback, said in every row
             model.graphs = None
             print(f"  CUDA graphs not used ({type(error).__name__}: {error}); the step runs eagerly")
-    common = dict(model=label, shape=str(shape), dtype=str(dtype).removeprefix("torch."), chunk_tokens=CHUNK_TOKENS,
+    common = dict(model=label, shape=str(shape), layers=shape["layers"], dtype=str(dtype).removeprefix("torch."),
+                  chunk_tokens=CHUNK_TOKENS,
                   cuda_graphs=graphs, bases="fitted on the model's own prompt KV (in-sample)",
                   target_cos=TARGET_COS, loop=DRIVERS["timing"],
                   fetch_path="pinned host memory -> GPU over PCIe" if on_cuda else
@@ -402,7 +436,7 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
                                chunk_tokens=CHUNK_TOKENS, max_tokens=context + WARMUP_STEPS + MAX_STEPS + 2,
                                contiguous=False)
             start = time.perf_counter()
-            fill(cache, kv, context, shape["kv_heads"])
+            fill(cache, kv, context, shape["kv_heads"], device)
             sync(device)
             fill_s = time.perf_counter() - start
             check = check_fetch(cache, kv, context)

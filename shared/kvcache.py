@@ -9,9 +9,9 @@ layer, the next layer prefetched on side CUDA streams while the current one comp
 Modes
 - raw_fetch: each layer's stored KV sits in pinned host memory in the model's dtype and crosses to the GPU
   whole at every step (what transformers' offloaded caches do).
-- compressed_fetch: each layer's stored KV is a list of compute-codec blobs (TensorCodec backend "rans",
-  one per K and V per flushed chunk) in pinned host memory; a step moves the blobs to the GPU and decodes
-  them there (`decode_many` of shared.pipeline when present, else `codec.decode(blob, device=...)` per blob).
+- compressed_fetch: each layer's stored KV is a list of compute-codec containers (TensorCodec backend
+  "rans", one per K and V per flushed chunk), packed one after another in one pinned host buffer per
+  layer; a step copies that buffer to the GPU in one copy and decodes it there (pipeline.StagedDecode).
 - gpu_resident: everything stays in GPU memory (the upper bound; no fetch).
 
 Layout and the recent window
@@ -29,91 +29,58 @@ Fetch pipeline (CUDA)
 Two staging slots of [capacity, D] per K and V take the fetched KV of one layer each; update(i) waits
 (GPU-side, on an event) for layer i's fetch, queues layer i+1's into the other slot, and copies the recent
 window after the fetched rows. A slot is reused only after an event recorded at the next update call, i.e.
-after the attention that read it was queued. raw_fetch: one H2D copy per K/V on a copy stream. compressed_fetch:
-the blobs of layer i+2 are copied to the GPU on the copy stream while layer i+1 decodes on a decode stream
-and layer i computes on the current stream; the copies and decodes are issued by one worker thread, so a
-decoder that synchronizes with the host does not hold up the compute being queued. On a CPU the same code
-runs synchronously (stored blobs decoded by the numpy coder; `keep_decoded`, on by default there, decodes
-each blob once and keeps the result, which gives attention the same values as decoding at every step).
+after the attention that read it was queued. raw_fetch: one H2D copy per K/V on a copy stream.
+compressed_fetch: layer i+1's packed containers cross in one H2D copy on the copy stream into one of two
+GPU staging buffers, then decode on a decode stream straight into the slot (one CUDA graph per layer and
+slot, pipeline.StagedDecode: rANS kernels and the reconstruction GEMMs, no host read), while layer i
+computes on the current stream. Nothing waits on the host per layer: each decode's payload checks land
+in pinned flags, read once per step, at the last layer's update (one synchronization), and a corrupt
+container raises BitstreamError there, naming its layer and chunk, before that step's attention output
+is returned. The plans are made at a layer's first fetch after a flush (the host checks the containers'
+headers then) and replayed until its next flush.
+On a CPU the same code runs synchronously (stored blobs decoded by the numpy coder; `keep_decoded`, on by
+default there, decodes each blob once and keeps the result, which gives attention the same values as
+decoding at every step).
 
 Limits: batch 1; `crop` removes recent-window tokens only; beam search (reorder_cache) is refused.
 """
 from __future__ import annotations
 
 import inspect
-import queue
-import threading
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .errors import ConfigurationError, InvalidTensorError, TensorCodecError
+from .errors import BitstreamError, ConfigurationError, InvalidTensorError, TensorCodecError
+from .pipeline import StagedDecode, decode_many, encode_many
 
 MODES = ("raw_fetch", "compressed_fetch", "gpu_resident")
 SLOTS = 2  # staging slots: the layer in use and the one being fetched
 CAPACITY_STEP = 1024  # staging and host buffers grow in multiples of this many tokens
+PACK_ALIGN = 16  # containers start at multiples of this in a layer's packed buffer (their payloads then do too)
+HEAD_BYTES = 8192  # a container's first bytes kept on the host: its header, QPAR and the payload's header
+BYTES_STEP = 1 << 20  # packed and staging buffers grow in multiples of this many bytes
 
 
-# ---------------------------------------------------------------- the codec calls (many at once when available)
-
-def _pipeline_many():
-    from . import pipeline
-    return getattr(pipeline, "encode_many", None), getattr(pipeline, "decode_many", None)
-
+# ---------------------------------------------------------------- the codec calls
 
 def encode_blobs(codecs, tensors) -> list:
-    """One blob per (codec, [T, D] tensor): shared.pipeline.encode_many when present, else one encode each."""
-    encode_many, _ = _pipeline_many()
-    if encode_many is not None:
-        return list(encode_many(list(codecs), list(tensors)))
-    return [codec.encode(x) for codec, x in zip(codecs, tensors)]
+    """One container per (codec, [T, D] tensor), coded together (shared.pipeline.encode_many)."""
+    return list(encode_many(list(codecs), list(tensors)))
 
 
 def decode_blobs(codecs, blobs, device=None) -> list:
-    """The tensors of blobs (device None: the CPU decoder): shared.pipeline.decode_many when present,
-    else one decode each."""
-    _, decode_many = _pipeline_many()
-    if decode_many is not None:
-        return list(decode_many(list(codecs), list(blobs), device=device))
-    return [codec.decode(blob, device=device) for codec, blob in zip(codecs, blobs)]
-
-
-def _host_blob(blob, pin: bool) -> torch.Tensor:
-    """bytes or a uint8 tensor (CPU or CUDA) -> a 1-D uint8 CPU tensor, pinned when `pin`."""
-    if isinstance(blob, torch.Tensor):
-        if blob.dtype != torch.uint8:
-            raise InvalidTensorError(f"a codec blob must be bytes or a uint8 tensor, got a {blob.dtype} tensor")
-        flat = blob.reshape(-1)
-        out = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=pin)
-        out.copy_(flat)
-        return out
-    out = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    return out.pin_memory() if pin else out
+    """The tensors of containers (device None: the CPU decoder), decoded together (shared.pipeline.decode_many)."""
+    return list(decode_many(list(codecs), list(blobs), device=device))
 
 
 def _as_bytes(blob) -> bytes:
     return bytes(blob.numpy()) if isinstance(blob, torch.Tensor) else bytes(blob)
 
 
-def probe_decode_input(codec, dim: int, dtype, device) -> str:
-    """How blobs reach the GPU decoder: "cuda" (this cache copies them to the GPU on its copy stream and
-    the decoder reads GPU memory), "pinned" (the decoder takes the pinned host tensor) or "bytes" (the
-    decoder takes bytes and moves them itself). Tensor inputs are tried only when shared.pipeline has
-    decode_many (the API that takes them); each is checked against the bytes path on a small blob."""
-    if _pipeline_many()[1] is None:
-        return "bytes"
-    x = (torch.randn(256, dim, generator=torch.Generator().manual_seed(0))).to(device, dtype)
-    host = _host_blob(codec.encode(x), pin=True)
-    reference = decode_blobs([codec], [_as_bytes(host)], device)[0]
-    for kind in ("cuda", "pinned"):
-        try:
-            got = decode_blobs([codec], [host.to(device) if kind == "cuda" else host], device)[0]
-        except Exception:  # an API without this input form: try the next one
-            continue
-        if got.shape == reference.shape and torch.equal(got.to(reference.device), reference):
-            return kind
-    return "bytes"
+def _align(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def cache_kwarg(model, cache) -> dict:
@@ -163,6 +130,12 @@ class SpillLayer(DynamicLayer):
         self.store_k = self.store_v = None  # raw_fetch: host rows [capacity, D]; gpu_resident: device rows
         self.blobs: list[tuple[int, object, object]] = []  # compressed_fetch: (tokens, k_blob, v_blob) per chunk
         self.decoded: list[tuple[torch.Tensor, torch.Tensor]] = []  # keep_decoded: decoded rows per blob
+        # compressed_fetch on CUDA: every container in one pinned buffer (blobs are views of it)
+        self.packed = None  # uint8 pinned host tensor
+        self.packed_len = 0  # bytes in use
+        self.places: list[tuple[int, int]] = []  # (offset, length) of each container, in blob order (k0, v0, k1, ...)
+        self.heads: list[bytes] = []  # each container's first HEAD_BYTES bytes
+        self.plans: dict = {}  # slot -> (version, buffers' addresses, StagedDecode)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -227,16 +200,15 @@ class _Fetch:
     tokens: int  # stored tokens this fetch brings
     blobs: list = field(default_factory=list)  # compressed_fetch: the layer's blobs when it was issued
     ready: object = None  # torch.cuda.Event recorded when the slot holds the data
-    done: threading.Event | None = None  # set by the worker once `ready` is recorded (or on error)
-    error: BaseException | None = None
 
 
 @dataclass
-class _Staged:
-    version: int
-    inputs: list  # what the decoder takes: GPU uint8 tensors, pinned tensors or bytes (k0, v0, k1, v1, ...)
-    event: object = None  # the copy stream's event after the H2D copies
-    error: BaseException | None = None
+class _Decoded:
+    """A queued StagedDecode replay whose payload checks the host has not read yet."""
+    layer: int
+    plan: object
+    chunks: list  # (first token, tokens) of each chunk, in blob order
+    done: object  # torch.cuda.Event recorded after the replay
 
 
 @dataclass
@@ -244,15 +216,6 @@ class _Slot:
     k: torch.Tensor
     v: torch.Tensor
     released: object = None  # torch.cuda.Event recorded once the last reader was queued
-
-
-def _worker_loop(jobs: "queue.Queue", device) -> None:
-    with torch.cuda.device(device):
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            job()
 
 
 @dataclass
@@ -289,16 +252,18 @@ class SpillCache(Cache):
         self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens
         self.prefetch_enabled, self.keep_decoded, self.contiguous = prefetch, keep_decoded, contiguous
         self.device = None
-        self.input_kind = None  # compressed_fetch on CUDA: "cuda" | "pinned" | "bytes" (probe_decode_input)
         self.stats = _Stats()
         self._slots: list[_Slot] = []
         self._next_slot = 0
         self._in_use: int | None = None
         self._pending: dict[int, _Fetch] = {}
-        self._staged: dict[int, _Staged] = {}  # written by the worker
-        self._stage_asked: dict[int, int] = {}  # layer -> version asked of the worker
-        self._jobs = None
         self._copy_stream = self._decode_stream = None
+        # compressed_fetch on CUDA: per slot a GPU buffer the packed containers cross into, the events
+        # that order it (copied in; free again after its decode), the plans' shared scratch and pool
+        self._stage: list[torch.Tensor] = []
+        self._staged_events, self._stage_free = [], []
+        self._scratch = self._pool = None
+        self._unchecked: list[_Decoded] = []
 
     # -- public helpers --------------------------------------------------------------------------------
     @property
@@ -323,6 +288,7 @@ class SpillCache(Cache):
         self.drain()
         self._release()
         fetch = self._take(layer_idx)
+        self._check_decodes(wait=True)
         k, v = self._assemble(layer, fetch, None, None)
         self._in_use = fetch.slot
         return k.clone(), v.clone()
@@ -335,32 +301,19 @@ class SpillCache(Cache):
                 layer.recent = 0
 
     def drain(self) -> None:
-        """Wait for every queued fetch and forget the prefetched ones."""
-        for fetch in self._pending.values():
-            if fetch.done is not None:
-                fetch.done.wait()
+        """Wait for every queued fetch, check every queued decode, and forget the prefetched fetches."""
         self._pending.clear()
-        self._stage_asked.clear()
-        if self._jobs is not None:
-            done = threading.Event()
-            self._jobs.put(done.set)
-            done.wait()
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
-        self._staged.clear()
+        self._check_decodes(wait=True)
 
     def close(self) -> None:
-        """Wait for queued fetches and stop the worker thread (which also stops when the cache is
-        garbage-collected)."""
+        """Wait for queued fetches and let go of the GPU buffers and decode plans."""
         self.drain()
-        if self._jobs is not None:
-            self._jobs.put(None)
-            self._jobs = None
-
-    def __del__(self):
-        jobs = getattr(self, "_jobs", None)
-        if jobs is not None:
-            jobs.put(None)
+        for layer in self.layers:
+            if isinstance(layer, SpillLayer):
+                layer.plans.clear()
+        self._slots, self._stage, self._scratch = [], [], None
 
     # -- the Cache API ----------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -388,7 +341,11 @@ class SpillCache(Cache):
         self._in_use = fetch.slot
         self._append(layer_idx, k_new, v_new)
         layer.length += n
+        queued = len(self._unchecked)
         self._prefetch_after(layer_idx)
+        if self._unchecked:  # once per step, at the last layer (its decode queued, the next one too): the
+            # step's payload checks, before its attention output leaves this call
+            self._check_decodes(wait=layer_idx == len(self.layers) - 1, upto=queued)
         return self._out(k, layer), self._out(v, layer)
 
     def reset(self) -> None:
@@ -450,10 +407,7 @@ class SpillCache(Cache):
             self._copy_stream = torch.cuda.Stream(self.device)
             if self.mode == "compressed_fetch":
                 self._decode_stream = torch.cuda.Stream(self.device)
-                self.input_kind = probe_decode_input(self.codecs[0][0], layer.dim, layer.dtype, self.device)
-                self._jobs = queue.Queue()
-                threading.Thread(target=_worker_loop, args=(self._jobs, self.device), daemon=True,
-                                 name="spillcache-fetch").start()
+                self._pool = torch.cuda.graph_pool_handle()
 
     def _pin(self) -> bool:
         return self.on_cuda
@@ -529,11 +483,10 @@ class SpillCache(Cache):
         else:
             codec_k, codec_v = self.codecs[layer_idx]
             blob_k, blob_v = encode_blobs([codec_k, codec_v], [k_rows, v_rows])
-            if self.on_cuda and self.input_kind in ("cuda", "pinned"):
-                blob_k, blob_v = _host_blob(blob_k, pin=True), _host_blob(blob_v, pin=True)
+            if self.on_cuda:
+                self._pack(layer, m, blob_k, blob_v)
             else:
-                blob_k, blob_v = _as_bytes(blob_k), _as_bytes(blob_v)
-            layer.blobs.append((m, blob_k, blob_v))
+                layer.blobs.append((m, _as_bytes(blob_k), _as_bytes(blob_v)))
         layer.stored += m
         layer.version += 1
         self.stats.flushes += 1
@@ -557,22 +510,13 @@ class SpillCache(Cache):
         if self.on_cuda:
             fetch.ready = torch.cuda.Event()
         self.stats.fetches += 1
-        if self._jobs is not None:
-            fetch.done = threading.Event()
-            self._stage_asked.pop(layer_idx, None)
-            self._jobs.put(lambda: self._run_in_worker(fetch))
-        else:
-            self._run(fetch)
+        self._run(fetch)
         return fetch
 
     def _take(self, layer_idx: int) -> _Fetch:
         fetch = self._pending.pop(layer_idx, None)
         if fetch is None or fetch.version != self.layers[layer_idx].version:
             fetch = self._issue(layer_idx)
-        if fetch.done is not None:
-            fetch.done.wait()
-        if fetch.error is not None:
-            raise fetch.error
         if self.on_cuda:
             torch.cuda.current_stream(self.device).wait_event(fetch.ready)
         return fetch
@@ -580,15 +524,7 @@ class SpillCache(Cache):
     def _prefetch_after(self, layer_idx: int) -> None:
         if not (self.prefetch_enabled and self.on_cuda):
             return
-        n = len(self.layers)
-        nxt = (layer_idx + 1) % n
-        if self._jobs is not None:  # compressed: the blobs of the layer after next start crossing now
-            ahead = (layer_idx + 2) % n
-            layer = self.layers[ahead]
-            if layer.stored and self._stage_asked.get(ahead) != layer.version:
-                self._stage_asked[ahead] = layer.version
-                version, blobs = layer.version, layer.blobs[:]
-                self._jobs.put(lambda: self._stage_in_worker(ahead, version, blobs))
+        nxt = (layer_idx + 1) % len(self.layers)
         if nxt not in self._pending and self.layers[nxt].stored:
             self._pending[nxt] = self._issue(nxt)
 
@@ -614,8 +550,8 @@ class SpillCache(Cache):
             return
         codec_k, codec_v = self.codecs[fetch.layer]
         blobs = fetch.blobs
-        self.stats.fetched_bytes += sum(_nbytes(k) + _nbytes(v) for _, k, v in blobs)
         if not self.on_cuda:
+            self.stats.fetched_bytes += sum(_nbytes(k) + _nbytes(v) for _, k, v in blobs)
             if self.keep_decoded:
                 for _, blob_k, blob_v in blobs[len(layer.decoded):]:
                     layer.decoded.append(tuple(decode_blobs([codec_k, codec_v], [blob_k, blob_v])))
@@ -624,22 +560,118 @@ class SpillCache(Cache):
                 outs = decode_blobs([codec_k, codec_v] * len(blobs), [b for _, k, v in blobs for b in (k, v)])
             self._place(slot, blobs, outs)
             return
-        staged = self._staged.pop(fetch.layer, None)
-        if staged is None or staged.version != fetch.version:
-            staged = self._stage(fetch.version, blobs)
-        if staged.error is not None:
-            raise staged.error
-        stream = self._decode_stream
-        if staged.event is not None:
-            stream.wait_event(staged.event)
-        stream.wait_event(slot.released)
-        with torch.cuda.stream(stream):
-            outs = decode_blobs([codec_k, codec_v] * len(blobs), staged.inputs, self.device)
-            self._place(slot, blobs, outs)
-            fetch.ready.record(stream)
-        for x in staged.inputs:  # allocated on the copy stream, read on the decode stream
-            if isinstance(x, torch.Tensor) and x.is_cuda:
-                x.record_stream(stream)
+        # CUDA: the layer's packed containers cross in one copy, then its plan decodes them into the slot
+        nbytes = layer.packed_len
+        self.stats.fetched_bytes += nbytes
+        s = fetch.slot
+        self._ensure_stage(nbytes)
+        copy, decode = self._copy_stream, self._decode_stream
+        copy.wait_event(self._stage_free[s])
+        with torch.cuda.stream(copy):
+            self._stage[s][:nbytes].copy_(layer.packed[:nbytes], non_blocking=True)
+            self._staged_events[s].record(copy)
+        decode.wait_event(self._staged_events[s])
+        decode.wait_event(slot.released)
+        with torch.cuda.stream(decode):
+            plan = self._plan(fetch.layer, s)
+            plan.replay()
+            self._stage_free[s].record(decode)
+            fetch.ready.record(decode)
+        chunks, first = [], 0
+        for m, _, _ in blobs:
+            chunks.append((first, m))
+            first += m
+        self._unchecked.append(_Decoded(fetch.layer, plan, chunks, fetch.ready))
+
+    # -- compressed_fetch on CUDA: packed containers, staging, plans ---------------------------------
+    def _pack(self, layer: SpillLayer, m: int, blob_k, blob_v) -> None:
+        """Append a chunk's two containers to the layer's pinned buffer (each starting PACK_ALIGN-aligned)."""
+        blobs = [b if isinstance(b, torch.Tensor) else torch.frombuffer(bytearray(b), dtype=torch.uint8)
+                 for b in (blob_k, blob_v)]
+        need = layer.packed_len + sum(_align(b.numel(), PACK_ALIGN) for b in blobs)
+        if layer.packed is None or layer.packed.numel() < need:
+            if layer.packed is not None:
+                self.drain()  # queued copies may still read the old buffer
+            grown = torch.empty(_align(max(need + need // 4, BYTES_STEP), BYTES_STEP), dtype=torch.uint8,
+                                pin_memory=True)
+            if layer.packed_len:
+                grown[:layer.packed_len].copy_(layer.packed[:layer.packed_len])
+            layer.packed = grown
+        for blob in blobs:
+            offset = layer.packed_len
+            layer.packed[offset:offset + blob.numel()].copy_(blob.reshape(-1))  # waits for the encode
+            layer.places.append((offset, blob.numel()))
+            layer.heads.append(bytes(layer.packed[offset:offset + min(blob.numel(), HEAD_BYTES)].numpy()))
+            layer.packed_len = _align(offset + blob.numel(), PACK_ALIGN)
+        views = [layer.packed[a:a + n] for a, n in layer.places]
+        layer.blobs = [(tokens, k, v) for (tokens, _, _), k, v in zip(layer.blobs + [(m, None, None)], views[0::2],
+                                                                        views[1::2])]
+        layer.plans.clear()
+
+    def _ensure_stage(self, nbytes: int) -> None:
+        if self._stage and self._stage[0].numel() >= nbytes:
+            return
+        if self._stage:  # grow: nothing may still read the old buffers, and every plan names them
+            self.drain()
+            for layer in self.layers:
+                layer.plans.clear()
+        size = _align(max(nbytes + nbytes // 4, BYTES_STEP), BYTES_STEP)
+        self._stage = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(SLOTS)]
+        self._staged_events = [torch.cuda.Event() for _ in range(SLOTS)]
+        self._stage_free = [torch.cuda.Event() for _ in range(SLOTS)]
+        for event in self._stage_free:
+            event.record(torch.cuda.current_stream(self.device))
+
+    def _plan(self, layer_idx: int, s: int) -> StagedDecode:
+        """The layer's decode from staging buffer s into slot s (made at its first use after a flush)."""
+        layer, slot = self.layers[layer_idx], self._slots[s]
+        where = (self._stage[s].data_ptr(), slot.k.data_ptr(), None if self._scratch is None else self._scratch.data_ptr())
+        held = layer.plans.get(s)
+        if held is not None and held[0] == layer.version and held[1] == where:
+            return held[2]
+        codec_k, codec_v = self.codecs[layer_idx]
+        outs, first = [], 0
+        for m, _, _ in layer.blobs:
+            outs += [slot.k[first:first + m], slot.v[first:first + m]]
+            first += m
+        codecs = [codec_k, codec_v] * len(layer.blobs)
+        widths = [c._projection(layer.dim, self.device).coefficient_width() for c in codecs]
+        need = StagedDecode.scratch_bytes([(1, out.shape[0], w) for out, w in zip(outs, widths)])
+        if self._scratch is None or self._scratch.numel() < need:
+            # plans replay one after another on the decode stream, so they share it; a larger one
+            # renames it, so every plan is made again
+            torch.cuda.current_stream(self.device).synchronize()
+            for other in self.layers:
+                other.plans.clear()
+            self._scratch = torch.empty(_align(need + need // 4, BYTES_STEP), dtype=torch.uint8, device=self.device)
+            where = where[:2] + (self._scratch.data_ptr(),)
+        try:
+            plan = StagedDecode(codecs, layer.heads, [n for _, n in layer.places], [a for a, _ in layer.places],
+                                self._stage[s], outs, scratch=self._scratch, pool=self._pool)
+        except BitstreamError as error:
+            raise BitstreamError(f"layer {layer_idx}: {error}") from None
+        layer.plans[s] = (layer.version, where, plan)
+        return plan
+
+    def _check_decodes(self, wait: bool, upto: int | None = None) -> None:
+        """Read the payload checks of queued decodes that are done (all of the first `upto`, or of all,
+        when `wait`): a corrupt container raises BitstreamError naming its layer, K or V, and chunk."""
+        upto = len(self._unchecked) if upto is None else upto
+        pending = []
+        for i, job in enumerate(self._unchecked):
+            if not (wait and i < upto) and not job.done.query():
+                pending.append(job)
+                continue
+            job.done.synchronize()
+            bad = job.plan.corrupt()
+            if bad is not None:
+                self._unchecked = []
+                first, tokens = job.chunks[bad // 2]
+                raise BitstreamError(f"layer {job.layer}: the {'KV'[bad % 2]} container of tokens {first}.."
+                                     f"{first + tokens - 1} is corrupt (its checksum, tables or lane states do not "
+                                     "check out): the cache's stored copy was damaged in host memory or on the way; "
+                                     "this step's output is not to be used")
+        self._unchecked = pending
 
     @staticmethod
     def _place(slot: _Slot, blobs, outs) -> None:
@@ -651,31 +683,6 @@ class SpillCache(Cache):
             slot.k[offset:offset + m].copy_(k_rows)
             slot.v[offset:offset + m].copy_(v_rows)
             offset += m
-
-    def _stage(self, version: int, blobs: list) -> _Staged:
-        """Blobs in the form the decoder takes; "cuda": copied to the GPU on the copy stream."""
-        flat = [b for _, k, v in blobs for b in (k, v)]
-        if self.input_kind != "cuda":
-            return _Staged(version, flat)
-        with torch.cuda.stream(self._copy_stream):
-            inputs = [b.to(self.device, non_blocking=True) for b in flat]
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-        return _Staged(version, inputs, event)
-
-    def _stage_in_worker(self, layer_idx: int, version: int, blobs: list) -> None:
-        try:
-            self._staged[layer_idx] = self._stage(version, blobs)
-        except BaseException as error:  # raised by the fetch that needs it
-            self._staged[layer_idx] = _Staged(version, [], error=error)
-
-    def _run_in_worker(self, fetch: _Fetch) -> None:
-        try:
-            self._run(fetch)
-        except BaseException as error:  # raised in the thread that waits for this fetch
-            fetch.error = error
-        finally:
-            fetch.done.set()
 
     def _assemble(self, layer: SpillLayer, fetch: _Fetch, k_new, v_new):
         """The slot's fetched rows + the recent window (+ the new rows): views [T, D] of the slot."""

@@ -1214,6 +1214,163 @@ class Tensors(LazyViews):
         return f"Tensors({len(self)} x {list(self.stacked.shape[1:])} {self.stacked.dtype} on {self.stacked.device})"
 
 
+class StagedDecode:
+    """A decode that repeats with no host work: compute-codec containers of bf16 tensors, laid out
+    at fixed byte offsets of one GPU buffer, decoded into fixed output rows, as one CUDA graph.
+
+        plan = StagedDecode(codecs, heads, totals, offsets, buffer, outs)
+        # each step: bytes of the same containers copied into buffer (an H2D copy on another stream), then
+        plan.replay()     # queued on the current stream: no host read, no synchronization
+        ...               # after the stream passed the replay (an event, a synchronize):
+        plan.check()      # BitstreamError naming the first corrupt container, from flags the replay copied to host
+
+    The host checks each container once, here, from its first bytes (`heads[i]`: at least its header,
+    QPAR and the payload's first 64 bytes; `totals[i]`: its length): header and chunk CRCs, the schema,
+    the basis, the payload header against the shape. Every replay then checks each payload on the GPU
+    (its checksum, tables and lane states, as decode_many does) and raises nothing itself: a caller
+    that needs the answer before using the output waits for the stream and calls check(). A payload
+    whose bytes changed after this check is decoded as the corrupt data it is and flagged; the header
+    bytes before it are not read again (change a container: make a new plan).
+
+    Payloads of one shape decode in one set of launches; outs[i] ([T, D] bf16, contiguous, on the
+    buffer's GPU) receives container i. scratch: a uint8 GPU tensor for the coefficient rows (at least
+    scratch_bytes()) that plans replayed one after another on one stream may share; pool: a CUDA-graph
+    memory pool the same plans may share (torch.cuda.graph_pool_handle()). graph=False: launch eagerly
+    (the same kernels; the fallback where a capture fails)."""
+
+    def __init__(self, codecs, heads, totals, offsets, buffer, outs, *, scratch=None, pool=None, graph: bool = True,
+                 max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
+        import torch
+
+        from .codecs import rans_cuda
+        from .rdquant import RDQuantizer
+
+        n = len(codecs)
+        if not (len(heads) == len(totals) == len(offsets) == len(outs) == n) or n == 0:
+            raise ConfigurationError(f"StagedDecode needs one head, length, offset and output per codec; got {n} "
+                                     f"codecs, {len(heads)} heads, {len(totals)} lengths, {len(offsets)} offsets, "
+                                     f"{len(outs)} outputs")
+        if not (_is_tensor(buffer) and buffer.is_cuda and buffer.dtype == torch.uint8 and buffer.dim() == 1):
+            raise InvalidTensorError("StagedDecode's buffer must be a 1-D uint8 CUDA tensor")
+        dev = buffer.device
+        jobs = []  # (index, parsed payload header, payload offset in buffer, step, projection)
+        for i, (codec, head, total, offset, out) in enumerate(zip(codecs, heads, totals, offsets, outs)):
+            head = bytes(head)
+            header, spans = _parse(head, int(total), lazy_last=True, max_elements=max_elements)
+            if header["quant"]["kind"] != "rd_shared_step" or header["dtype"] != "bfloat16":
+                raise ConfigurationError(f"container {i}: StagedDecode decodes compute-codec containers of bfloat16 "
+                                         f"tensors; this one is {header['dtype']} with quantizer "
+                                         f"{header['quant']['kind']!r}. Fix: decode it with decode_many")
+            (qa, qb), (a, b) = spans["QPAR"], spans["DATA"]
+            if a + 64 > len(head):
+                raise ConfigurationError(f"container {i}: its head holds {len(head)} bytes; the payload's header "
+                                         f"needs the first {a + 64}")
+            inner = schema.check_chunks(header, {"QPAR": head[qa:qb], "DATA": head[a:a + 64]}, data_len=b - a,
+                                        read_inner=read_rans_header)
+            codec._check_basis(header)
+            proj = codec._projection(header["shape"][1], dev)
+            if inner.K != proj.K:
+                raise BitstreamError(f"container {i}: payload holds {inner.K} components per token; its basis has {proj.K}")
+            if not (_is_tensor(out) and out.is_cuda and out.device == dev and out.dtype == torch.bfloat16
+                    and list(out.shape) == header["shape"] and out.is_contiguous()):
+                raise InvalidTensorError(f"output {i} must be a contiguous bfloat16 tensor {header['shape']} on {dev}; "
+                                         f"got {getattr(out, 'dtype', type(out).__name__)} "
+                                         f"{tuple(getattr(out, 'shape', ()))}")
+            if offset % PAYLOAD_ALIGN or offset < 0 or offset + int(total) > buffer.numel():
+                raise ConfigurationError(f"container {i} at byte {offset} ({total} bytes) must start 16-byte aligned "
+                                         f"inside the buffer of {buffer.numel()} bytes")
+            jobs.append((i, inner, offset + a, RDQuantizer.from_bytes(head[qa:qb]).step, proj))
+        self.outs, self.buffer, self.n = list(outs), buffer, n
+        self.groups = []
+        keys = [(j[1].T, j[1].K, j[1].S, j[1].G, j[1].prob_bits, j[4].coefficient_width()) for j in jobs]
+        cursor = 0
+        for members in _same_shape_groups(keys):
+            T, K, width = keys[members[0]][0], keys[members[0]][1], keys[members[0]][5]
+            hdrs = [jobs[m][1] for m in members]
+            pad = torch.zeros(width - K, dtype=torch.bfloat16)
+            pad[:2] = 1  # the mean's two columns (coefficient_rows)
+            group = dict(members=members, hdrs=hdrs, K=K, rows_at=cursor, shape=(len(members), T, width),
+                         segs=rans_cuda.segment_table(hdrs, [jobs[m][2] for m in members], dev),
+                         scaled=(rans_cuda.floats_on([float(jobs[m][3]) for m in members], dev),
+                                 rans_cuda.floats_on([jobs[m][4].coefficient_bound() for m in members], dev), width),
+                         weights=[jobs[m][4].coefficient_weights() for m in members],
+                         pad=pad.to(dev), err=torch.zeros(len(members), dtype=torch.int32, device=dev),
+                         err_host=torch.zeros(len(members), dtype=torch.int32, pin_memory=True))
+            cursor += (len(members) * T * width * 2 + 255) // 256 * 256
+            self.groups.append(group)
+        self.rows_bytes = cursor
+        if scratch is None:
+            scratch = torch.empty(cursor, dtype=torch.uint8, device=dev)
+        elif not (_is_tensor(scratch) and scratch.device == dev and scratch.dtype == torch.uint8
+                  and scratch.numel() >= cursor):
+            raise ConfigurationError(f"scratch must be a uint8 tensor of at least {cursor} bytes on {dev}")
+        for g in self.groups:
+            g["rows"] = scratch[g["rows_at"]:g["rows_at"] + g["shape"][0] * g["shape"][1] * g["shape"][2] * 2] \
+                .view(torch.bfloat16).view(g["shape"])
+        self.scratch, self.graph = scratch, None
+        side = torch.cuda.Stream(dev)  # an eager run, then the capture, on one side stream (as torch advises)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._launch()  # compiles the kernels and fills the caches a capture reads
+            if graph and not rans_cuda._interpreting():
+                self.graph = torch.cuda.CUDAGraph()
+
+                def capture():
+                    # capture_begin directly: torch.cuda.graph's entry synchronizes the device and empties
+                    # the allocator's cache, which a cache making one plan per layer should not pay
+                    self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        self._launch()
+                    finally:
+                        self.graph.capture_end()
+
+                rans_cuda.holding_cached(self.graph, capture)
+        torch.cuda.current_stream(dev).wait_stream(side)
+
+    @staticmethod
+    def scratch_bytes(shapes) -> int:
+        """Scratch bytes a plan needs for groups of (count, T, width) coefficient rows."""
+        return sum((n * T * w * 2 + 255) // 256 * 256 for n, T, w in shapes)
+
+    def _launch(self) -> None:
+        import torch
+
+        from .codecs import rans_cuda
+
+        for g in self.groups:
+            g["err"].zero_()
+            g["rows"][:, :, g["K"]:] = g["pad"]
+            rans_cuda.decode_placed(self.buffer, g["segs"], g["hdrs"], g["err"], g["scaled"], g["rows"])
+            for m, rows, w in zip(g["members"], g["rows"].unbind(0), g["weights"]):
+                torch.mm(rows, w, out=self.outs[m])
+            g["err_host"].copy_(g["err"], non_blocking=True)
+
+    def replay(self) -> None:
+        """Queue the decode on the current stream (the buffer must hold the containers' bytes by then)."""
+        if self.graph is None:
+            self._launch()
+        else:
+            self.graph.replay()
+
+    def corrupt(self) -> int | None:
+        """After the stream passed the last replay: the index of the first container whose payload
+        failed its check there, or None."""
+        from .codecs import rans_cuda
+
+        bad = [m for g in self.groups for m, flag in zip(g["members"], g["err_host"].numpy()) if flag]
+        for g in self.groups:
+            rans_cuda.check_lane_map(g["err_host"].numpy())
+        return min(bad) if bad else None
+
+    def check(self) -> None:
+        """After the stream passed the last replay: BitstreamError naming the first corrupt container."""
+        from .codecs import rans_cuda
+
+        first = self.corrupt()
+        if first is not None:
+            raise BitstreamError(f"{rans_cuda.CORRUPT} (container {first} of the list)")
+
+
 def _parse_resident(blob, head: bytes, total: int, max_elements: int):
     """Header and chunk spans of a GPU-resident container from its first bytes (more are read when
     the header is longer than PREFIX_READ)."""

@@ -1,7 +1,7 @@
 """SpillCache (shared/kvcache.py): driven by transformers' forward and generate() it gives DynamicCache's
 output exactly in raw_fetch and gpu_resident modes and stays within its stated quality compressed;
 it flushes in chunks, fetches bit-exact, refuses what it cannot do; PoC 17's decoder agrees with its
-own prefill. GPU tests (marked gpu) run the CUDA streams, the prefetch worker and the CUDA graphs."""
+own prefill. GPU tests (marked gpu) run the CUDA streams, the staged decodes and the CUDA graphs."""
 import numpy as np
 import pytest
 import torch
@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from poc_module import load_poc
 from shared.basis import fit_basis, fit_basis_torch
-from shared.errors import ConfigurationError, InvalidTensorError, TensorCodecError
+from shared.errors import BitstreamError, ConfigurationError, InvalidTensorError, TensorCodecError
 from shared.kvcache import MODES, SpillCache, cache_kwarg, rows_to_states, states_to_rows
 from shared.llm import cache_kv, kv_to_rows
 from shared.pipeline import TensorCodec
@@ -228,7 +228,7 @@ def test_gpu_generate_matches_dynamic_cache(mode):
 
 
 @pytest.mark.gpu
-def test_gpu_compressed_fetch_through_the_worker():
+def test_gpu_compressed_fetch_through_staged_decodes():
     model = tiny_llama("cuda")
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
     kv = prefill_kv(model, ids)
@@ -236,34 +236,39 @@ def test_gpu_compressed_fetch_through_the_worker():
     cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
     with torch.no_grad():
         model(ids, **cache_kwarg(model, cache))
-    assert cache.input_kind in ("cuda", "pinned", "bytes") and cache._jobs is not None
+    layer = cache.layers[0]
+    assert layer.packed.is_pinned() and len(layer.places) == 2 and all(a % 16 == 0 for a, _ in layer.places)
     for i, (k_rows, v_rows) in enumerate(kv):
         k, v = cache.fetched_kv(i)
         assert k.is_cuda and quality(k_rows, k, "cos") >= 0.999 and quality(v_rows, v, "cos") >= 0.999
+        assert cache.layers[i].plans  # the decode is a plan, replayed until the next flush
     reference = generate(model, ids, DynamicCache())
-    out = generate(model, ids, SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK))
+    spill = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
+    out = generate(model, ids, spill)
     assert (out == reference).float().mean() >= 0.9
+    assert spill.stats.flushes >= 2 * (1 + (NEW - 1) // CHUNK) and not spill._unchecked
     cache.close()
 
 
 @pytest.mark.gpu
-def test_gpu_worker_errors_reach_the_caller():
+def test_gpu_corrupt_stored_container_is_named_by_the_step_that_read_it():
     model = tiny_llama("cuda")
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
     codecs = make_codecs([(k.cpu(), v.cpu()) for k, v in prefill_kv(model, ids)])
-    cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
-    with torch.no_grad():
-        model(ids, **cache_kwarg(model, cache))
-    cache.drain()
-    n, blob_k, blob_v = cache.layers[1].blobs[0]
-    corrupt = blob_k.clone() if isinstance(blob_k, torch.Tensor) else bytearray(blob_k)
-    corrupt[len(corrupt) // 2] ^= 0xFF
-    cache.layers[1].blobs[0] = (n, corrupt.pin_memory() if isinstance(corrupt, torch.Tensor) else bytes(corrupt),
-                                blob_v)
-    cache.layers[1].version += 1
-    with pytest.raises(TensorCodecError):
-        cache.fetched_kv(1)
-    cache.close()
+    for via in ("fetched_kv", "decode step"):
+        cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=4 * PROMPT)
+        with torch.no_grad():
+            logits = model(ids, **cache_kwarg(model, cache)).logits
+            cache.flush()
+            cache.fetched_kv(1)  # healthy: its plan is made and checked
+            offset, length = cache.layers[1].places[1]  # layer 1's V container
+            cache.layers[1].packed[offset + length // 2 + 24] ^= 0x3C  # inside its payload: host memory damaged
+            with pytest.raises(BitstreamError, match=r"layer 1: the V container of tokens 0\.\.39 is corrupt"):
+                if via == "fetched_kv":
+                    cache.fetched_kv(1)
+                else:
+                    model(logits[:, -1:].argmax(-1), **cache_kwarg(model, cache))
+        cache.close()
 
 
 @pytest.mark.gpu

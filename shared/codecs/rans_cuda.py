@@ -755,6 +755,25 @@ def _device_table(torch, rows, dev):
     return pinned(host.tobytes()).view(torch.int64).reshape(host.shape).to(dev, non_blocking=True)
 
 
+def segment_table(hdrs, bases, device):
+    """The kernels' segment table for payloads of one shape (hdrs: their parsed headers, checked on
+    the host) that start at byte offsets `bases` (16-byte aligned) of one buffer, on the device: made
+    once, outside a CUDA-graph capture, for decode_placed()."""
+    if any(b % 16 for b in bases):
+        raise ValueError("payloads must start 16-byte aligned in their buffer")
+    fields = _kernels()["seg_fields"]
+    return _device_table(_torch(), [_segment_row(fields, h.layout, b) for h, b in zip(hdrs, bases)], device)
+
+
+def decode_placed(buf, segs, hdrs, err, scaled, out):
+    """The scaled decoder over payloads of one shape already in `buf` where `segs` (segment_table)
+    places them: bf16 coefficient rows into `out` ([N, T, width], its columns past K set by the caller),
+    each payload's error flag into err[i] (zeroed by the caller). No host read, no allocation the caller
+    keeps: the body of a CUDA graph (pipeline.StagedDecode) once the kernels are compiled."""
+    h0 = hdrs[0]
+    _decode_kernels(buf, segs, err, h0, max(h.layout.total for h in hdrs), scaled=scaled, out=out)
+
+
 def decode_cuda(payload, head: bytes | None = None, check: bool = True):
     """decode() on the GPU: uint8 CUDA tensor (a payload from encode or encode_cuda) -> int32 CUDA [T, K].
 
