@@ -191,6 +191,28 @@ class RandomDecoder:
         probs = torch.softmax(scores, -1).to(V.dtype)
         return torch.matmul(probs, V[0]).reshape(1, self.q_dim)
 
+    def attend_coefficients(self, q, kv) -> torch.Tensor:
+        """attend() on a SpillCache's coefficient rows (kvcache.CoefficientKV): stored keys are R_k W_k, so
+        a query's scores are R_k (W_k q) (the query taken into the basis once per head, not every key out
+        of it), and the output's stored part is (p R_v) W_v. Reads each stored row once, as attend() does,
+        and never writes the reconstructed KV."""
+        s = self.s
+        kvh, d = s["kv_heads"], s["head_dim"]
+        groups = s["heads"] // kvh
+        qg = q[0, :, 0].reshape(kvh, groups, d)
+        wk, wv = kv.weights_k.shape[0], kv.weights_v.shape[0]
+        q_coeff = torch.einsum("whd,hgd->whg", kv.weights_k.view(wk, kvh, d), qg).reshape(wk, s["heads"])
+        recent = kv.recent_k.shape[0]
+        scores = torch.cat([kv.rows_k @ q_coeff,  # [S, heads]
+                            torch.einsum("rhd,hgd->rhg", kv.recent_k.view(recent, kvh, d), qg).reshape(recent, -1)])
+        probs = torch.softmax(scores.float() * d ** -0.5, 0).to(kv.rows_v.dtype)  # over tokens, per head
+        stored = kv.rows_k.shape[0]
+        mixed = probs[:stored].T @ kv.rows_v  # [heads, width]: the stored values' mix, still coefficients
+        out = torch.einsum("hgw,whd->hgd", mixed.view(kvh, groups, wv), kv.weights_v.view(wv, kvh, d))
+        out = out + torch.einsum("rhg,rhd->hgd", probs[stored:].view(recent, kvh, groups),
+                                 kv.recent_v.view(recent, kvh, d))
+        return out.reshape(1, self.q_dim)
+
     # -- whole passes ------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, progress: bool = True):
@@ -246,22 +268,34 @@ class RandomDecoder:
         self.graphs = graphs
 
     @torch.no_grad()
-    def step(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
+    def step(self, token: torch.Tensor, position: int, cache, marks: list | None = None) -> torch.Tensor:
         """Decode one token (a [1] int64 tensor on the device) at `position` -> the next token (argmax) and
-        the logits; every layer's new K/V goes through cache.update and attention reads what it returns."""
+        the logits; every layer's new K/V goes through cache.update and attention reads what it returns.
+        marks: a list that receives a timing CUDA event at each layer's start and one at the step's end."""
         s = self.s
+
+        def mark():
+            if marks is not None:
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
         cos, sin = self.cos[position:position + 1], self.sin[position:position + 1]
         h = self.embed.index_select(0, token)
         if self.graphs is not None:
             self.h_buf.copy_(h)
             self.cos_buf.copy_(cos)
             self.sin_buf.copy_(sin)
+            coefficients = getattr(cache, "coefficients", False)
             for i, (pre, post, (q, k, v)) in enumerate(self.graphs):
+                mark()
                 pre.replay()
-                K, V = cache.update(k, v, i)
-                self.o_buf.copy_(self.attend(q, K, V))
+                if coefficients:
+                    self.o_buf.copy_(self.attend_coefficients(q, cache.update_coefficients(k, v, i)))
+                else:
+                    K, V = cache.update(k, v, i)
+                    self.o_buf.copy_(self.attend(q, K, V))
                 post.replay()
             h = self.h_buf
+            mark()
         else:
             for i in range(s["layers"]):
                 q, k, v = self.pre(i, h, cos, sin)
@@ -344,8 +378,9 @@ def check_fetch(cache, kv, context: int) -> dict:
 
 
 def timed_decode(model: RandomDecoder, cache, context: int, first_token: int):
-    """WARMUP_STEPS untimed steps, then enough timed steps for about TIMED_SECONDS: (tokens/s, steps,
-    fetched bytes per timed step, the logits of the last untimed step: the same position in every mode)."""
+    """WARMUP_STEPS untimed steps, then enough timed steps for about TIMED_SECONDS, then one step with
+    a timeline: (tokens/s, steps, fetched bytes per timed step, the logits of the last untimed step (the
+    same position in every mode), the profile (profile_step))."""
     device = model.device
     token = torch.tensor([first_token], device=device)
     position = context
@@ -368,14 +403,47 @@ def timed_decode(model: RandomDecoder, cache, context: int, first_token: int):
         position += 1
     sync(device)
     elapsed = time.perf_counter() - start
-    return steps / elapsed, steps, (cache.stats.fetched_bytes - bytes_before) / steps, check_logits
+    profile = profile_step(model, cache, token, position) if model.graphs is not None else {}
+    return steps / elapsed, steps, (cache.stats.fetched_bytes - bytes_before) / steps, check_logits, profile
+
+
+def profile_step(model: RandomDecoder, cache, token, position: int) -> dict:
+    """One more step with CUDA events: the median per layer of its span on the compute stream (from one
+    layer's start to the next's, waits for the fetch included), of its fetch's copy and of its decode."""
+    marks, cache.timeline = [], [] if cache.mode != "gpu_resident" else None
+    model.step(token, position, cache, marks=marks)
+    torch.cuda.synchronize(model.device)
+    spans = {"layer_ms": [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]}
+    for entry in cache.timeline_ms() if cache.timeline is not None else []:
+        spans.setdefault(f"{entry['stage']}_ms", []).append(entry["end_ms"] - entry["start_ms"])
+    cache.timeline = None
+    return {metric: float(np.median(values)) for metric, values in spans.items() if values}
+
+
+def hbm_gbps(device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The GPU's memory bandwidth as a device-to-device copy sees it (bytes read + written / time)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * nbytes / float(np.median(times[1:])) / 1e9
 
 
 def decode_api(cache) -> str:
     if cache.mode != "compressed_fetch":
         return ""
+    if not cache.on_cuda:
+        return "decode_many"
     return ("one H2D copy of the layer's packed containers, then pipeline.StagedDecode (a CUDA graph per layer) "
-            "into the staging slot; payload checks read once per step") if cache.on_cuda else "decode_many"
+            + ("to coefficient rows, attention on them (no reconstruction)" if cache.coefficients else
+               "with the reconstruction GEMM into the staging slot") + "; payload checks read once per step")
 
 
 # ---------------------------------------------------------------- the timing model rows
@@ -420,6 +488,13 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
                   fetch_path="pinned host memory -> GPU over PCIe" if on_cuda else
                   "a CPU smoke run: host-to-host copies, blobs decoded once (keep_decoded); no PCIe, not a fetch measurement")
     kv_bf16_per_token = 2 * shape["layers"] * model.kv_dim * 2
+    # compressed_coefficients: the same cache and codec, its attention on the decoder's coefficient rows
+    # (RandomDecoder.attend_coefficients), which needs the GPU decoder and the graphed step
+    timing_modes = ("gpu_resident", "raw_fetch", "compressed_fetch") + (("compressed_coefficients",) if graphs else ())
+    hbm = hbm_gbps(device) if on_cuda else None
+    if hbm:
+        print(f"  memory bandwidth (device-to-device copy): {hbm:.0f} GB/s")
+        res.add(metric="hbm_gbps", value=hbm, unit="GB/s", backend="none", mode="all", context=0, **common)
     last = None  # (context, seconds it took)
     for context in tqdm(contexts, desc="contexts", unit="context"):
         elapsed = time.perf_counter() - begin
@@ -431,18 +506,20 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             continue
         context_start = time.perf_counter()
         tokens_s, reference_logits = {}, None
-        for mode in ("gpu_resident", "raw_fetch", "compressed_fetch"):
-            cache = SpillCache(shape["layers"], mode, codecs=codecs if mode == "compressed_fetch" else None,
-                               chunk_tokens=CHUNK_TOKENS, max_tokens=context + WARMUP_STEPS + MAX_STEPS + 2,
-                               contiguous=False)
+        for mode in timing_modes:
+            compressed = mode.startswith("compressed")
+            cache = SpillCache(shape["layers"], "compressed_fetch" if compressed else mode,
+                               codecs=codecs if compressed else None, chunk_tokens=CHUNK_TOKENS,
+                               max_tokens=context + WARMUP_STEPS + MAX_STEPS + 2, contiguous=False,
+                               coefficients=mode == "compressed_coefficients")
             start = time.perf_counter()
             fill(cache, kv, context, shape["kv_heads"], device)
             sync(device)
             fill_s = time.perf_counter() - start
             check = check_fetch(cache, kv, context)
-            if mode != "compressed_fetch" and not check["exact"]:
+            if not compressed and not check["exact"]:
                 raise SystemExit(f"{mode} at {context}: the fetched KV differs from the prompt's: a bug")
-            rate, n_steps, fetched, logits = timed_decode(model, cache, context, int(ids[context]))
+            rate, n_steps, fetched, logits, profile = timed_decode(model, cache, context, int(ids[context]))
             same = diff = None
             if mode == "gpu_resident":
                 reference_logits = logits
@@ -457,13 +534,18 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
                     tqdm.write(f"  WARNING: raw_fetch logits differ from gpu_resident's by {diff:.3g} (rounding-sized)")
             tokens_s[mode] = rate
             row = dict(common, mode=mode, context=context, steps=n_steps, decode_api=decode_api(cache),
-                       backend="rans" if mode == "compressed_fetch" else "none")
+                       backend="rans" if compressed else "none")
             res.add(metric="tokens_per_s", value=rate, unit="tokens/s", **row)
             res.add(metric="step_ms", value=1e3 / rate, unit="ms", **row)
             res.add(metric="fetched_bytes_per_step", value=fetched, unit="bytes", **row)
             res.add(metric="fetch_gb_per_s", value=fetched * rate / 1e9, unit="GB/s", **row)
             res.add(metric="fill_s", value=fill_s, unit="s", **row)
-            if mode == "compressed_fetch":
+            for metric, value in profile.items():  # one profiled step: medians over its layers
+                res.add(metric=f"per_layer_{metric}", value=value, unit="ms", **row)
+            if mode == "gpu_resident" and hbm:
+                read = model.param_bytes() + kv_bf16_per_token * context  # bytes one step reads, at least
+                res.add(metric="hbm_fraction", value=read * rate / 1e9 / hbm, unit="fraction", **row)
+            if compressed:
                 ratio = kv_bf16_per_token * context / cache.stored_bytes()
                 res.add(metric="ratio", value=ratio, unit="x", **row)
                 res.add(metric="cos", value=check["cos_mean"], unit="cos", **row)
@@ -476,17 +558,19 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
                 if same is not None:
                     res.add(metric="logits_match_resident", value=float(same), unit="bool", **row)
                     note += ", logits = gpu_resident's bit for bit" if same else f", logits within {diff:.2g}"
-            tqdm.write(f"  {context:>6} tokens  {mode:<16} {rate:8.2f} tokens/s ({n_steps} steps, "
+            if profile:
+                note += "; per layer " + ", ".join(f"{k.removesuffix('_ms')} {v:.3f} ms" for k, v in profile.items())
+            tqdm.write(f"  {context:>6} tokens  {mode:<23} {rate:8.2f} tokens/s ({n_steps} steps, "
                        f"{fetched / 1e9:.3f} GB fetched per step)  {note}")
             cache.close()
             del cache
             if on_cuda:
                 torch.cuda.empty_cache()
-        for mode in ("compressed_fetch", "gpu_resident"):
+        for mode in timing_modes[2:] + ("gpu_resident",):
             res.add(metric="speedup_vs_raw", value=tokens_s[mode] / tokens_s["raw_fetch"], unit="x",
-                    **dict(common, mode=mode, context=context, backend="rans" if mode == "compressed_fetch" else "none"))
-        tqdm.write(f"  {context:>6} tokens  compressed / raw = {tokens_s['compressed_fetch'] / tokens_s['raw_fetch']:.2f}x,"
-                   f"  gpu_resident / raw = {tokens_s['gpu_resident'] / tokens_s['raw_fetch']:.2f}x")
+                    **dict(common, mode=mode, context=context, backend="rans" if mode != "gpu_resident" else "none"))
+        tqdm.write(f"  {context:>6} tokens  " + ",  ".join(f"{mode} / raw = {tokens_s[mode] / tokens_s['raw_fetch']:.2f}x"
+                                                          for mode in timing_modes[2:] + ("gpu_resident",)))
         last = (context, time.perf_counter() - context_start)
     del model, kv
     if on_cuda:

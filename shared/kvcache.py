@@ -216,6 +216,21 @@ class _Slot:
     k: torch.Tensor
     v: torch.Tensor
     released: object = None  # torch.cuda.Event recorded once the last reader was queued
+    ck: torch.Tensor | None = None  # coefficients=True: the stored tokens' coefficient rows, flat bf16
+    cv: torch.Tensor | None = None
+
+
+@dataclass
+class CoefficientKV:
+    """What update_coefficients hands a decode loop's attention for one layer: the stored tokens as
+    coefficient rows (x = rows @ weights; [S, width] and [width, D], bf16) and the recent window with
+    this call's tokens as plain rows [R, D]; the layer's keys are cat(rows_k @ weights_k, recent_k)."""
+    rows_k: torch.Tensor
+    rows_v: torch.Tensor
+    weights_k: torch.Tensor
+    weights_v: torch.Tensor
+    recent_k: torch.Tensor
+    recent_v: torch.Tensor
 
 
 @dataclass
@@ -232,7 +247,7 @@ class SpillCache(Cache):
 
     def __init__(self, num_layers: int, mode: str = "raw_fetch", *, codecs=None, chunk_tokens: int = 1024,
                  max_tokens: int | None = None, prefetch: bool = True, keep_decoded: bool | None = None,
-                 contiguous: bool = True):
+                 contiguous: bool = True, coefficients: bool = False):
         if mode not in MODES:
             import difflib
 
@@ -247,7 +262,11 @@ class SpillCache(Cache):
                     f"backend='rans', step=s), TensorCodec(basis_v[i], ...)) for i in range({num_layers})]")
         if int(chunk_tokens) < 1:
             raise ConfigurationError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if coefficients and mode != "compressed_fetch":
+            raise ConfigurationError(f"coefficients=True hands attention the decoder's coefficient rows; mode {mode!r} "
+                                     "has none. Fix: mode='compressed_fetch', or coefficients=False")
         super().__init__(layers=[SpillLayer() for _ in range(num_layers)])
+        self.coefficients = coefficients
         self.mode, self.codecs = mode, codecs
         self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens
         self.prefetch_enabled, self.keep_decoded, self.contiguous = prefetch, keep_decoded, contiguous
@@ -264,6 +283,7 @@ class SpillCache(Cache):
         self._staged_events, self._stage_free = [], []
         self._scratch = self._pool = None
         self._unchecked: list[_Decoded] = []
+        self.timeline: list | None = None  # set to [] to record each fetch's copy and decode spans (CUDA events)
 
     # -- public helpers --------------------------------------------------------------------------------
     @property
@@ -289,6 +309,12 @@ class SpillCache(Cache):
         self._release()
         fetch = self._take(layer_idx)
         self._check_decodes(wait=True)
+        if self.coefficients:
+            none = torch.empty((0, layer.dim), dtype=layer.dtype, device=self.device)
+            got = self._coefficient_kv(layer_idx, fetch, none, none)
+            self._in_use = fetch.slot
+            return (torch.cat([got.rows_k @ got.weights_k, got.recent_k]),
+                    torch.cat([got.rows_v @ got.weights_v, got.recent_v]))
         k, v = self._assemble(layer, fetch, None, None)
         self._in_use = fetch.slot
         return k.clone(), v.clone()
@@ -317,6 +343,24 @@ class SpillCache(Cache):
 
     # -- the Cache API ----------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The Cache API: store this call's K/V of a layer and return the layer's whole K and V
+        [1, kv_heads, T, head_dim] (with coefficients=True, reconstructed from the coefficient rows)."""
+        got = self._update(key_states, value_states, layer_idx)
+        if not isinstance(got, CoefficientKV):
+            return got
+        layer = self.layers[layer_idx]
+        k = torch.cat([got.rows_k @ got.weights_k, got.recent_k])
+        v = torch.cat([got.rows_v @ got.weights_v, got.recent_v])
+        return rows_to_states(k, layer.heads).contiguous(), rows_to_states(v, layer.heads).contiguous()
+
+    def update_coefficients(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> CoefficientKV:
+        """update() for an attention that reads coefficient rows (a cache made with coefficients=True): the
+        stored tokens come back as the decoder wrote them, never reconstructed (see CoefficientKV)."""
+        if not self.coefficients:
+            raise ConfigurationError("update_coefficients needs a cache made with coefficients=True")
+        return self._update(key_states, value_states, layer_idx)
+
+    def _update(self, key_states, value_states, layer_idx: int):
         layer = self.layers[layer_idx]
         self._check(key_states, value_states, layer, layer_idx)
         if not layer.is_initialized:
@@ -333,11 +377,17 @@ class SpillCache(Cache):
             self._append(layer_idx, k_new, v_new)
             layer.length = n
             self._prefetch_after(layer_idx)
+            if self.coefficients:
+                return self._coefficient_kv(layer_idx, None, k_new, v_new)
             return key_states, value_states
         self._release()
         self._ensure_slots(layer.length + n, layer.dim, layer.dtype)
         fetch = self._take(layer_idx)
-        k, v = self._assemble(layer, fetch, k_new, v_new)
+        if self.coefficients:
+            out = self._coefficient_kv(layer_idx, fetch, k_new, v_new)
+        else:
+            k, v = self._assemble(layer, fetch, k_new, v_new)
+            out = self._out(k, layer), self._out(v, layer)
         self._in_use = fetch.slot
         self._append(layer_idx, k_new, v_new)
         layer.length += n
@@ -346,7 +396,32 @@ class SpillCache(Cache):
         if self._unchecked:  # once per step, at the last layer (its decode queued, the next one too): the
             # step's payload checks, before its attention output leaves this call
             self._check_decodes(wait=layer_idx == len(self.layers) - 1, upto=queued)
-        return self._out(k, layer), self._out(v, layer)
+        return out
+
+    def _coefficient_kv(self, layer_idx: int, fetch, k_new, v_new) -> CoefficientKV:
+        """The fetched coefficient rows (views of the slot) and the recent window + new rows (copied to
+        the slot's plain rows, from its start)."""
+        layer = self.layers[layer_idx]
+        codec_k, codec_v = self.codecs[layer_idx]
+        proj_k, proj_v = (c._projection(layer.dim, self.device) for c in (codec_k, codec_v))
+        wk, wv = proj_k.coefficient_width(), proj_v.coefficient_width()
+        stored = 0 if fetch is None else fetch.tokens
+        if fetch is not None and stored != layer.stored:
+            raise TensorCodecError("internal: a fetch of a stale stored form was used")
+        if fetch is None:
+            rows_k = torch.empty((0, wk), dtype=torch.bfloat16, device=self.device)
+            rows_v = torch.empty((0, wv), dtype=torch.bfloat16, device=self.device)
+            return CoefficientKV(rows_k, rows_v, proj_k.coefficient_weights(), proj_v.coefficient_weights(),
+                                 k_new, v_new)
+        slot = self._slots[fetch.slot]
+        r, n = layer.recent, k_new.shape[0]
+        if r:
+            slot.k[:r].copy_(layer.recent_k[:r])
+            slot.v[:r].copy_(layer.recent_v[:r])
+        slot.k[r:r + n].copy_(k_new)
+        slot.v[r:r + n].copy_(v_new)
+        return CoefficientKV(slot.ck[:stored * wk].view(stored, wk), slot.cv[:stored * wv].view(stored, wv),
+                             proj_k.coefficient_weights(), proj_v.coefficient_weights(), slot.k[:r + n], slot.v[:r + n])
 
     def reset(self) -> None:
         self.drain()
@@ -403,6 +478,9 @@ class SpillCache(Cache):
         self.device = layer.device
         if self.keep_decoded is None:
             self.keep_decoded = not self.on_cuda
+        if self.coefficients and not self.on_cuda:
+            raise ConfigurationError("coefficients=True reads the GPU decoder's coefficient rows; this cache computes "
+                                     f"on {self.device}. Fix: coefficients=False on a CPU")
         if self.on_cuda and self.mode != "gpu_resident":
             self._copy_stream = torch.cuda.Stream(self.device)
             if self.mode == "compressed_fetch":
@@ -423,11 +501,21 @@ class SpillCache(Cache):
         for _ in range(SLOTS):
             k = torch.empty((capacity, dim), dtype=dtype, device=self.device)
             slot = _Slot(k, torch.empty_like(k), torch.cuda.Event() if self.on_cuda else None)
+            if self.coefficients:
+                width = max(self._widths(i)[0] for i in range(len(self.layers)))
+                slot.ck = torch.empty(capacity * width, dtype=torch.bfloat16, device=self.device)
+                slot.cv = torch.empty_like(slot.ck)
             for stream in (self._copy_stream, self._decode_stream):  # written there: freed only once it is done
                 if stream is not None:
-                    slot.k.record_stream(stream)
-                    slot.v.record_stream(stream)
+                    for t in (slot.k, slot.v, slot.ck, slot.cv):
+                        if t is not None:
+                            t.record_stream(stream)
             self._slots.append(slot)
+
+    def _widths(self, layer_idx: int) -> tuple[int, int]:
+        """The coefficient-row widths of a layer's K and V codecs."""
+        dim = next(layer.dim for layer in self.layers if layer.dim)
+        return tuple(c._projection(dim, self.device).coefficient_width() for c in self.codecs[layer_idx])
 
     # -- storing -----------------------------------------------------------------------------------------
     def _append_resident(self, layer: SpillLayer, k_new, v_new):
@@ -544,8 +632,11 @@ class SpillCache(Cache):
             stream = self._copy_stream
             stream.wait_event(slot.released)
             with torch.cuda.stream(stream):
+                mark = self._mark(fetch.layer, "copy", stream)
                 slot.k[:n].copy_(layer.store_k[:n], non_blocking=True)
                 slot.v[:n].copy_(layer.store_v[:n], non_blocking=True)
+                if mark:
+                    mark[3].record(stream)
                 fetch.ready.record(stream)
             return
         codec_k, codec_v = self.codecs[fetch.layer]
@@ -568,13 +659,19 @@ class SpillCache(Cache):
         copy, decode = self._copy_stream, self._decode_stream
         copy.wait_event(self._stage_free[s])
         with torch.cuda.stream(copy):
+            mark = self._mark(fetch.layer, "copy", copy)
             self._stage[s][:nbytes].copy_(layer.packed[:nbytes], non_blocking=True)
+            if mark:
+                mark[3].record(copy)
             self._staged_events[s].record(copy)
         decode.wait_event(self._staged_events[s])
         decode.wait_event(slot.released)
         with torch.cuda.stream(decode):
             plan = self._plan(fetch.layer, s)
+            mark = self._mark(fetch.layer, "decode", decode)
             plan.replay()
+            if mark:
+                mark[3].record(decode)
             self._stage_free[s].record(decode)
             fetch.ready.record(decode)
         chunks, first = [], 0
@@ -582,6 +679,25 @@ class SpillCache(Cache):
             chunks.append((first, m))
             first += m
         self._unchecked.append(_Decoded(fetch.layer, plan, chunks, fetch.ready))
+
+    def _mark(self, layer_idx: int, stage: str, stream):
+        """With timeline on: a (layer, stage, start, end) entry whose start is recorded now on stream."""
+        if self.timeline is None:
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        self.timeline.append((layer_idx, stage, start, end))
+        return self.timeline[-1]
+
+    def timeline_ms(self) -> list[dict]:
+        """The recorded spans (after a synchronize): layer, stage ("copy" / "decode"), start and end in ms
+        from the first span's start."""
+        torch.cuda.synchronize(self.device)
+        if not self.timeline:
+            return []
+        origin = self.timeline[0][2]
+        return [dict(layer=layer, stage=stage, start_ms=origin.elapsed_time(a), end_ms=origin.elapsed_time(b))
+                for layer, stage, a, b in self.timeline]
 
     # -- compressed_fetch on CUDA: packed containers, staging, plans ---------------------------------
     def _pack(self, layer: SpillLayer, m: int, blob_k, blob_v) -> None:
@@ -630,14 +746,21 @@ class SpillCache(Cache):
         if held is not None and held[0] == layer.version and held[1] == where:
             return held[2]
         codec_k, codec_v = self.codecs[layer_idx]
-        outs, first = [], 0
-        for m, _, _ in layer.blobs:
-            outs += [slot.k[first:first + m], slot.v[first:first + m]]
-            first += m
         codecs = [codec_k, codec_v] * len(layer.blobs)
-        widths = [c._projection(layer.dim, self.device).coefficient_width() for c in codecs]
-        need = StagedDecode.scratch_bytes([(1, out.shape[0], w) for out, w in zip(outs, widths)])
-        if self._scratch is None or self._scratch.numel() < need:
+        outs, first = [], 0
+        if self.coefficients:  # the decoder's rows are the output: no reconstruction, no scratch
+            wk, wv = self._widths(layer_idx)
+            for m, _, _ in layer.blobs:
+                outs += [slot.ck[first * wk:(first + m) * wk].view(m, wk), slot.cv[first * wv:(first + m) * wv].view(m, wv)]
+                first += m
+            need = 0
+        else:
+            for m, _, _ in layer.blobs:
+                outs += [slot.k[first:first + m], slot.v[first:first + m]]
+                first += m
+            widths = [c._projection(layer.dim, self.device).coefficient_width() for c in codecs]
+            need = StagedDecode.scratch_bytes([(1, out.shape[0], w) for out, w in zip(outs, widths)])
+        if need and (self._scratch is None or self._scratch.numel() < need):
             # plans replay one after another on the decode stream, so they share it; a larger one
             # renames it, so every plan is made again
             torch.cuda.current_stream(self.device).synchronize()
@@ -647,7 +770,8 @@ class SpillCache(Cache):
             where = where[:2] + (self._scratch.data_ptr(),)
         try:
             plan = StagedDecode(codecs, layer.heads, [n for _, n in layer.places], [a for a, _ in layer.places],
-                                self._stage[s], outs, scratch=self._scratch, pool=self._pool)
+                                self._stage[s], outs, scratch=self._scratch if need else None, pool=self._pool,
+                                reconstruct=not self.coefficients)
         except BitstreamError as error:
             raise BitstreamError(f"layer {layer_idx}: {error}") from None
         layer.plans[s] = (layer.version, where, plan)

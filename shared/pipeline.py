@@ -1236,10 +1236,15 @@ class StagedDecode:
     buffer's GPU) receives container i. scratch: a uint8 GPU tensor for the coefficient rows (at least
     scratch_bytes()) that plans replayed one after another on one stream may share; pool: a CUDA-graph
     memory pool the same plans may share (torch.cuda.graph_pool_handle()). graph=False: launch eagerly
-    (the same kernels; the fallback where a capture fails)."""
+    (the same kernels; the fallback where a capture fails).
+
+    reconstruct=False stops before the reconstruction GEMM: outs[i] is then [T, width] bf16 (width =
+    the codec's CudaProjection.coefficient_width()) and receives the coefficient rows R, with
+    x = R @ coefficient_weights() (the mean rides in two columns of ones). An attention that reads R
+    (scores q.x = R @ (W q), outputs p.X = (p.R) @ W) never needs x: the GEMM and its write skipped."""
 
     def __init__(self, codecs, heads, totals, offsets, buffer, outs, *, scratch=None, pool=None, graph: bool = True,
-                 max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
+                 reconstruct: bool = True, max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
         import torch
 
         from .codecs import rans_cuda
@@ -1271,18 +1276,21 @@ class StagedDecode:
             proj = codec._projection(header["shape"][1], dev)
             if inner.K != proj.K:
                 raise BitstreamError(f"container {i}: payload holds {inner.K} components per token; its basis has {proj.K}")
+            shape = header["shape"] if reconstruct else [header["shape"][0], proj.coefficient_width()]
             if not (_is_tensor(out) and out.is_cuda and out.device == dev and out.dtype == torch.bfloat16
-                    and list(out.shape) == header["shape"] and out.is_contiguous()):
-                raise InvalidTensorError(f"output {i} must be a contiguous bfloat16 tensor {header['shape']} on {dev}; "
+                    and list(out.shape) == shape and out.is_contiguous()):
+                raise InvalidTensorError(f"output {i} must be a contiguous bfloat16 tensor {shape} on {dev}; "
                                          f"got {getattr(out, 'dtype', type(out).__name__)} "
                                          f"{tuple(getattr(out, 'shape', ()))}")
             if offset % PAYLOAD_ALIGN or offset < 0 or offset + int(total) > buffer.numel():
                 raise ConfigurationError(f"container {i} at byte {offset} ({total} bytes) must start 16-byte aligned "
                                          f"inside the buffer of {buffer.numel()} bytes")
             jobs.append((i, inner, offset + a, RDQuantizer.from_bytes(head[qa:qb]).step, proj))
-        self.outs, self.buffer, self.n = list(outs), buffer, n
+        self.outs, self.buffer, self.n, self.reconstruct = list(outs), buffer, n, reconstruct
         self.groups = []
-        keys = [(j[1].T, j[1].K, j[1].S, j[1].G, j[1].prob_bits, j[4].coefficient_width()) for j in jobs]
+        # without the GEMM each container decodes straight into its output (a group of one)
+        keys = [(j[1].T, j[1].K, j[1].S, j[1].G, j[1].prob_bits, j[4].coefficient_width(), reconstruct or j[0])
+                for j in jobs]
         cursor = 0
         for members in _same_shape_groups(keys):
             T, K, width = keys[members[0]][0], keys[members[0]][1], keys[members[0]][5]
@@ -1296,7 +1304,8 @@ class StagedDecode:
                          weights=[jobs[m][4].coefficient_weights() for m in members],
                          pad=pad.to(dev), err=torch.zeros(len(members), dtype=torch.int32, device=dev),
                          err_host=torch.zeros(len(members), dtype=torch.int32, pin_memory=True))
-            cursor += (len(members) * T * width * 2 + 255) // 256 * 256
+            if reconstruct:
+                cursor += (len(members) * T * width * 2 + 255) // 256 * 256
             self.groups.append(group)
         self.rows_bytes = cursor
         if scratch is None:
@@ -1306,7 +1315,7 @@ class StagedDecode:
             raise ConfigurationError(f"scratch must be a uint8 tensor of at least {cursor} bytes on {dev}")
         for g in self.groups:
             g["rows"] = scratch[g["rows_at"]:g["rows_at"] + g["shape"][0] * g["shape"][1] * g["shape"][2] * 2] \
-                .view(torch.bfloat16).view(g["shape"])
+                .view(torch.bfloat16).view(g["shape"]) if reconstruct else outs[g["members"][0]].unsqueeze(0)
         self.scratch, self.graph = scratch, None
         side = torch.cuda.Stream(dev)  # an eager run, then the capture, on one side stream (as torch advises)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -1341,8 +1350,9 @@ class StagedDecode:
             g["err"].zero_()
             g["rows"][:, :, g["K"]:] = g["pad"]
             rans_cuda.decode_placed(self.buffer, g["segs"], g["hdrs"], g["err"], g["scaled"], g["rows"])
-            for m, rows, w in zip(g["members"], g["rows"].unbind(0), g["weights"]):
-                torch.mm(rows, w, out=self.outs[m])
+            if self.reconstruct:
+                for m, rows, w in zip(g["members"], g["rows"].unbind(0), g["weights"]):
+                    torch.mm(rows, w, out=self.outs[m])
             g["err_host"].copy_(g["err"], non_blocking=True)
 
     def replay(self) -> None:

@@ -297,3 +297,36 @@ def test_gpu_decoder_graphs_match_eager_and_raw_matches_resident():
     assert torch.allclose(logits[(True, "gpu_resident")], logits[(False, "gpu_resident")], atol=0.05, rtol=0.05)
     scale = float(logits[(False, "gpu_resident")].abs().max())
     assert float((logits[(True, "compressed_fetch")] - logits[(True, "gpu_resident")]).abs().max()) < 0.2 * scale
+
+
+def test_coefficient_rows_are_refused_where_there_are_none(llama, prompt, codecs):
+    with pytest.raises(ConfigurationError, match="mode 'raw_fetch' has none"):
+        SpillCache(2, "raw_fetch", coefficients=True)
+    cache = SpillCache(2, "compressed_fetch", codecs=codecs, coefficients=True)
+    with pytest.raises(ConfigurationError, match="GPU decoder's coefficient rows"), torch.no_grad():
+        llama(prompt, **cache_kwarg(llama, cache))
+    with pytest.raises(ConfigurationError, match="coefficients=True"):
+        SpillCache(2, "compressed_fetch", codecs=codecs).update_coefficients(None, None, 0)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_on_coefficient_rows_matches_attention_on_reconstructed_kv():
+    p17 = poc17()
+    shape = dict(SMALL, layers=3, hidden=256, heads=8, kv_heads=2, head_dim=64, mlp=512, vocab=512)
+    model = p17.RandomDecoder(shape, "cuda", torch.bfloat16, max_positions=600)
+    ids = torch.randint(0, shape["vocab"], (520,), generator=torch.Generator().manual_seed(4))
+    kv, _ = model.prefill(ids[:512], progress=False)
+    codecs, _ = p17.fit_codecs_on_prompt(kv, progress=False)
+    model.capture_graphs()
+    logits = {}
+    for coefficients in (False, True):
+        cache = SpillCache(shape["layers"], "compressed_fetch", codecs=codecs, chunk_tokens=4, contiguous=False,
+                           coefficients=coefficients)
+        p17.fill(cache, kv, 512, shape["kv_heads"])
+        assert p17.check_fetch(cache, kv, 512)["cos_min"] >= 0.999  # fetched_kv reconstructs the rows
+        for position in range(512, 520):  # flushes twice: stored rows and the recent window both attended
+            _, out = model.step(ids[position:position + 1].cuda(), position, cache)
+        logits[coefficients] = out.float()
+        cache.close()
+    scale = float(logits[False].abs().max())
+    assert float((logits[True] - logits[False]).abs().max()) < 0.02 * scale
