@@ -766,14 +766,16 @@ def run(res: ResultsWriter, measured: set[str], quick: bool, device: str, only: 
 
 def save(res: ResultsWriter, measured: set[str]) -> None:
     """Write the CSV, keeping an earlier run's rows of the part (timing / quality) this run did not
-    measure; rows measured on a GPU are never replaced by a run without it (results/local/ then)."""
+    measure; rows measured on a GPU are never replaced by a run without one (results/local/ then)."""
     import pandas as pd
 
     new, path = res.frame(), res.path
     if path.exists():
         old = pd.read_csv(path, dtype={"poc": str})
         replaced = old.loop.isin([DRIVERS[part] for part in measured])
-        lost = set(old[replaced].device.astype(str)) - set(new.device.astype(str)) - {"cpu"}
+        # a run on any GPU replaces an earlier GPU's rows (the figure compares modes within one run);
+        # a CPU-only run never does
+        lost = set(old[replaced].device.astype(str)) - {"cpu"} if set(new.device.astype(str)) <= {"cpu"} else set()
         if lost:
             path = path.parent / "local" / path.name
             print(f"results/{path.name} holds rows measured on {', '.join(sorted(lost))}: writing {path} instead")
