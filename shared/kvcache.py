@@ -20,9 +20,9 @@ the codec's layout; the tensors handed to attention are views [1, kv_heads, T, h
 (copied to contiguous tensors when `contiguous=True`, the default, so attention sees exactly the tensors a
 DynamicCache would hand it). New tokens go to a recent window kept on the compute device; when it reaches
 `chunk_tokens` tokens it is flushed to the stored form as one piece (one host copy, or one blob per K/V),
-so appending never re-codes stored KV. A call that brings `chunk_tokens` or more tokens at once (a prompt)
-flushes them all as one piece: the prompt becomes one large blob per layer per K/V, and a step decodes few,
-large blobs. Tokens are attended exactly within the call that produced them and from their stored form in
+so appending never re-codes stored KV. The first call's tokens (the prompt; `store_prompt=True`, the
+default) and any call that brings `chunk_tokens` or more tokens at once are flushed as one piece: the
+prompt becomes one large blob per layer per K/V, and a step decodes few, large blobs. Tokens are attended exactly within the call that produced them and from their stored form in
 every later call once flushed; tokens still in the recent window are exact.
 
 Fetch pipeline (CUDA)
@@ -247,7 +247,7 @@ class SpillCache(Cache):
 
     def __init__(self, num_layers: int, mode: str = "raw_fetch", *, codecs=None, chunk_tokens: int = 1024,
                  max_tokens: int | None = None, prefetch: bool = True, keep_decoded: bool | None = None,
-                 contiguous: bool = True, coefficients: bool = False):
+                 contiguous: bool = True, coefficients: bool = False, store_prompt: bool = True):
         if mode not in MODES:
             import difflib
 
@@ -266,7 +266,7 @@ class SpillCache(Cache):
             raise ConfigurationError(f"coefficients=True hands attention the decoder's coefficient rows; mode {mode!r} "
                                      "has none. Fix: mode='compressed_fetch', or coefficients=False")
         super().__init__(layers=[SpillLayer() for _ in range(num_layers)])
-        self.coefficients = coefficients
+        self.coefficients, self.store_prompt = coefficients, store_prompt
         self.mode, self.codecs = mode, codecs
         self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens
         self.prefetch_enabled, self.keep_decoded, self.contiguous = prefetch, keep_decoded, contiguous
@@ -475,6 +475,15 @@ class SpillCache(Cache):
                                      f"{self._slots[0].k.shape[1]} {self._slots[0].k.dtype}")
         if self.device is not None:
             return
+        if self.mode == "compressed_fetch":  # a codec made for another model is refused before anything is coded
+            for i, pair in enumerate(self.codecs):
+                for kind, codec in zip("KV", pair):
+                    dim = getattr(getattr(codec, "basis", None), "dim", None)
+                    if dim is not None and dim != layer.dim:
+                        raise ConfigurationError(
+                            f"layer {i}'s {kind} codec has a basis for {dim} channels; this model's layers hold "
+                            f"{layer.dim} KV channels ({layer.heads} KV heads x {layer.head_dim}). Fix: codecs "
+                            "fitted on this model's KV")
         self.device = layer.device
         if self.keep_decoded is None:
             self.keep_decoded = not self.on_cuda
@@ -537,7 +546,8 @@ class SpillCache(Cache):
         """New rows into the recent window; a full window (or a call of chunk_tokens or more) is flushed."""
         layer = self.layers[layer_idx]
         n = k_new.shape[0]
-        if layer.recent + n < self.chunk_tokens:
+        prompt = self.store_prompt and layer.length == 0 and n > 1  # the first call's tokens: stored at once
+        if layer.recent + n < self.chunk_tokens and not prompt:
             if layer.recent_k is None:
                 layer.recent_k = torch.empty((self.chunk_tokens, layer.dim), dtype=layer.dtype, device=layer.device)
                 layer.recent_v = torch.empty_like(layer.recent_k)
@@ -655,7 +665,7 @@ class SpillCache(Cache):
         nbytes = layer.packed_len
         self.stats.fetched_bytes += nbytes
         s = fetch.slot
-        self._ensure_stage(nbytes)
+        self._ensure_stage(max(other.packed_len for other in self.layers))  # sized once for every layer
         copy, decode = self._copy_stream, self._decode_stream
         copy.wait_event(self._stage_free[s])
         with torch.cuda.stream(copy):

@@ -1333,7 +1333,7 @@ class StagedDecode:
                     finally:
                         self.graph.capture_end()
 
-                rans_cuda.holding_cached(self.graph, capture)
+                rans_cuda.holding_cached(self, capture)
         torch.cuda.current_stream(dev).wait_stream(side)
 
     @staticmethod

@@ -133,8 +133,14 @@ def test_compressed_decoding_every_step_equals_decoding_once(llama, prompt, code
     assert torch.equal(outs[0], outs[1])
 
 
+def test_a_prompt_shorter_than_a_chunk_is_stored_at_once(llama, prompt, codecs):
+    cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=1024)
+    generate(llama, prompt, cache, new=20)
+    assert cache.stored_tokens() == PROMPT and cache.layers[0].recent == 19 and cache.stored_bytes() > 0
+
+
 def test_flush_spills_the_recent_window(llama, prompt):
-    cache = SpillCache(2, "raw_fetch", chunk_tokens=1000)
+    cache = SpillCache(2, "raw_fetch", chunk_tokens=1000, store_prompt=False)
     with torch.no_grad():
         llama(prompt, **cache_kwarg(llama, cache))
     assert cache.stored_tokens() == 0 and cache.layers[0].recent == PROMPT and cache.stored_bytes() == 0
@@ -297,6 +303,15 @@ def test_gpu_decoder_graphs_match_eager_and_raw_matches_resident():
     assert torch.allclose(logits[(True, "gpu_resident")], logits[(False, "gpu_resident")], atol=0.05, rtol=0.05)
     scale = float(logits[(False, "gpu_resident")].abs().max())
     assert float((logits[(True, "compressed_fetch")] - logits[(True, "gpu_resident")]).abs().max()) < 0.2 * scale
+
+
+def test_codecs_of_another_model_are_refused_before_coding(llama, prompt):
+    rng = np.random.default_rng(0)
+    other = TensorCodec(fit_basis([rng.standard_normal((64, 48))], 48), backend="rans", step=0.05)
+    cache = SpillCache(2, "compressed_fetch", codecs=[(other, other)] * 2)
+    with pytest.raises(ConfigurationError, match="layer 0's K codec has a basis for 48 channels.*32 KV channels"), \
+            torch.no_grad():
+        llama(prompt, **cache_kwarg(llama, cache))
 
 
 def test_coefficient_rows_are_refused_where_there_are_none(llama, prompt, codecs):
