@@ -849,9 +849,11 @@ if __name__ == "__main__":
     ap.add_argument("--only", choices=["quality", "timing"], help="one of the two models")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--search-cos", type=float, default=SEARCH_COS, help="cosine the step search aims at")
+    ap.add_argument("--timing-budget", type=float, default=TIMING_BUDGET_S,
+                    help="seconds the timing model may take; a context that would not fit is skipped (and said)")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     args = ap.parse_args()
-    SEARCH_COS = args.search_cos
+    SEARCH_COS, TIMING_BUDGET_S = args.search_cos, args.timing_budget
     if not args.plot_only:
         if args.device == "cpu":
             torch.set_num_threads(1)  # threads spin on a shared 2-core machine: one is faster

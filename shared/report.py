@@ -666,29 +666,55 @@ def kv_spill() -> str | None:
     if (timing.device != "cpu").any():
         timing = timing[timing.device != "cpu"]
     if len(timing):
-        rows = []
+        rows, coefficient_mode = [], (timing["mode"] == "compressed_coefficients").any()
         for context, g in timing.groupby("context"):
             v = {(r.mode, r.metric): r.value for r in g.itertuples()}
             tps = {m: v.get((m, "tokens_per_s")) for m in ("raw_fetch", "compressed_fetch", "gpu_resident")}
             if None in tps.values():
                 continue
+            coef = v.get(("compressed_coefficients", "tokens_per_s"))
+            best = max(tps["compressed_fetch"], coef or 0)
+
+            def ms(mode, metric):
+                value = v.get((mode, f"per_layer_{metric}_ms"))
+                return "-" if value is None or value != value else f"{value:.2f}"
+
             rows.append([f"{int(context) // 1024}K" if context >= 1024 else int(context),
-                         f"{tps['raw_fetch']:.2f}", f"{tps['compressed_fetch']:.2f}", f"{tps['gpu_resident']:.2f}",
-                         f"**{tps['compressed_fetch'] / tps['raw_fetch']:.2f}x**",
-                         f"{v[('raw_fetch', 'fetched_bytes_per_step')] / 1e9:.2f} / "
-                         f"{v[('compressed_fetch', 'fetched_bytes_per_step')] / 1e9:.2f}",
-                         f"{v[('raw_fetch', 'fetch_gb_per_s')]:.1f}",
-                         f"{v[('compressed_fetch', 'ratio')]:.2f}x", f"{v[('compressed_fetch', 'cos')]:.5f}"])
+                         f"{tps['raw_fetch']:.2f}", f"{tps['compressed_fetch']:.2f}"]
+                        + ([f"{coef:.2f}" if coef else "-"] if coefficient_mode else [])
+                        + [f"{tps['gpu_resident']:.2f}", f"**{best / tps['raw_fetch']:.2f}x**",
+                           f"{v[('raw_fetch', 'fetched_bytes_per_step')] / 1e9:.2f} / "
+                           f"{v[('compressed_fetch', 'fetched_bytes_per_step')] / 1e9:.2f}",
+                           f"{v[('compressed_fetch', 'ratio')]:.2f}x", f"{v[('compressed_fetch', 'cos')]:.5f}"]
+                        + ([f"{ms('raw_fetch', 'layer')} / {ms('raw_fetch', 'copy')}",
+                            f"{ms('compressed_fetch', 'layer')} / {ms('compressed_fetch', 'copy')} / "
+                            f"{ms('compressed_fetch', 'decode')}"]
+                           + ([f"{ms('compressed_coefficients', 'layer')} / {ms('compressed_coefficients', 'decode')}"]
+                              if coefficient_mode else [])
+                           if ("raw_fetch", "per_layer_layer_ms") in v else []))
         first = timing.iloc[0]
         graphs = "CUDA graphs for each layer's dense parts" if str(first.cuda_graphs) == "True" else "eager"
         api = timing[timing["mode"] == "compressed_fetch"].decode_api.dropna()
+        profiled = "per_layer_layer_ms" in set(timing.metric)
+        header = (["context", "raw_fetch tok/s", "compressed_fetch tok/s"]
+                  + (["compressed, attention on coefficients tok/s"] if coefficient_mode else [])
+                  + ["gpu_resident tok/s (bound)", "best compressed / raw", "GB fetched per step (raw / compressed)",
+                     "ratio", "KV cos"]
+                  + (["raw: ms per layer / its copy", "compressed: ms per layer / copy / decode"]
+                     + (["coefficients: ms per layer / decode"] if coefficient_mode else []) if profiled else []))
+        hbm = timing[timing.metric == "hbm_fraction"]
+        bound = "" if not len(hbm) else (
+            " The GPU-resident step reads its weights and KV at "
+            + ", ".join(f"{r.value:.0%} ({int(r.context) // 1024}K)" for r in hbm.sort_values("context").itertuples())
+            + " of the memory bandwidth a device-to-device copy measured in the same run.")
         parts.append(
             f"Decode tokens/s (batch 1) with every layer's KV in host memory, fetched each step ({first.model}; "
             f"own decode loop, {graphs}; bases fitted on the model's own prompt; {first.fetch_path}):\n\n"
-            + _table(rows, ["context", "raw_fetch tok/s", "compressed_fetch tok/s", "gpu_resident tok/s (bound)",
-                            "compressed / raw", "GB fetched per step (raw / compressed)", "raw fetch GB/s",
-                            "ratio", "KV cos"])
-            + (f"\n\nCompressed blobs decoded by: {api.iloc[0]}." if len(api) else ""))
+            + _table(rows, header)
+            + (f"\n\nCompressed blobs decoded by: {api.iloc[0]}." if len(api) else "")
+            + (" Per-layer times are medians over one profiled step's layers (CUDA events): a layer's span on the "
+               "compute stream (waits for its fetch included), its fetch's H2D copy, its decode." if profiled else "")
+            + bound)
     lm = df[df.loop != "own decode loop"]
     if len(lm):
         v = {(r.mode, r.metric): r.value for r in lm.itertuples()}
