@@ -13,7 +13,7 @@ ways, with the next layer's fetch queued on side CUDA streams while the current 
 Two models:
 - Timing only: a Llama-shaped decoder with RANDOM bf16 weights in a 32B-class shape (64 layers,
   hidden 5120, 40 query heads, 8 KV heads of 128, MLP 27648, the shape of Qwen2.5-32B; vocab 32000),
-  written here (fused QKV and gate/up GEMMs, F.rms_norm, GEMV attention on the fetched KV in place,
+  written here (fused QKV and gate/up GEMMs, F.rms_norm, torch's fused attention on the fetched KV in place,
   the dense parts of each layer replayed as CUDA graphs), so that the step is fast and the fetch is
   what is measured (transformers' generate() on this shape is compute-overhead-bound; see the issue).
   It drives the same SpillCache through the same Cache.update calls as generate() does. Its prompt is
@@ -85,6 +85,7 @@ CONTEXTS_SMOKE = [4096, 8192]
 CONTEXTS_CPU = [256, 512]
 ROPE_THETA = 1e6
 CHUNK_TOKENS = 1024                                    # recent-window tokens before a flush (timing model)
+SPLIT_TOKENS = 1024                                    # attention on coefficients: tokens per slice of p R_v
 LANE_TOKENS = 256                                      # rANS lane length: a layer's KV decodes in 4x fewer
                                                        # sequential steps than at the default 1024 (blobs ~2% larger)
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
@@ -183,19 +184,17 @@ class RandomDecoder:
 
     def attend(self, q, K, V):
         """One query token against the cache: q [1, heads, 1, d]; K, V [1, kv_heads, S, d] (views of the
-        fetched rows, read in place) -> [1, heads * d]. Reads K and V once (two GEMVs and a softmax)."""
-        s = self.s
-        groups = s["heads"] // s["kv_heads"]
-        qg = q[0, :, 0].reshape(s["kv_heads"], groups, s["head_dim"])
-        scores = torch.matmul(qg, K[0].transpose(-1, -2)).float() * s["head_dim"] ** -0.5
-        probs = torch.softmax(scores, -1).to(V.dtype)
-        return torch.matmul(probs, V[0]).reshape(1, self.q_dim)
+        fetched rows, read in place) -> [1, heads * d]: torch's fused attention (grouped-query), what a
+        model's attention layer calls."""
+        out = F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
+        return out[0, :, 0].reshape(1, self.q_dim)
 
     def attend_coefficients(self, q, kv) -> torch.Tensor:
         """attend() on a SpillCache's coefficient rows (kvcache.CoefficientKV): stored keys are R_k W_k, so
         a query's scores are R_k (W_k q) (the query taken into the basis once per head, not every key out
-        of it), and the output's stored part is (p R_v) W_v. Reads each stored row once, as attend() does,
-        and never writes the reconstructed KV."""
+        of it), and the output's stored part is (p R_v) W_v. Reads each stored row once and never writes
+        the reconstructed KV; p R_v sums over tokens in SPLIT_TOKENS slices side by side (a split-K: one
+        GEMM with the tokens as its inner dimension would run on a handful of the GPU's SMs)."""
         s = self.s
         kvh, d = s["kv_heads"], s["head_dim"]
         groups = s["heads"] // kvh
@@ -207,8 +206,15 @@ class RandomDecoder:
                             torch.einsum("rhd,hgd->rhg", kv.recent_k.view(recent, kvh, d), qg).reshape(recent, -1)])
         probs = torch.softmax(scores.float() * d ** -0.5, 0).to(kv.rows_v.dtype)  # over tokens, per head
         stored = kv.rows_k.shape[0]
-        mixed = probs[:stored].T @ kv.rows_v  # [heads, width]: the stored values' mix, still coefficients
-        out = torch.einsum("hgw,whd->hgd", mixed.view(kvh, groups, wv), kv.weights_v.view(wv, kvh, d))
+        whole = stored // SPLIT_TOKENS * SPLIT_TOKENS
+        mixed = torch.zeros(s["heads"], wv, dtype=torch.float32, device=q.device)  # p R_v, still coefficients
+        if whole:
+            p = probs[:whole].view(-1, SPLIT_TOKENS, s["heads"]).transpose(1, 2)
+            mixed += torch.bmm(p, kv.rows_v[:whole].view(-1, SPLIT_TOKENS, wv)).float().sum(0)
+        if stored > whole:
+            mixed += (probs[whole:stored].T @ kv.rows_v[whole:]).float()
+        out = torch.einsum("hgw,whd->hgd", mixed.to(kv.weights_v.dtype).view(kvh, groups, wv),
+                           kv.weights_v.view(wv, kvh, d))
         out = out + torch.einsum("rhg,rhd->hgd", probs[stored:].view(recent, kvh, groups),
                                  kv.recent_v.view(recent, kvh, d))
         return out.reshape(1, self.q_dim)
