@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
 
@@ -85,6 +86,7 @@ CONTEXTS_SMOKE = [4096, 8192]
 CONTEXTS_CPU = [256, 512]
 ROPE_THETA = 1e6
 CHUNK_TOKENS = 1024                                    # recent-window tokens before a flush (timing model)
+COEFFICIENTS = True                                    # time compressed_coefficients too (needs CUDA graphs)
 SPLIT_TOKENS = 1024                                    # attention on coefficients: tokens per slice of p R_v
 LANE_TOKENS = 256                                      # rANS lane length: a layer's KV decodes in 4x fewer
                                                        # sequential steps than at the default 1024 (blobs ~2% larger)
@@ -186,7 +188,11 @@ class RandomDecoder:
         """One query token against the cache: q [1, heads, 1, d]; K, V [1, kv_heads, S, d] (views of the
         fetched rows, read in place) -> [1, heads * d]: torch's fused attention (grouped-query), what a
         model's attention layer calls."""
-        out = F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
+        if q.is_cuda:  # one kernel in every mode (the logits of raw_fetch and gpu_resident are compared bit for bit)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
         return out[0, :, 0].reshape(1, self.q_dim)
 
     def attend_coefficients(self, q, kv) -> torch.Tensor:
@@ -496,7 +502,7 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
     kv_bf16_per_token = 2 * shape["layers"] * model.kv_dim * 2
     # compressed_coefficients: the same cache and codec, its attention on the decoder's coefficient rows
     # (RandomDecoder.attend_coefficients), which needs the GPU decoder and the graphed step
-    timing_modes = ("gpu_resident", "raw_fetch", "compressed_fetch") + (("compressed_coefficients",) if graphs else ())
+    timing_modes = ("gpu_resident", "raw_fetch", "compressed_fetch") + (("compressed_coefficients",) if graphs and COEFFICIENTS else ())
     hbm = hbm_gbps(device) if on_cuda else None
     if hbm:
         print(f"  memory bandwidth (device-to-device copy): {hbm:.0f} GB/s")
@@ -855,11 +861,16 @@ if __name__ == "__main__":
     ap.add_argument("--only", choices=["quality", "timing"], help="one of the two models")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--search-cos", type=float, default=SEARCH_COS, help="cosine the step search aims at")
+    ap.add_argument("--contexts", help="comma-separated contexts of the timing model (default: 4K..64K)")
+    ap.add_argument("--no-coefficients", action="store_true", help="skip the compressed_coefficients mode")
     ap.add_argument("--timing-budget", type=float, default=TIMING_BUDGET_S,
                     help="seconds the timing model may take; a context that would not fit is skipped (and said)")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     args = ap.parse_args()
     SEARCH_COS, TIMING_BUDGET_S = args.search_cos, args.timing_budget
+    if args.contexts:
+        CONTEXTS = [int(c) for c in args.contexts.split(",")]
+    COEFFICIENTS = not args.no_coefficients
     if not args.plot_only:
         if args.device == "cpu":
             torch.set_num_threads(1)  # threads spin on a shared 2-core machine: one is faster

@@ -134,7 +134,7 @@ class SpillLayer(DynamicLayer):
         self.packed = None  # uint8 pinned host tensor
         self.packed_len = 0  # bytes in use
         self.places: list[tuple[int, int]] = []  # (offset, length) of each container, in blob order (k0, v0, k1, ...)
-        self.heads: list[bytes] = []  # each container's first HEAD_BYTES bytes
+        self.container_heads: list[bytes] = []  # each container's first HEAD_BYTES bytes
         self.plans: dict = {}  # slot -> (version, buffers' addresses, StagedDecode)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -727,7 +727,7 @@ class SpillCache(Cache):
             offset = layer.packed_len
             layer.packed[offset:offset + blob.numel()].copy_(blob.reshape(-1))  # waits for the encode
             layer.places.append((offset, blob.numel()))
-            layer.heads.append(bytes(layer.packed[offset:offset + min(blob.numel(), HEAD_BYTES)].numpy()))
+            layer.container_heads.append(bytes(layer.packed[offset:offset + min(blob.numel(), HEAD_BYTES)].numpy()))
             layer.packed_len = _align(offset + blob.numel(), PACK_ALIGN)
         views = [layer.packed[a:a + n] for a, n in layer.places]
         layer.blobs = [(tokens, k, v) for (tokens, _, _), k, v in zip(layer.blobs + [(m, None, None)], views[0::2],
@@ -779,7 +779,7 @@ class SpillCache(Cache):
             self._scratch = torch.empty(_align(need + need // 4, BYTES_STEP), dtype=torch.uint8, device=self.device)
             where = where[:2] + (self._scratch.data_ptr(),)
         try:
-            plan = StagedDecode(codecs, layer.heads, [n for _, n in layer.places], [a for a, _ in layer.places],
+            plan = StagedDecode(codecs, layer.container_heads, [n for _, n in layer.places], [a for a, _ in layer.places],
                                 self._stage[s], outs, scratch=self._scratch if need else None, pool=self._pool,
                                 reconstruct=not self.coefficients)
         except BitstreamError as error:

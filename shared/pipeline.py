@@ -1267,10 +1267,10 @@ class StagedDecode:
                                          f"tensors; this one is {header['dtype']} with quantizer "
                                          f"{header['quant']['kind']!r}. Fix: decode it with decode_many")
             (qa, qb), (a, b) = spans["QPAR"], spans["DATA"]
-            if a + 64 > len(head):
+            if min(a + 64, b) > len(head):
                 raise ConfigurationError(f"container {i}: its head holds {len(head)} bytes; the payload's header "
-                                         f"needs the first {a + 64}")
-            inner = schema.check_chunks(header, {"QPAR": head[qa:qb], "DATA": head[a:a + 64]}, data_len=b - a,
+                                         f"needs the first {min(a + 64, b)}")
+            inner = schema.check_chunks(header, {"QPAR": head[qa:qb], "DATA": head[a:min(a + 64, b)]}, data_len=b - a,
                                         read_inner=read_rans_header)
             codec._check_basis(header)
             proj = codec._projection(header["shape"][1], dev)
