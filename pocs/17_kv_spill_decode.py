@@ -54,6 +54,7 @@ Sample output (a 2-core CPU machine; SmolLM2 at full size, --only quality):
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,7 @@ SEARCH_COS = 0.9992                                    # what the step search ai
                                                        # tokens and the GPU quantizer's bf16 arithmetic
 STEP_ITERS = 20                                        # bisection steps of the step search
 SEED = 0
+STALL_S = 120                                          # a mode running longer than this prints its stacks
 TIMING_BUDGET_S = 420                                  # the timing model's whole run; a context that would not
                                                        # fit (from the last one's time x its growth) is skipped
 
@@ -519,6 +521,9 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
         context_start = time.perf_counter()
         tokens_s, reference_logits = {}, None
         for mode in timing_modes:
+            # a mode that has not finished after STALL_S prints every thread's stack (and goes on), so a
+            # stalled run says where it stalls
+            faulthandler.dump_traceback_later(STALL_S, repeat=True)
             compressed = mode.startswith("compressed")
             cache = SpillCache(shape["layers"], "compressed_fetch" if compressed else mode,
                                codecs=codecs if compressed else None, chunk_tokens=CHUNK_TOKENS,
@@ -576,6 +581,7 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
                        f"{fetched / 1e9:.3f} GB fetched per step)  {note}")
             cache.close()
             del cache
+            faulthandler.cancel_dump_traceback_later()
             if on_cuda:
                 torch.cuda.empty_cache()
         for mode in timing_modes[2:] + ("gpu_resident",):
