@@ -487,6 +487,9 @@ class SpillCache(Cache):
         self.device = layer.device
         if self.keep_decoded is None:
             self.keep_decoded = not self.on_cuda
+        if self.coefficients and layer.dtype != torch.bfloat16:
+            raise ConfigurationError(f"coefficients=True reads the GPU decoder's bf16 coefficient rows; this model's KV is "
+                                     f"{layer.dtype}. Fix: a bfloat16 model, or coefficients=False")
         if self.coefficients and not self.on_cuda:
             raise ConfigurationError("coefficients=True reads the GPU decoder's coefficient rows; this cache computes "
                                      f"on {self.device}. Fix: coefficients=False on a CPU")
@@ -676,6 +679,17 @@ class SpillCache(Cache):
             self._staged_events[s].record(copy)
         decode.wait_event(self._staged_events[s])
         decode.wait_event(slot.released)
+        if layer.dtype != torch.bfloat16:  # StagedDecode reconstructs bf16: other dtypes take decode_many,
+            with torch.cuda.stream(decode):  # which reads the headers and checks the payloads on the host
+                views = [self._stage[s][a:a + n] for a, n in layer.places]
+                try:
+                    outs = decode_blobs([codec_k, codec_v] * len(blobs), views, self.device)
+                except BitstreamError as error:
+                    raise BitstreamError(f"layer {fetch.layer}: {error}") from None
+                self._place(slot, blobs, outs)
+                self._stage_free[s].record(decode)
+                fetch.ready.record(decode)
+            return
         with torch.cuda.stream(decode):
             plan = self._plan(fetch.layer, s)
             mark = self._mark(fetch.layer, "decode", decode)

@@ -320,8 +320,13 @@ def test_coefficient_rows_are_refused_where_there_are_none(llama, prompt, codecs
     with pytest.raises(ConfigurationError, match="mode 'raw_fetch' has none"):
         SpillCache(2, "raw_fetch", coefficients=True)
     cache = SpillCache(2, "compressed_fetch", codecs=codecs, coefficients=True)
-    with pytest.raises(ConfigurationError, match="GPU decoder's coefficient rows"), torch.no_grad():
+    with pytest.raises(ConfigurationError, match="bf16 coefficient rows; this model's KV is torch.float32"), \
+            torch.no_grad():
         llama(prompt, **cache_kwarg(llama, cache))
+    cache = SpillCache(2, "compressed_fetch", codecs=codecs, coefficients=True)
+    bf16 = tiny_llama().to(torch.bfloat16)
+    with pytest.raises(ConfigurationError, match="GPU decoder's coefficient rows"), torch.no_grad():
+        bf16(prompt, **cache_kwarg(bf16, cache))
     with pytest.raises(ConfigurationError, match="coefficients=True"):
         SpillCache(2, "compressed_fetch", codecs=codecs).update_coefficients(None, None, 0)
 
