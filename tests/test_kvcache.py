@@ -234,11 +234,12 @@ def test_gpu_generate_matches_dynamic_cache(mode):
 
 
 @pytest.mark.gpu
-def test_gpu_compressed_fetch_through_staged_decodes():
-    model = tiny_llama("cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_compressed_fetch_through_staged_decodes(dtype):
+    model = tiny_llama("cuda").to(dtype)
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
     kv = prefill_kv(model, ids)
-    codecs = make_codecs([(k.cpu(), v.cpu()) for k, v in kv])
+    codecs = make_codecs([(k.float().cpu(), v.float().cpu()) for k, v in kv])
     cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
     with torch.no_grad():
         model(ids, **cache_kwarg(model, cache))
@@ -247,7 +248,8 @@ def test_gpu_compressed_fetch_through_staged_decodes():
     for i, (k_rows, v_rows) in enumerate(kv):
         k, v = cache.fetched_kv(i)
         assert k.is_cuda and quality(k_rows, k, "cos") >= 0.999 and quality(v_rows, v, "cos") >= 0.999
-        assert cache.layers[i].plans  # the decode is a plan, replayed until the next flush
+        # bf16: the decode is a plan, replayed until the next flush; other dtypes take decode_many
+        assert bool(cache.layers[i].plans) == (dtype == torch.bfloat16)
     reference = generate(model, ids, DynamicCache())
     spill = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
     out = generate(model, ids, spill)
@@ -260,9 +262,9 @@ def test_gpu_compressed_fetch_through_staged_decodes():
 
 @pytest.mark.gpu
 def test_gpu_corrupt_stored_container_is_named_by_the_step_that_read_it():
-    model = tiny_llama("cuda")
+    model = tiny_llama("cuda").to(torch.bfloat16)  # bf16: the staged decode's path
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
-    codecs = make_codecs([(k.cpu(), v.cpu()) for k, v in prefill_kv(model, ids)])
+    codecs = make_codecs([(k.float().cpu(), v.float().cpu()) for k, v in prefill_kv(model, ids)])
     for via in ("fetched_kv", "decode step"):
         cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=4 * PROMPT)
         with torch.no_grad():
