@@ -247,7 +247,8 @@ class SpillCache(Cache):
 
     def __init__(self, num_layers: int, mode: str = "raw_fetch", *, codecs=None, chunk_tokens: int = 1024,
                  max_tokens: int | None = None, prefetch: bool = True, keep_decoded: bool | None = None,
-                 contiguous: bool = True, coefficients: bool = False, store_prompt: bool = True):
+                 contiguous: bool = True, coefficients: bool = False, store_prompt: bool = True,
+                 staged: bool = True):
         if mode not in MODES:
             import difflib
 
@@ -266,7 +267,9 @@ class SpillCache(Cache):
             raise ConfigurationError(f"coefficients=True hands attention the decoder's coefficient rows; mode {mode!r} "
                                      "has none. Fix: mode='compressed_fetch', or coefficients=False")
         super().__init__(layers=[SpillLayer() for _ in range(num_layers)])
-        self.coefficients, self.store_prompt = coefficients, store_prompt
+        if coefficients and not staged:
+            raise ConfigurationError("coefficients=True needs the staged decode (staged=True)")
+        self.coefficients, self.store_prompt, self.staged = coefficients, store_prompt, staged
         self.mode, self.codecs = mode, codecs
         self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens
         self.prefetch_enabled, self.keep_decoded, self.contiguous = prefetch, keep_decoded, contiguous
@@ -679,8 +682,9 @@ class SpillCache(Cache):
             self._staged_events[s].record(copy)
         decode.wait_event(self._staged_events[s])
         decode.wait_event(slot.released)
-        if layer.dtype != torch.bfloat16:  # StagedDecode reconstructs bf16: other dtypes take decode_many,
-            with torch.cuda.stream(decode):  # which reads the headers and checks the payloads on the host
+        if layer.dtype != torch.bfloat16 or not self.staged:  # StagedDecode reconstructs bf16: other dtypes
+            with torch.cuda.stream(decode):  # (and staged=False) take decode_many, which reads the headers and
+                # checks the payloads on the host
                 views = [self._stage[s][a:a + n] for a, n in layer.places]
                 try:
                     outs = decode_blobs([codec_k, codec_v] * len(blobs), views, self.device)
