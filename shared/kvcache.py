@@ -42,7 +42,9 @@ On a CPU the same code runs synchronously (stored blobs decoded by the numpy cod
 default there, decodes each blob once and keeps the result, which gives attention the same values as
 decoding at every step).
 
-Limits: batch 1; `crop` removes recent-window tokens only; beam search (reorder_cache) is refused.
+Limits: batch 1 (beam search and several sequences are refused by name). `crop` (assisted and
+prompt-lookup decoding) removes recent-window tokens at once and cuts stored chunks: the kept part of
+a compressed chunk the cut falls in is decoded back into the recent window and coded again at the next flush.
 """
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ class SpillLayer(DynamicLayer):
     The cache moves the data; this object answers the Cache API's per-layer questions."""
 
     is_compileable = False
-    is_croppable = False  # only the recent window can be cropped (see SpillCache.crop)
+    is_croppable = True  # SpillCache.crop: the recent window, and stored chunks (the kept part of one decoded)
     supports_early_init = False  # the cache sets itself up at the first update
 
     def __init__(self):
@@ -167,6 +169,8 @@ class SpillLayer(DynamicLayer):
         pass
 
     def reorder_cache(self, beam_idx) -> None:
+        if len(beam_idx) == 1 and int(beam_idx[0]) == 0:  # the one sequence stays where it is
+            return
         raise TensorCodecError("SpillCache holds one sequence: beam search is not supported. Fix: num_beams=1, "
                                "or use DynamicCache for beam search")
 
@@ -434,10 +438,12 @@ class SpillCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last tokens (negative count, as transformers passes it, or a positive final length
-        as older releases did); only tokens still in the recent window can be removed."""
+        as older releases did), as assisted decoding does after rejected candidates. Tokens of the
+        recent window go at once; stored chunks past the new length are dropped, and the kept part of
+        the chunk the cut falls in comes back to the recent window (decoded: the values attention read)."""
         if tokens_to_remove == 0:
             return
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             target = tokens_to_remove if tokens_to_remove > 0 else layer.length + tokens_to_remove
             drop = layer.length - max(target, 0)
             if drop <= 0:
@@ -449,8 +455,52 @@ class SpillCache(Cache):
                 layer.recent -= drop
                 layer.length -= drop
                 continue
-            raise TensorCodecError(f"SpillCache can crop only tokens of its recent window ({layer.recent} now); "
-                                   f"asked to remove {drop}. Fix: a larger chunk_tokens keeps more tokens there")
+            self._crop_stored(i, layer.length - drop)
+
+    def _crop_stored(self, layer_idx: int, keep: int) -> None:
+        """Cut a layer to its first `keep` tokens, `keep` < its stored tokens."""
+        layer = self.layers[layer_idx]
+        if self.on_cuda:
+            self.drain()  # queued fetches may read what is cut
+            self._pending.clear()
+        if self.mode == "raw_fetch":  # the rows stay where they are; the next flush writes over the rest
+            layer.stored = layer.length = keep
+            layer.recent = 0
+            layer.version += 1
+            return
+        starts, first = [], 0
+        for m, _, _ in layer.blobs:
+            starts.append(first)
+            first += m
+        kept = [c for c, a in enumerate(starts) if a < keep]
+        last = kept[-1] if kept else None
+        rows = None
+        if last is not None and starts[last] + layer.blobs[last][0] > keep:  # the cut falls inside this chunk
+            codec_k, codec_v = self.codecs[layer_idx]
+            _, blob_k, blob_v = layer.blobs[last]
+            k_rows, v_rows = decode_blobs([codec_k, codec_v], [blob_k, blob_v], self.device if self.on_cuda else None)
+            n = keep - starts[last]
+            rows = (k_rows[:n].to(self.device, layer.dtype), v_rows[:n].to(self.device, layer.dtype))
+            kept = kept[:-1]
+        stored = starts[len(kept)] if len(kept) < len(starts) else first
+        layer.blobs = layer.blobs[:len(kept)]
+        layer.decoded = layer.decoded[:len(kept)]
+        if layer.places:  # CUDA: the packed buffer keeps the containers of the kept chunks
+            layer.places, layer.container_heads = layer.places[:2 * len(kept)], layer.container_heads[:2 * len(kept)]
+            layer.packed_len = _align(sum(layer.places[-1]), PACK_ALIGN) if layer.places else 0
+            layer.plans.clear()
+        layer.stored, layer.recent = stored, 0
+        layer.version += 1
+        if rows is not None:
+            n = rows[0].shape[0]
+            if layer.recent_k is None or layer.recent_k.shape[0] < max(n + 1, self.chunk_tokens):
+                layer.recent_k = torch.empty((max(n + 1, self.chunk_tokens), layer.dim), dtype=layer.dtype,
+                                             device=layer.device)
+                layer.recent_v = torch.empty_like(layer.recent_k)
+            layer.recent_k[:n].copy_(rows[0])
+            layer.recent_v[:n].copy_(rows[1])
+            layer.recent = n
+        layer.length = keep
 
     # -- setup -------------------------------------------------------------------------------------------
     def _check(self, k: torch.Tensor, v: torch.Tensor, layer: SpillLayer, idx: int) -> None:

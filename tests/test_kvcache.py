@@ -155,11 +155,51 @@ def test_crop_removes_recent_tokens_only(llama, prompt):
         llama(prompt, **cache_kwarg(llama, cache))
         llama(prompt[:, :5], **cache_kwarg(llama, cache))
     cache.crop(-3)
-    assert cache.get_seq_length() == PROMPT + 2
+    assert cache.get_seq_length() == PROMPT + 2 and cache.stored_tokens() == PROMPT
     cache.crop(PROMPT + 1)  # the final-length form of older transformers releases
-    assert cache.get_seq_length() == PROMPT + 1
-    with pytest.raises(TensorCodecError, match="recent window"):
-        cache.crop(-5)
+    assert cache.get_seq_length() == PROMPT + 1 and cache.stored_tokens() == PROMPT
+
+
+@pytest.mark.parametrize("mode", ["raw_fetch", "compressed_fetch"])
+def test_crop_across_a_flush_continues_as_the_cut_cache_would(llama, prompt, codecs, mode):
+    """Cut into stored chunks (as assisted decoding does when a rejected candidate straddles a flush),
+    then run the same tokens again: raw_fetch gives DynamicCache's logits exactly, compressed_fetch
+    stays within its quality, and the kept part of the cut chunk is back in the recent window."""
+    ids = torch.cat([prompt, prompt.flip(1)], 1)  # 80 tokens
+    dyn = DynamicCache()
+    spill = SpillCache(2, mode, codecs=codecs if mode == "compressed_fetch" else None, chunk_tokens=CHUNK)
+    with torch.no_grad():
+        for cache in (dyn, spill):
+            llama(ids[:, :PROMPT], **cache_kwarg(llama, cache))
+            for t in range(PROMPT, PROMPT + 20):  # 20 single tokens: two more chunks flushed
+                llama(ids[:, t:t + 1], **cache_kwarg(llama, cache))
+        assert spill.stored_tokens() == PROMPT + 16 and spill.layers[0].recent == 4
+        for cache in (dyn, spill):
+            cache.crop(-13)  # to 47 tokens: into the first generated chunk (40..47)
+        assert spill.get_seq_length() == dyn.get_seq_length() == PROMPT + 7
+        if mode == "raw_fetch":  # stored rows are cut where they lie
+            assert spill.stored_tokens() == PROMPT + 7 and spill.layers[0].recent == 0
+        else:  # the chunk 40..47 decoded, its first 7 rows back in the recent window
+            assert spill.stored_tokens() == PROMPT and spill.layers[0].recent == 7
+        a = llama(ids[:, PROMPT + 7:PROMPT + 12], **cache_kwarg(llama, dyn)).logits
+        b = llama(ids[:, PROMPT + 7:PROMPT + 12], **cache_kwarg(llama, spill)).logits
+    if mode == "raw_fetch":
+        assert torch.equal(a, b)
+    else:
+        assert float((a - b).abs().max()) < 0.1 * float(a.abs().max())
+    assert spill.get_seq_length() == PROMPT + 12
+    spill.crop(-(PROMPT + 12))  # everything, the prompt's chunk too
+    assert spill.get_seq_length() == 0 and spill.stored_tokens() == 0
+
+
+def test_reorder_keeps_the_one_sequence(llama, prompt):
+    cache = SpillCache(2, "raw_fetch", chunk_tokens=16)
+    with torch.no_grad():
+        llama(prompt, **cache_kwarg(llama, cache))
+    cache.reorder_cache(torch.tensor([0]))  # the identity: what generate() asks of a batch of one
+    assert cache.get_seq_length() == PROMPT
+    with pytest.raises(TensorCodecError, match="beam search"):
+        cache.reorder_cache(torch.tensor([0, 0]))
 
 
 def test_refuses_what_it_cannot_do(llama, prompt):
@@ -177,7 +217,7 @@ def test_refuses_what_it_cannot_do(llama, prompt):
     with pytest.raises(InvalidTensorError, match="channels"):
         cache.update(torch.zeros(1, 3, 1, 16), torch.zeros(1, 3, 1, 16), 0)
     with pytest.raises(TensorCodecError, match="beam search"):
-        cache.reorder_cache(torch.tensor([0]))
+        cache.reorder_cache(torch.tensor([1]))
     with pytest.raises(TensorCodecError, match="batch 1"):
         cache.batch_repeat_interleave(2)
 
@@ -354,3 +394,17 @@ def test_gpu_attention_on_coefficient_rows_matches_attention_on_reconstructed_kv
         cache.close()
     scale = float(logits[False].abs().max())
     assert float((logits[True] - logits[False]).abs().max()) < 0.02 * scale
+
+
+@pytest.mark.parametrize("mode", ["raw_fetch", "compressed_fetch"])
+@pytest.mark.parametrize("speculation", [{"assistant_model": "tiny"}, {"prompt_lookup_num_tokens": 3}])
+def test_assisted_and_prompt_lookup_decoding_run_on_the_cache(llama, prompt, codecs, mode, speculation):
+    """Speculative decoding crops rejected candidates, across flushes too (chunk_tokens 8): greedy
+    output as a DynamicCache gives it (raw_fetch exactly)."""
+    kwargs = {k: (tiny_llama() if v == "tiny" else v) for k, v in speculation.items()}
+    reference = generate(llama, prompt, DynamicCache())
+    cache = SpillCache(2, mode, codecs=codecs if mode == "compressed_fetch" else None, chunk_tokens=CHUNK)
+    with torch.no_grad():
+        out = llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0, **cache_kwarg(llama, cache), **kwargs)
+    assert torch.equal(out, reference) if mode == "raw_fetch" else (out == reference).float().mean() >= 0.9
