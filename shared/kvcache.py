@@ -106,6 +106,15 @@ def rows_to_states(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.view(tokens, heads, channels // heads).permute(1, 0, 2).unsqueeze(0)
 
 
+def _stream_apart(device, taken: set):
+    """A stream from torch's pool whose CUDA stream is none of `taken` (raw handles)."""
+    for _ in range(2 * 32 + 1):
+        stream = torch.cuda.Stream(device)
+        if stream.cuda_stream not in taken:
+            return stream
+    raise TensorCodecError("no CUDA stream apart from the compute and capture streams in torch's stream pool")
+
+
 def _round_up(n: int, step: int = CAPACITY_STEP) -> int:
     return max(step, -(-n // step) * step)
 
@@ -547,9 +556,17 @@ class SpillCache(Cache):
             raise ConfigurationError("coefficients=True reads the GPU decoder's coefficient rows; this cache computes "
                                      f"on {self.device}. Fix: coefficients=False on a CPU")
         if self.on_cuda and self.mode != "gpu_resident":
-            self._copy_stream = torch.cuda.Stream(self.device)
+            # torch hands out streams from a pool of 32: the copy and decode streams must not be the
+            # compute stream, each other, or the stream graphs are captured on by default (a decode plan's
+            # GEMMs, captured on the decode stream, keep that stream's cuBLAS workspace; sharing it with
+            # GEMMs running at the same time elsewhere corrupts them or hangs)
+            taken = {torch.cuda.current_stream(self.device).cuda_stream}
+            default_capture = getattr(torch.cuda.graph, "default_capture_stream", None)
+            if default_capture is not None:
+                taken.add(default_capture.cuda_stream)
+            self._copy_stream = _stream_apart(self.device, taken)
             if self.mode == "compressed_fetch":
-                self._decode_stream = torch.cuda.Stream(self.device)
+                self._decode_stream = _stream_apart(self.device, taken | {self._copy_stream.cuda_stream})
                 self._pool = torch.cuda.graph_pool_handle()
 
     def _pin(self) -> bool:
@@ -567,7 +584,7 @@ class SpillCache(Cache):
             k = torch.empty((capacity, dim), dtype=dtype, device=self.device)
             slot = _Slot(k, torch.empty_like(k), torch.cuda.Event() if self.on_cuda else None)
             if self.coefficients:
-                width = max(self._widths(i)[0] for i in range(len(self.layers)))
+                width = max(max(self._widths(i)) for i in range(len(self.layers)))
                 slot.ck = torch.empty(capacity * width, dtype=torch.bfloat16, device=self.device)
                 slot.cv = torch.empty_like(slot.ck)
             for stream in (self._copy_stream, self._decode_stream):  # written there: freed only once it is done
@@ -849,7 +866,7 @@ class SpillCache(Cache):
         try:
             plan = StagedDecode(codecs, layer.container_heads, [n for _, n in layer.places], [a for a, _ in layer.places],
                                 self._stage[s], outs, scratch=self._scratch if need else None, pool=self._pool,
-                                reconstruct=not self.coefficients)
+                                reconstruct=not self.coefficients, stream=self._decode_stream)
         except BitstreamError as error:
             raise BitstreamError(f"layer {layer_idx}: {error}") from None
         layer.plans[s] = (layer.version, where, plan)

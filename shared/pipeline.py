@@ -1236,7 +1236,11 @@ class StagedDecode:
     buffer's GPU) receives container i. scratch: a uint8 GPU tensor for the coefficient rows (at least
     scratch_bytes()) that plans replayed one after another on one stream may share; pool: a CUDA-graph
     memory pool the same plans may share (torch.cuda.graph_pool_handle()). graph=False: launch eagerly
-    (the same kernels; the fallback where a capture fails).
+    (the same kernels; the fallback where a capture fails). stream: where the warm-up and the capture
+    run (default: a new side stream). The graph's GEMMs keep the cuBLAS workspace of the stream they
+    were captured on, so a caller that replays plans beside other work gives the stream it replays them
+    on, one no other graph was captured on (two GEMMs running at once on one workspace can corrupt each
+    other or hang).
 
     reconstruct=False stops before the reconstruction GEMM: outs[i] is then [T, width] bf16 (width =
     the codec's CudaProjection.coefficient_width()) and receives the coefficient rows R, with
@@ -1244,7 +1248,7 @@ class StagedDecode:
     (scores q.x = R @ (W q), outputs p.X = (p.R) @ W) never needs x: the GEMM and its write skipped."""
 
     def __init__(self, codecs, heads, totals, offsets, buffer, outs, *, scratch=None, pool=None, graph: bool = True,
-                 reconstruct: bool = True, max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
+                 reconstruct: bool = True, stream=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
         import torch
 
         from .codecs import rans_cuda
@@ -1302,7 +1306,8 @@ class StagedDecode:
                          scaled=(rans_cuda.floats_on([float(jobs[m][3]) for m in members], dev),
                                  rans_cuda.floats_on([jobs[m][4].coefficient_bound() for m in members], dev), width),
                          weights=[jobs[m][4].coefficient_weights() for m in members],
-                         pad=pad.to(dev), err=torch.zeros(len(members), dtype=torch.int32, device=dev),
+                         pad=pad.pin_memory().to(dev, non_blocking=True),  # no host wait on a busy stream
+                         err=torch.zeros(len(members), dtype=torch.int32, device=dev),
                          err_host=torch.zeros(len(members), dtype=torch.int32, pin_memory=True))
             if reconstruct:
                 cursor += (len(members) * T * width * 2 + 255) // 256 * 256
@@ -1317,7 +1322,7 @@ class StagedDecode:
             g["rows"] = scratch[g["rows_at"]:g["rows_at"] + g["shape"][0] * g["shape"][1] * g["shape"][2] * 2] \
                 .view(torch.bfloat16).view(g["shape"]) if reconstruct else outs[g["members"][0]].unsqueeze(0)
         self.scratch, self.graph = scratch, None
-        side = torch.cuda.Stream(dev)  # an eager run, then the capture, on one side stream (as torch advises)
+        side = torch.cuda.Stream(dev) if stream is None else stream  # an eager run, then the capture
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             self._launch()  # compiles the kernels and fills the caches a capture reads
