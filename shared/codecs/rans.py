@@ -99,7 +99,9 @@ def default_prob_bits(T: int) -> int:
     """The precision n when the caller names none. Short tensors (one layer's K or V of a KV step)
     are decoded many to a launch, whose slot -> symbol lookups (K x 2^n entries each) then share
     the GPU's L2: 9 bits halve them (60 x [1024, 192] on an NVIDIA H200: decoder lanes 365 -> 240
-    us) for 0.04% more bytes on the real K (0.09% at 4096 tokens, where they would no longer pay)."""
+    us) for 0.04% more bytes on SmolLM2's K at cos 0.999. A 9-bit table keeps at most 128 values
+    per component and escapes the rest (~5 bytes each): wide alphabets pay, e.g. per-channel 8-bit
+    planes code 25-30% larger than at 10 bits (docs/findings.md); pass prob_bits for those."""
     return SHORT_PROB_BITS if T <= SHORT_TOKENS else DEFAULT_PROB_BITS
 
 
