@@ -192,6 +192,14 @@ class SpillLayer(DynamicLayer):
         if len(indices) != 1:
             raise TensorCodecError("SpillCache holds one sequence (batch 1)")
 
+    def chunks(self) -> list[tuple[int, int]]:
+        """(first token, tokens) of each stored chunk, in blob order."""
+        out, first = [], 0
+        for m, _, _ in self.blobs:
+            out.append((first, m))
+            first += m
+        return out
+
     def nbytes_stored(self) -> int:
         """Bytes of the stored form (host rows, blobs, or GPU rows)."""
         if self.blobs:
@@ -244,6 +252,11 @@ class CoefficientKV:
     weights_v: torch.Tensor
     recent_k: torch.Tensor
     recent_v: torch.Tensor
+
+    def reconstructed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V rows [T, D]: the stored rows reconstructed, then the recent ones."""
+        return (torch.cat([self.rows_k @ self.weights_k, self.recent_k]),
+                torch.cat([self.rows_v @ self.weights_v, self.recent_v]))
 
 
 @dataclass
@@ -329,8 +342,7 @@ class SpillCache(Cache):
             none = torch.empty((0, layer.dim), dtype=layer.dtype, device=self.device)
             got = self._coefficient_kv(layer_idx, fetch, none, none)
             self._in_use = fetch.slot
-            return (torch.cat([got.rows_k @ got.weights_k, got.recent_k]),
-                    torch.cat([got.rows_v @ got.weights_v, got.recent_v]))
+            return got.reconstructed()
         k, v = self._assemble(layer, fetch, None, None)
         self._in_use = fetch.slot
         return k.clone(), v.clone()
@@ -365,8 +377,7 @@ class SpillCache(Cache):
         if not isinstance(got, CoefficientKV):
             return got
         layer = self.layers[layer_idx]
-        k = torch.cat([got.rows_k @ got.weights_k, got.recent_k])
-        v = torch.cat([got.rows_v @ got.weights_v, got.recent_v])
+        k, v = got.reconstructed()
         return rows_to_states(k, layer.heads).contiguous(), rows_to_states(v, layer.heads).contiguous()
 
     def update_coefficients(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> CoefficientKV:
@@ -471,27 +482,24 @@ class SpillCache(Cache):
         layer = self.layers[layer_idx]
         if self.on_cuda:
             self.drain()  # queued fetches may read what is cut
-            self._pending.clear()
         if self.mode == "raw_fetch":  # the rows stay where they are; the next flush writes over the rest
             layer.stored = layer.length = keep
             layer.recent = 0
             layer.version += 1
             return
-        starts, first = [], 0
-        for m, _, _ in layer.blobs:
-            starts.append(first)
-            first += m
+        chunks = layer.chunks()
+        starts = [a for a, _ in chunks]
         kept = [c for c, a in enumerate(starts) if a < keep]
         last = kept[-1] if kept else None
         rows = None
-        if last is not None and starts[last] + layer.blobs[last][0] > keep:  # the cut falls inside this chunk
+        if last is not None and sum(chunks[last]) > keep:  # the cut falls inside this chunk
             codec_k, codec_v = self.codecs[layer_idx]
             _, blob_k, blob_v = layer.blobs[last]
             k_rows, v_rows = decode_blobs([codec_k, codec_v], [blob_k, blob_v], self.device if self.on_cuda else None)
             n = keep - starts[last]
             rows = (k_rows[:n].to(self.device, layer.dtype), v_rows[:n].to(self.device, layer.dtype))
             kept = kept[:-1]
-        stored = starts[len(kept)] if len(kept) < len(starts) else first
+        stored = starts[len(kept)] if len(kept) < len(starts) else layer.stored
         layer.blobs = layer.blobs[:len(kept)]
         layer.decoded = layer.decoded[:len(kept)]
         if layer.places:  # CUDA: the packed buffer keeps the containers of the kept chunks
@@ -769,11 +777,7 @@ class SpillCache(Cache):
                 mark[3].record(decode)
             self._stage_free[s].record(decode)
             fetch.ready.record(decode)
-        chunks, first = [], 0
-        for m, _, _ in blobs:
-            chunks.append((first, m))
-            first += m
-        self._unchecked.append(_Decoded(fetch.layer, plan, chunks, fetch.ready))
+        self._unchecked.append(_Decoded(fetch.layer, plan, layer.chunks(), fetch.ready))
 
     def _mark(self, layer_idx: int, stage: str, stream):
         """With timeline on: a (layer, stage, start, end) entry whose start is recorded now on stream."""
@@ -842,19 +846,16 @@ class SpillCache(Cache):
             return held[2]
         codec_k, codec_v = self.codecs[layer_idx]
         codecs = [codec_k, codec_v] * len(layer.blobs)
-        outs, first = [], 0
+        wk, wv = self._widths(layer_idx)
+        outs = []
         if self.coefficients:  # the decoder's rows are the output: no reconstruction, no scratch
-            wk, wv = self._widths(layer_idx)
-            for m, _, _ in layer.blobs:
-                outs += [slot.ck[first * wk:(first + m) * wk].view(m, wk), slot.cv[first * wv:(first + m) * wv].view(m, wv)]
-                first += m
+            for a, m in layer.chunks():
+                outs += [slot.ck[a * wk:(a + m) * wk].view(m, wk), slot.cv[a * wv:(a + m) * wv].view(m, wv)]
             need = 0
         else:
-            for m, _, _ in layer.blobs:
-                outs += [slot.k[first:first + m], slot.v[first:first + m]]
-                first += m
-            widths = [c._projection(layer.dim, self.device).coefficient_width() for c in codecs]
-            need = StagedDecode.scratch_bytes([(1, out.shape[0], w) for out, w in zip(outs, widths)])
+            for a, m in layer.chunks():
+                outs += [slot.k[a:a + m], slot.v[a:a + m]]
+            need = StagedDecode.scratch_bytes([(1, m, w) for _, m in layer.chunks() for w in (wk, wv)])
         if need and (self._scratch is None or self._scratch.numel() < need):
             # plans replay one after another on the decode stream, so they share it; a larger one
             # renames it, so every plan is made again

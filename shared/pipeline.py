@@ -1310,7 +1310,7 @@ class StagedDecode:
                          err=torch.zeros(len(members), dtype=torch.int32, device=dev),
                          err_host=torch.zeros(len(members), dtype=torch.int32, pin_memory=True))
             if reconstruct:
-                cursor += (len(members) * T * width * 2 + 255) // 256 * 256
+                cursor += self.scratch_bytes([(len(members), T, width)])
             self.groups.append(group)
         self.rows_bytes = cursor
         if scratch is None:

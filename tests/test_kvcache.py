@@ -321,14 +321,20 @@ def test_gpu_corrupt_stored_container_is_named_by_the_step_that_read_it():
         cache.close()
 
 
-@pytest.mark.gpu
-def test_gpu_decoder_graphs_match_eager_and_raw_matches_resident():
+def small_decoder_on_gpu():
+    """PoC 17's decoder in a small shape on the GPU, its 512-token prefill's KV and codecs fitted on it."""
     p17 = poc17()
     shape = dict(SMALL, layers=3, hidden=256, heads=8, kv_heads=2, head_dim=64, mlp=512, vocab=512)
     model = p17.RandomDecoder(shape, "cuda", torch.bfloat16, max_positions=600)
     ids = torch.randint(0, shape["vocab"], (520,), generator=torch.Generator().manual_seed(4))
     kv, _ = model.prefill(ids[:512], progress=False)
     codecs, _ = p17.fit_codecs_on_prompt(kv, progress=False)
+    return p17, shape, model, ids, kv, codecs
+
+
+@pytest.mark.gpu
+def test_gpu_decoder_graphs_match_eager_and_raw_matches_resident():
+    p17, shape, model, ids, kv, codecs = small_decoder_on_gpu()
     logits = {}
     for graphs in (False, True):
         if graphs:
@@ -375,12 +381,7 @@ def test_coefficient_rows_are_refused_where_there_are_none(llama, prompt, codecs
 
 @pytest.mark.gpu
 def test_gpu_attention_on_coefficient_rows_matches_attention_on_reconstructed_kv():
-    p17 = poc17()
-    shape = dict(SMALL, layers=3, hidden=256, heads=8, kv_heads=2, head_dim=64, mlp=512, vocab=512)
-    model = p17.RandomDecoder(shape, "cuda", torch.bfloat16, max_positions=600)
-    ids = torch.randint(0, shape["vocab"], (520,), generator=torch.Generator().manual_seed(4))
-    kv, _ = model.prefill(ids[:512], progress=False)
-    codecs, _ = p17.fit_codecs_on_prompt(kv, progress=False)
+    p17, shape, model, ids, kv, codecs = small_decoder_on_gpu()
     model.capture_graphs()
     logits = {}
     for coefficients in (False, True):
