@@ -119,9 +119,23 @@ def _basis_from_eigh(mean: np.ndarray, eigvals: np.ndarray, eigvecs: np.ndarray,
 @dataclasses.dataclass
 class PCABasis:
     mean: np.ndarray  # [D] float32
-    components: np.ndarray  # [D, K] float32, orthonormal columns, largest variance first
+    components: np.ndarray  # [D, K] float32, orthonormal columns, largest variance first (the analysis)
     eigenvalues: np.ndarray  # [D] float32, the whole spectrum (largest first)
     meta: dict
+    # [K, D] float32 or None: the map back from coefficients. None: components.T (an orthonormal
+    # basis). A weighted transform (shared.kvcodec: analysis A = W U, synthesis S = U^T W^-1, A S = I)
+    # sets it, and every encoder and decoder of a TensorCodec then codes with A and reconstructs with S.
+    synthesis: np.ndarray | None = None
+
+    @property
+    def decoder_matrix(self) -> np.ndarray:
+        """[K, D]: coefficients @ decoder_matrix + mean reconstructs the rows."""
+        return self.components.T if self.synthesis is None else self.synthesis
+
+    @property
+    def gain(self) -> float:
+        """The largest |reconstruction - mean| per unit of max |coefficient| (overflow checks)."""
+        return float(np.abs(self.decoder_matrix).sum(0).max())
 
     @property
     def dim(self) -> int:
@@ -137,12 +151,16 @@ class PCABasis:
         h = hashlib.sha256()
         h.update(np.ascontiguousarray(self.mean, "<f4").tobytes())
         h.update(np.ascontiguousarray(self.components, "<f4").tobytes())
+        if self.synthesis is not None:
+            h.update(np.ascontiguousarray(self.synthesis, "<f4").tobytes())
         return h.hexdigest()[:16]
 
     def truncate(self, k: int) -> "PCABasis":
         if not 1 <= k <= self.k:
             raise InvalidTensorError(f"cannot keep K={k} of {self.k} components")
-        return PCABasis(self.mean, np.ascontiguousarray(self.components[:, :k]), self.eigenvalues, dict(self.meta))
+        synthesis = None if self.synthesis is None else np.ascontiguousarray(self.synthesis[:k])
+        return PCABasis(self.mean, np.ascontiguousarray(self.components[:, :k]), self.eigenvalues, dict(self.meta),
+                        synthesis)
 
     def check(self, x: np.ndarray) -> None:
         if x.shape[1] != self.dim:
@@ -159,11 +177,11 @@ class PCABasis:
     def reconstruct(self, coeffs: np.ndarray) -> np.ndarray:
         if coeffs.ndim != 2 or coeffs.shape[1] != self.k:
             raise BasisMismatchError(f"coefficients {coeffs.shape} do not match a basis with K={self.k}")
-        return coeffs.astype(np.float32) @ self.components.T + self.mean
+        return coeffs.astype(np.float32) @ self.decoder_matrix + self.mean
 
     def nbytes(self) -> int:
-        """Bytes a receiver needs: the mean and the K kept components, float32."""
-        return 4 * (self.dim + self.dim * self.k)
+        """Bytes a receiver needs: the mean and the K kept components (and the synthesis, where one is set), float32."""
+        return 4 * (self.dim + self.dim * self.k * (1 if self.synthesis is None else 2))
 
     def save(self, path: str | Path, dtype=np.float32) -> None:
         """Write the basis to a safetensors file at `path` (the per-layer artifact both ends load).
@@ -188,6 +206,8 @@ class PCABasis:
         meta.update(content_hash=self.content_hash, dim=str(self.dim), k=str(self.k), meta_json=meta_json)
         tensors = {"mean": self.mean.astype(dtype), "components": self.components.astype(dtype),
                    "eigenvalues": self.eigenvalues.astype(np.float32)}
+        if self.synthesis is not None:
+            tensors["synthesis"] = self.synthesis.astype(dtype)
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata=meta)
 
     @classmethod
@@ -214,7 +234,7 @@ class PCABasis:
             raise BitstreamError(f"{str(path)!r} is a safetensors file but not a PCABasis: {what}; it holds "
                                  f"{', '.join(sorted(t)) or 'no tensors'}. A basis file is written by PCABasis.save "
                                  "(a KV codec's file loads with shared.kvcodec.KVCodec.load)")
-        return cls(t["mean"], t["components"], t["eigenvalues"], json.loads(meta_json))
+        return cls(t["mean"], t["components"], t["eigenvalues"], json.loads(meta_json), t.get("synthesis"))
 
 
 def fit_basis(captures: Iterable, k: int, **meta) -> PCABasis:

@@ -115,6 +115,15 @@ def _stream_apart(device, taken: set):
     raise TensorCodecError("no CUDA stream apart from the compute and capture streams in torch's stream pool")
 
 
+def _rotate_forward(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    """RoPE on rows [T, heads * head_dim] in place (HF layout: dimension i pairs with i + head_dim / 2),
+    cos / sin float32 [T, head_dim] of the rows' positions: a step of a graph-replayed decode."""
+    x = rows.view(rows.shape[0], -1, head_dim)
+    xf = x.float()
+    half = head_dim // 2
+    x.copy_(xf * cos[:, None] + torch.cat([-xf[..., half:], xf[..., :half]], -1) * sin[:, None])
+
+
 def _round_up(n: int, step: int = CAPACITY_STEP) -> int:
     return max(step, -(-n // step) * step)
 
@@ -147,6 +156,9 @@ class SpillLayer(DynamicLayer):
         self.places: list[tuple[int, int]] = []  # (offset, length) of each container, in blob order (k0, v0, k1, ...)
         self.container_heads: list[bytes] = []  # each container's first HEAD_BYTES bytes
         self.plans: dict = {}  # slot -> (version, buffers' addresses, StagedDecode)
+        # compressed_fetch with sink > 0: the layer's first tokens, kept raw on the compute device
+        self.sink = 0  # rows held
+        self.sink_k = self.sink_v = None  # [cache.sink, D]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -193,8 +205,8 @@ class SpillLayer(DynamicLayer):
             raise TensorCodecError("SpillCache holds one sequence (batch 1)")
 
     def chunks(self) -> list[tuple[int, int]]:
-        """(first token, tokens) of each stored chunk, in blob order."""
-        out, first = [], 0
+        """(first token, tokens) of each stored chunk, in blob order (the raw sink rows come before them)."""
+        out, first = [], self.sink
         for m, _, _ in self.blobs:
             out.append((first, m))
             first += m
@@ -202,8 +214,8 @@ class SpillLayer(DynamicLayer):
 
     def nbytes_stored(self) -> int:
         """Bytes of the stored form (host rows, blobs, or GPU rows)."""
-        if self.blobs:
-            return sum(_nbytes(k) + _nbytes(v) for _, k, v in self.blobs)
+        if self.blobs or self.sink:
+            return sum(_nbytes(k) + _nbytes(v) for _, k, v in self.blobs) + 2 * self.sink * self.dim * self.dtype.itemsize
         return 2 * self.stored * (self.dim or 0) * (self.dtype.itemsize if self.dtype else 0)
 
 
@@ -274,7 +286,7 @@ class SpillCache(Cache):
     def __init__(self, num_layers: int, mode: str = "raw_fetch", *, codecs=None, chunk_tokens: int = 1024,
                  max_tokens: int | None = None, prefetch: bool = True, keep_decoded: bool | None = None,
                  contiguous: bool = True, coefficients: bool = False, store_prompt: bool = True,
-                 staged: bool = True):
+                 staged: bool = True, sink: int = 0, rope=None):
         if mode not in MODES:
             import difflib
 
@@ -292,9 +304,19 @@ class SpillCache(Cache):
         if coefficients and mode != "compressed_fetch":
             raise ConfigurationError(f"coefficients=True hands attention the decoder's coefficient rows; mode {mode!r} "
                                      "has none. Fix: mode='compressed_fetch', or coefficients=False")
+        if (int(sink) or rope is not None) and mode != "compressed_fetch":
+            raise ConfigurationError(f"sink and rope shape what the codec codes; mode {mode!r} codes nothing. Fix: "
+                                     "mode='compressed_fetch', or leave them out")
+        if int(sink) < 0:
+            raise ConfigurationError(f"sink is a token count >= 0, got {sink}")
+        if coefficients and (int(sink) or rope is not None):
+            raise ConfigurationError("coefficients=True hands attention one basis' rows for every stored token; raw sink "
+                                     "rows and keys coded before RoPE (sink, rope) do not fit that. Fix: coefficients=False")
         super().__init__(layers=[SpillLayer() for _ in range(num_layers)])
         if coefficients and not staged:
             raise ConfigurationError("coefficients=True needs the staged decode (staged=True)")
+        self.sink, self.rope = int(sink), rope
+        self._rope_table = None  # CUDA, rope set: (cos, sin) float32 [slot capacity, head_dim]
         self.coefficients, self.store_prompt, self.staged = coefficients, store_prompt, staged
         self.mode, self.codecs = mode, codecs
         self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens
@@ -313,6 +335,47 @@ class SpillCache(Cache):
         self._scratch = self._pool = None
         self._unchecked: list[_Decoded] = []
         self.timeline: list | None = None  # set to [] to record each fetch's copy and decode spans (CUDA events)
+
+    @classmethod
+    def from_kv_codec(cls, kv_codec, model=None, *, num_layers: int | None = None, **kwargs) -> "SpillCache":
+        """A compressed_fetch cache coded by the attention-aware KV codec (shared.kvcodec.KVCodec, e.g. a
+        loaded codec file): each layer's K and V coded by kv_codec.tensor_codec (its transform and step),
+        the first kv_codec.sink tokens of every layer kept raw, and keys coded before RoPE where the codec
+        was fitted so (the cache knows every stored token's absolute position, and rotates decoded keys
+        forward again on the device they are fetched to). The codec's `recent` plays no part: the
+        cache's recent window (chunk_tokens) is never coded. model: the transformers model the cache
+        serves, to refuse now a codec fitted on another (layer count, KV channels, RoPE frequencies);
+        num_layers without a model. Other keywords go to SpillCache()."""
+        held = sorted({layer for layer, _ in kv_codec.transforms})
+        if not held:
+            raise ConfigurationError("the KV codec holds no transforms")
+        if model is not None:
+            cfg = model.config
+            num_layers = cfg.num_hidden_layers
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            dim = cfg.num_key_value_heads * head_dim
+            width = kv_codec.transform(held[0], "k").analysis.shape[0]
+            if width != dim:
+                raise ConfigurationError(f"the KV codec codes {width} channels per layer; this model's layers hold {dim} "
+                                         f"({cfg.num_key_value_heads} KV heads x {head_dim}). Fix: the codec file of "
+                                         "this model")
+            if kv_codec.pre_rope:
+                import numpy as np
+
+                from .kvcodec import rope_of
+
+                mine = rope_of(model)
+                if mine.inv_freq.shape != kv_codec.rope.inv_freq.shape or not np.allclose(
+                        mine.inv_freq, kv_codec.rope.inv_freq, rtol=1e-6) or mine.scaling != kv_codec.rope.scaling:
+                    raise ConfigurationError("the KV codec codes keys before RoPE with other rotary frequencies than "
+                                             "this model's. Fix: the codec file of this model")
+        num_layers = len(held) if num_layers is None else int(num_layers)
+        if held != list(range(num_layers)):
+            raise ConfigurationError(f"the KV codec holds layers {held[0]}..{held[-1]} ({len(held)}); the model has "
+                                     f"{num_layers}. Fix: the codec file of this model")
+        codecs = [(kv_codec.tensor_codec(i, "k"), kv_codec.tensor_codec(i, "v")) for i in range(num_layers)]
+        return cls(num_layers, "compressed_fetch", codecs=codecs, sink=kv_codec.sink,
+                   rope=kv_codec.rope if kv_codec.pre_rope else None, **kwargs)
 
     # -- public helpers --------------------------------------------------------------------------------
     @property
@@ -492,14 +555,17 @@ class SpillCache(Cache):
         kept = [c for c, a in enumerate(starts) if a < keep]
         last = kept[-1] if kept else None
         rows = None
+        if keep < layer.sink:  # the cut falls in the raw sink rows: every chunk goes
+            layer.sink = keep
         if last is not None and sum(chunks[last]) > keep:  # the cut falls inside this chunk
             codec_k, codec_v = self.codecs[layer_idx]
             _, blob_k, blob_v = layer.blobs[last]
             k_rows, v_rows = decode_blobs([codec_k, codec_v], [blob_k, blob_v], self.device if self.on_cuda else None)
+            k_rows = self._decoded_keys(layer, starts[last], k_rows)
             n = keep - starts[last]
             rows = (k_rows[:n].to(self.device, layer.dtype), v_rows[:n].to(self.device, layer.dtype))
             kept = kept[:-1]
-        stored = starts[len(kept)] if len(kept) < len(starts) else layer.stored
+        stored = min(keep, starts[len(kept)] if len(kept) < len(starts) else layer.stored)
         layer.blobs = layer.blobs[:len(kept)]
         layer.decoded = layer.decoded[:len(kept)]
         if layer.places:  # CUDA: the packed buffer keeps the containers of the kept chunks
@@ -660,16 +726,41 @@ class SpillCache(Cache):
             layer.store_k[layer.stored:need].copy_(k_rows)  # device -> pinned host (waits for the stream)
             layer.store_v[layer.stored:need].copy_(v_rows)
         else:
-            codec_k, codec_v = self.codecs[layer_idx]
-            blob_k, blob_v = encode_blobs([codec_k, codec_v], [k_rows, v_rows])
-            if self.on_cuda:
-                self._pack(layer, m, blob_k, blob_v)
-            else:
-                layer.blobs.append((m, _as_bytes(blob_k), _as_bytes(blob_v)))
+            k_rows, v_rows = self._keep_sink(layer, k_rows, v_rows)
+            coded = k_rows.shape[0]
+            if coded:
+                if self.rope is not None:  # keys coded as they were before RoPE, at their absolute positions
+                    k_rows = self.rope.invert(k_rows, layer.stored + m - coded).to(layer.dtype).contiguous()
+                codec_k, codec_v = self.codecs[layer_idx]
+                blob_k, blob_v = encode_blobs([codec_k, codec_v], [k_rows, v_rows])
+                if self.on_cuda:
+                    self._pack(layer, coded, blob_k, blob_v)
+                else:
+                    layer.blobs.append((coded, _as_bytes(blob_k), _as_bytes(blob_v)))
         layer.stored += m
         layer.version += 1
         self.stats.flushes += 1
         self.stats.flushed_tokens += m
+
+    def _keep_sink(self, layer: SpillLayer, k_rows, v_rows):
+        """The layer's first `sink` tokens go to its raw sink rows; returns the rows left to code."""
+        take = min(self.sink - layer.sink, k_rows.shape[0])
+        if take <= 0:
+            return k_rows, v_rows
+        if layer.sink_k is None:
+            layer.sink_k = torch.empty((self.sink, layer.dim), dtype=layer.dtype, device=layer.device)
+            layer.sink_v = torch.empty_like(layer.sink_k)
+        layer.sink_k[layer.sink:layer.sink + take].copy_(k_rows[:take])
+        layer.sink_v[layer.sink:layer.sink + take].copy_(v_rows[:take])
+        layer.sink += take
+        return k_rows[take:], v_rows[take:]
+
+    def _decoded_keys(self, layer: SpillLayer, first: int, k_rows):
+        """Decoded key rows of the chunk starting at token `first`, rotated forward again where the codec
+        coded them before RoPE."""
+        if self.rope is None:
+            return k_rows
+        return self.rope.apply(k_rows, first).to(k_rows.dtype)
 
     # -- fetching ----------------------------------------------------------------------------------------
     def _release(self) -> None:
@@ -734,13 +825,16 @@ class SpillCache(Cache):
         blobs = fetch.blobs
         if not self.on_cuda:
             self.stats.fetched_bytes += sum(_nbytes(k) + _nbytes(v) for _, k, v in blobs)
+            chunks = layer.chunks()
             if self.keep_decoded:
-                for _, blob_k, blob_v in blobs[len(layer.decoded):]:
-                    layer.decoded.append(tuple(decode_blobs([codec_k, codec_v], [blob_k, blob_v])))
+                for (first, _), (_, blob_k, blob_v) in zip(chunks[len(layer.decoded):], blobs[len(layer.decoded):]):
+                    k_rows, v_rows = decode_blobs([codec_k, codec_v], [blob_k, blob_v])
+                    layer.decoded.append((self._decoded_keys(layer, first, k_rows), v_rows))
                 outs = [t for pair in layer.decoded for t in pair]
             else:
                 outs = decode_blobs([codec_k, codec_v] * len(blobs), [b for _, k, v in blobs for b in (k, v)])
-            self._place(slot, blobs, outs)
+                outs[0::2] = [self._decoded_keys(layer, first, k) for (first, _), k in zip(chunks, outs[0::2])]
+            self._place(slot, layer, blobs, outs)
             return
         # CUDA: the layer's packed containers cross in one copy, then its plan decodes them into the slot
         nbytes = layer.packed_len
@@ -757,15 +851,16 @@ class SpillCache(Cache):
             self._staged_events[s].record(copy)
         decode.wait_event(self._staged_events[s])
         decode.wait_event(slot.released)
-        if layer.dtype != torch.bfloat16 or not self.staged:  # StagedDecode reconstructs bf16: other dtypes
+        if layer.dtype != torch.bfloat16 or not self.staged or not blobs:  # StagedDecode reconstructs bf16: other dtypes
             with torch.cuda.stream(decode):  # (and staged=False) take decode_many, which reads the headers and
                 # checks the payloads on the host
                 views = [self._stage[s][a:a + n] for a, n in layer.places]
                 try:
-                    outs = decode_blobs([codec_k, codec_v] * len(blobs), views, self.device)
+                    outs = decode_blobs([codec_k, codec_v] * len(blobs), views, self.device) if blobs else []
                 except BitstreamError as error:
                     raise BitstreamError(f"layer {fetch.layer}: {error}") from None
-                self._place(slot, blobs, outs)
+                outs[0::2] = [self._decoded_keys(layer, first, k) for (first, _), k in zip(layer.chunks(), outs[0::2])]
+                self._place(slot, layer, blobs, outs)
                 self._stage_free[s].record(decode)
                 fetch.ready.record(decode)
             return
@@ -867,11 +962,31 @@ class SpillCache(Cache):
         try:
             plan = StagedDecode(codecs, layer.container_heads, [n for _, n in layer.places], [a for a, _ in layer.places],
                                 self._stage[s], outs, scratch=self._scratch if need else None, pool=self._pool,
-                                reconstruct=not self.coefficients, stream=self._decode_stream)
+                                reconstruct=not self.coefficients, stream=self._decode_stream,
+                                after=self._after_decode(layer, slot))
         except BitstreamError as error:
             raise BitstreamError(f"layer {layer_idx}: {error}") from None
         layer.plans[s] = (layer.version, where, plan)
         return plan
+
+    def _after_decode(self, layer: SpillLayer, slot: _Slot):
+        """What a layer's decode plan does after decoding into the slot: the raw sink rows in front, and
+        the decoded keys rotated forward again (codecs that code keys before RoPE); None where neither."""
+        sink, stored = layer.sink, layer.stored
+        if not sink and (self.rope is None or stored == sink):
+            return None
+        if self.rope is not None and (self._rope_table is None or self._rope_table[0].shape[0] < stored):
+            cos, sin = self.rope.cos_sin(torch.arange(slot.k.shape[0], device=self.device))
+            self._rope_table = (cos.float().contiguous(), sin.float().contiguous())
+        table = self._rope_table
+
+        def after():
+            if sink:
+                slot.k[:sink].copy_(layer.sink_k[:sink])
+                slot.v[:sink].copy_(layer.sink_v[:sink])
+            if self.rope is not None and stored > sink:
+                _rotate_forward(slot.k[sink:stored], table[0][sink:stored], table[1][sink:stored], self.rope.head_dim)
+        return after
 
     def _check_decodes(self, wait: bool, upto: int | None = None) -> None:
         """Read the payload checks of queued decodes that are done (all of the first `upto`, or of all,
@@ -894,8 +1009,11 @@ class SpillCache(Cache):
         self._unchecked = pending
 
     @staticmethod
-    def _place(slot: _Slot, blobs, outs) -> None:
-        offset = 0
+    def _place(slot: _Slot, layer: SpillLayer, blobs, outs) -> None:
+        offset = layer.sink
+        if offset:
+            slot.k[:offset].copy_(layer.sink_k[:offset])
+            slot.v[:offset].copy_(layer.sink_v[:offset])
         for (m, _, _), k_rows, v_rows in zip(blobs, outs[0::2], outs[1::2]):
             if k_rows.shape[0] != m or v_rows.shape[0] != m:
                 raise TensorCodecError(f"a blob decoded to {k_rows.shape[0]} / {v_rows.shape[0]} tokens, "

@@ -404,6 +404,26 @@ class KVCodec:
     def step(self, layer: int, kind: str) -> float:
         return self.scale * self.transform(layer, kind).unit
 
+    def tensor_codec(self, layer: int, kind: str, lane_tokens: int | None = None):
+        """The coded body of (layer, kind) as a compute codec: TensorCodec(backend="rans") whose basis is
+        this transform (components = the analysis A, synthesis S) at this codec's step, so that it runs
+        through every encoder and decoder the compute codec has (CPU, GPU batched, graph-replayed
+        shared.pipeline.StagedDecode) and writes their container. It codes rows as they are given:
+        the caller takes off the raw sink rows and, for keys of a pre_rope codec, rotates them back
+        first (shared.kvcache.SpillCache.from_kv_codec does both). One object per (layer, kind, scale)."""
+        from .basis import PCABasis
+        from .pipeline import TensorCodec
+
+        key = ("tensor_codec", layer, kind, self.scale, lane_tokens)
+        if key not in self._torch:
+            t = self.transform(layer, kind)
+            C = t.analysis.shape[0]
+            basis = PCABasis(np.asarray(t.mean, np.float32), np.ascontiguousarray(t.analysis, np.float32),
+                             np.zeros(C, np.float32), {"kv_codec": self.meta.get("hash"), "layer": layer, "kind": kind},
+                             np.ascontiguousarray(t.synthesis, np.float32))
+            self._torch[key] = TensorCodec(basis, backend="rans", step=self.step(layer, kind), lane_tokens=lane_tokens)
+        return self._torch[key]
+
     def _mats(self, layer: int, kind: str, device="cpu"):
         key = (layer, kind, str(device))
         if key not in self._torch:

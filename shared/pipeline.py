@@ -317,7 +317,7 @@ class TensorCodec:
         """The coefficients, refused when they or their reconstruction would leave float32."""
         coeffs = self.basis.project(values) if self.basis is not None else values
         amax = float(np.abs(coeffs).max()) if np.isfinite(coeffs).all() else math.inf
-        gain = 1.0 if self.basis is None else float(np.abs(self.basis.components).sum(1).max())
+        gain = 1.0 if self.basis is None else self.basis.gain
         offset = 0.0 if self.basis is None else float(np.abs(self.basis.mean).max())
         if not amax * gain + offset < FLOAT32_HEADROOM:
             raise InvalidTensorError(f"values up to {float(np.abs(values).max()):.3g} overflow float32 in the "
@@ -389,7 +389,7 @@ class TensorCodec:
             from .rdquant import CpuProjection
 
             self._cpu_proj = (CpuProjection(None, None, dim) if self.basis is None
-                              else CpuProjection(self.basis.mean, self.basis.components))
+                              else CpuProjection(self.basis.mean, self.basis.components, synthesis=self.basis.synthesis))
         return self._cpu_proj
 
     def _encode_symbols_bf16(self, x, proj) -> bytes:
@@ -439,10 +439,10 @@ class TensorCodec:
             if self.basis is not None:
                 if self.basis.dim != D:
                     raise BasisMismatchError(f"basis is for D={self.basis.dim}, tensor has D={D}")
-                mean, comps = self.basis.mean, self.basis.components
+                mean, comps, synthesis = self.basis.mean, self.basis.components, self.basis.synthesis
             else:
-                mean, comps = np.zeros(D, np.float32), np.eye(D, dtype=np.float32)
-            self._proj = (str(device), CudaProjection(mean, comps, device=device))
+                mean, comps, synthesis = np.zeros(D, np.float32), np.eye(D, dtype=np.float32), None
+            self._proj = (str(device), CudaProjection(mean, comps, device=device, synthesis=synthesis))
         if self._proj[1].D != D:
             raise BasisMismatchError(f"this codec's basis is for D={self._proj[1].D}, tensor has D={D}")
         return self._proj[1]
@@ -455,8 +455,8 @@ class TensorCodec:
             raise InvalidTensorError(f"tensor must be a non-empty 2-D [tokens, channels] tensor, got {tuple(x.shape)}")
         proj = self._projection(x.shape[1], x.device)
         if self.quantizer is None:
-            mean, comps = proj.mean, proj.components.float()
-            self._step_quantizer(x.float(), (x.float() - mean) @ comps, lambda c: c @ comps.T + mean)
+            mean, comps, back = proj.mean, proj.components.float(), proj.components_t.float()
+            self._step_quantizer(x.float(), (x.float() - mean) @ comps, lambda c: c @ back + mean)
         key = (tuple(x.shape), dtype, self.quantizer.step)
         if getattr(self, "_front", (None,))[0] != key:  # the same header for every tensor of this shape
             header, qpar = self._symbols_header(x.shape, dtype, self.quantizer)
@@ -1245,10 +1245,14 @@ class StagedDecode:
     reconstruct=False stops before the reconstruction GEMM: outs[i] is then [T, width] bf16 (width =
     the codec's CudaProjection.coefficient_width()) and receives the coefficient rows R, with
     x = R @ coefficient_weights() (the mean rides in two columns of ones). An attention that reads R
-    (scores q.x = R @ (W q), outputs p.X = (p.R) @ W) never needs x: the GEMM and its write skipped."""
+    (scores q.x = R @ (W q), outputs p.X = (p.R) @ W) never needs x: the GEMM and its write skipped.
+
+    after: a callable of torch GPU work on the outputs (e.g. RoPE on decoded keys), run after the
+    decode in the same graph: it must only queue work on the current stream, allocate nothing it
+    keeps, and give the same result when run more than once on freshly decoded outputs."""
 
     def __init__(self, codecs, heads, totals, offsets, buffer, outs, *, scratch=None, pool=None, graph: bool = True,
-                 reconstruct: bool = True, stream=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
+                 reconstruct: bool = True, stream=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS, after=None):
         import torch
 
         from .codecs import rans_cuda
@@ -1290,7 +1294,7 @@ class StagedDecode:
                 raise ConfigurationError(f"container {i} at byte {offset} ({total} bytes) must start 16-byte aligned "
                                          f"inside the buffer of {buffer.numel()} bytes")
             jobs.append((i, inner, offset + a, RDQuantizer.from_bytes(head[qa:qb]).step, proj))
-        self.outs, self.buffer, self.n, self.reconstruct = list(outs), buffer, n, reconstruct
+        self.outs, self.buffer, self.n, self.reconstruct, self.after = list(outs), buffer, n, reconstruct, after
         self.groups = []
         # without the GEMM each container decodes straight into its output (a group of one)
         keys = [(j[1].T, j[1].K, j[1].S, j[1].G, j[1].prob_bits, j[4].coefficient_width(), reconstruct or j[0])
@@ -1359,6 +1363,8 @@ class StagedDecode:
                 for m, rows, w in zip(g["members"], g["rows"].unbind(0), g["weights"]):
                     torch.mm(rows, w, out=self.outs[m])
             g["err_host"].copy_(g["err"], non_blocking=True)
+        if self.after is not None:
+            self.after()
 
     def replay(self) -> None:
         """Queue the decode on the current stream (the buffer must hold the containers' bytes by then)."""

@@ -405,7 +405,7 @@ def calibrate_step(basis, captures, target_cos: float, water_fill: bool = False)
     coeffs = basis.project(values)
     q = find_step(coeffs, target_cos, "cos", reconstruct=basis.reconstruct, reference=values, water_fill=water_fill)
     meta = dict(basis.meta, rans_step=float(q.step), rans_target_cos=float(target_cos))
-    return PCABasis(basis.mean, basis.components, basis.eigenvalues, meta)
+    return PCABasis(basis.mean, basis.components, basis.eigenvalues, meta, basis.synthesis)
 
 
 def _interpreting() -> bool:
@@ -442,14 +442,18 @@ class CudaProjection:
     BLOCK = dict(BM=32, BN=32, BD=32)  # the CPU interpreter's tile (the GPU autotunes its own)
     ROW_PROGRAMS = 3  # the interpreter's programs per column tile: each walks several row tiles, as on a GPU
 
-    def __init__(self, mean, components, device="cuda"):
+    def __init__(self, mean, components, device="cuda", synthesis=None):
         import torch
 
         comp = torch.as_tensor(np.asarray(components, np.float32) if not _is_torch(components) else components)
         mu = torch.as_tensor(np.asarray(mean, np.float32) if not _is_torch(mean) else mean)
         self.D, self.K = comp.shape[-2:]
         self.components = comp.to(device, torch.bfloat16).contiguous()  # [(N,) D, K]
-        self.components_t = self.components.transpose(-1, -2).contiguous()  # [(N,) K, D]
+        # the map back: components.T for an orthonormal basis, else the basis' synthesis [K, D]
+        self.components_t = (self.components.transpose(-1, -2) if synthesis is None else
+                             torch.as_tensor(np.asarray(synthesis, np.float32)).to(device, torch.bfloat16)).contiguous()
+        if tuple(self.components_t.shape[-2:]) != (self.K, self.D):
+            raise InvalidTensorError(f"synthesis must be [K={self.K}, D={self.D}], got {tuple(self.components_t.shape)}")
         self.mean = mu.to(device, torch.float32).contiguous()
         # (x - mean) @ B = x @ B - mean @ B, with mean @ B from the same bf16 basis the kernel uses
         self.bias = (self.mean.unsqueeze(-2) @ self.components.float()).squeeze(-2).contiguous()
@@ -501,7 +505,7 @@ class CudaProjection:
         (pipeline.FLOAT32_HEADROOM), so no payload it makes comes near. Corrupt or hostile
         payloads are refused instead of decoding to Inf."""
         if self._bound is None:
-            gain = float(self.components.float().abs().sum(-1).max())  # |coefficients| <= b -> |x - mean| <= b * gain
+            gain = float(self.components_t.float().abs().sum(-2).max())  # |coefficients| <= b -> |x - mean| <= b * gain
             self._bound = (1e38 - float(self.mean.abs().max())) / max(gain, 1e-30)
         return self._bound
 
@@ -639,7 +643,7 @@ class CpuProjection:
     its remainder as one more component whose coefficient is 1). Without a basis, x's bits go to
     the quantizer and the symbols' bf16 values come back directly."""
 
-    def __init__(self, mean, components, dim: int | None = None):
+    def __init__(self, mean, components, dim: int | None = None, synthesis=None):
         import torch
 
         self.identity = components is None
@@ -655,8 +659,12 @@ class CpuProjection:
         mean_t = torch.from_numpy(mu)
         self.mean_hi = mean_t.bfloat16()
         mean_lo = (mean_t - self.mean_hi.float()).bfloat16()
-        self.weight = torch.cat([self.components, mean_lo[:, None]], 1).contiguous()  # [D, K + 1]
-        self.gain = float(np.abs(comp).sum(1).max())  # |coefficients| -> |reconstruction| bound, as TensorCodec's check
+        # the map back, [D, K]: the basis itself when orthonormal, else its synthesis transposed
+        back = comp if synthesis is None else np.ascontiguousarray(np.asarray(synthesis, np.float32).T)
+        if back.shape != comp.shape:
+            raise InvalidTensorError(f"synthesis must be [K={self.K}, D={self.D}], got {tuple(back.shape[::-1])}")
+        self.weight = torch.cat([torch.from_numpy(back).bfloat16(), mean_lo[:, None]], 1).contiguous()  # [D, K + 1]
+        self.gain = float(np.abs(back).sum(1).max())  # |coefficients| -> |reconstruction| bound, as TensorCodec's check
         self.offset = float(np.abs(mu).max())
 
     def quantize(self, x, quantizer: RDQuantizer):

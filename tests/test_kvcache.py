@@ -409,3 +409,84 @@ def test_assisted_and_prompt_lookup_decoding_run_on_the_cache(llama, prompt, cod
         out = llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, min_new_tokens=NEW,
                              do_sample=False, pad_token_id=0, **cache_kwarg(llama, cache), **kwargs)
     assert torch.equal(out, reference) if mode == "raw_fetch" else (out == reference).float().mean() >= 0.9
+
+
+# -- the attention-aware KV codec on the cache (SpillCache.from_kv_codec) ------------------------------
+def fit_kv(model, kv, sink=4, pre_rope=True):
+    from shared.kvcodec import fit_kv_codec, rope_of
+
+    calib = [[(k.float(), v.float()) for k, v in kv]]
+    codec = fit_kv_codec(calib, KV_HEADS, sink=sink, pre_rope=pre_rope, rope=rope_of(model) if pre_rope else None)
+    return codec.set_scale(0.05)
+
+
+@pytest.mark.parametrize("sink", [0, 4])
+def test_kv_codec_cache_decodes_what_the_kv_codec_decodes(llama, prompt, sink):
+    kv = prefill_kv(llama, prompt)
+    codec = fit_kv(llama, kv, sink=sink)
+    cache = SpillCache.from_kv_codec(codec, llama, chunk_tokens=CHUNK)
+    ids = torch.cat([prompt, prompt.flip(1)[:, :2 * CHUNK]], 1)
+    full = prefill_kv(llama, ids)  # rows handed to the cache as a model would: the prompt, then a token a call
+    for t in [slice(0, PROMPT)] + [slice(t, t + 1) for t in range(PROMPT, ids.shape[1])]:
+        for i, (k_rows, v_rows) in enumerate(full):
+            cache.update(rows_to_states(k_rows[t], KV_HEADS), rows_to_states(v_rows[t], KV_HEADS), i)
+    assert cache.stored_tokens() == ids.shape[1] and len(cache.layers[0].blobs) == 3  # keys coded at 0.., 40.., 48..
+    assert cache.layers[0].sink == sink and cache.layers[0].chunks()[0] == (sink, PROMPT - sink)
+    for i, (k_rows, v_rows) in enumerate(full):
+        k, v = cache.fetched_kv(i)
+        want_k, _ = codec.roundtrip(k_rows, i, "k", count_bytes=False)  # the whole tensor at once, from position 0
+        want_v, _ = codec.roundtrip(v_rows, i, "v", count_bytes=False)
+        # the sink rows stay in the model's dtype (the KV codec's container carries them in bf16)
+        assert torch.equal(k[:sink], k_rows[:sink]) and torch.equal(v[:sink], v_rows[:sink])
+        torch.testing.assert_close(k[sink:], want_k[sink:], rtol=0, atol=1e-4)
+        torch.testing.assert_close(v[sink:], want_v[sink:], rtol=0, atol=1e-4)
+        assert quality(k_rows, k, "cos") > 0.99 and quality(v_rows, v, "cos") > 0.99
+    # crop into the prompt's chunk, and into the sink rows: the kept tokens come back as they were decoded
+    k_before, _ = cache.fetched_kv(1)
+    cache.crop(-(ids.shape[1] - 20))
+    k_after, _ = cache.fetched_kv(1)
+    assert cache.get_seq_length() == 20 and torch.allclose(k_after, k_before[:20], atol=1e-5)
+    cache.crop(-(20 - 2))
+    k_after, _ = cache.fetched_kv(1)
+    assert cache.get_seq_length() == 2 and torch.equal(k_after, k_before[:2])
+
+
+def test_kv_codec_of_another_model_is_refused_when_the_cache_is_made(llama, prompt):
+    codec = fit_kv(llama, prefill_kv(llama, prompt))
+    with pytest.raises(ConfigurationError, match="layers 0..1"):
+        SpillCache.from_kv_codec(codec, num_layers=3)
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=HEADS, num_key_value_heads=1)).eval()
+    with pytest.raises(ConfigurationError, match="codes 32 channels"):
+        SpillCache.from_kv_codec(codec, other)
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                         rope_theta=500.0)).eval()
+    with pytest.raises(ConfigurationError, match="rotary"):
+        SpillCache.from_kv_codec(codec, other)
+    with pytest.raises(ConfigurationError, match="coefficients"):
+        SpillCache.from_kv_codec(codec, llama, coefficients=True)
+
+
+@pytest.mark.gpu
+def test_gpu_kv_codec_cache_staged_equals_unstaged_and_generates():
+    model = tiny_llama("cuda").to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
+    kv = prefill_kv(model, ids)
+    codec = fit_kv(model, [(k.float().cpu(), v.float().cpu()) for k, v in kv])
+    got = {}
+    for staged in (True, False):
+        cache = SpillCache.from_kv_codec(codec, model, chunk_tokens=CHUNK, staged=staged)
+        with torch.no_grad():
+            model(ids, **cache_kwarg(model, cache))
+            model(ids[:, :CHUNK], **cache_kwarg(model, cache))  # a second chunk, keys at positions 40..47
+        assert bool(cache.layers[0].plans) is False  # plans are made at a fetch
+        got[staged] = [cache.fetched_kv(i) for i in range(2)]
+        assert bool(cache.layers[0].plans) == staged
+    for (k1, v1), (k2, v2) in zip(got[True], got[False]):  # RoPE in float32 in the graph, float64 outside
+        assert torch.equal(v1, v2) and quality(k2.float(), k1.float(), "cos") > 0.99999
+    for i, (k_rows, _) in enumerate(kv):
+        assert quality(k_rows.float(), got[True][i][0][:PROMPT].float(), "cos") > 0.99
+    reference = generate(model, ids, DynamicCache())
+    out = generate(model, ids, SpillCache.from_kv_codec(codec, model, chunk_tokens=CHUNK))
+    assert (out == reference).float().mean() >= 0.9
