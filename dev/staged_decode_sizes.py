@@ -65,7 +65,7 @@ def main() -> None:
         host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         for b, a in zip(blobs, offsets):
             host[a:a + b.numel()].copy_(b)
-        stage = torch.empty(total + 16, dtype=torch.uint8, device="cuda")
+        stage = torch.empty(-(-total // 16) * 16, dtype=torch.uint8, device="cuda")  # StagedDecode: whole 16-byte words
         stage[:total].copy_(host)
         heads = [bytes(b[:8192].cpu().numpy()) for b in blobs]
         reference = [t.clone() for t in decode_many(codecs, blobs, device="cuda")]

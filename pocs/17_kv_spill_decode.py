@@ -88,6 +88,8 @@ CONTEXTS_CPU = [256, 512]
 ROPE_THETA = 1e6
 CHUNK_TOKENS = 1024                                    # recent-window tokens before a flush (timing model)
 COEFFICIENTS = True                                    # time compressed_coefficients too (needs CUDA graphs)
+KV_CODEC_PATH = True                                   # time compressed_kv_codec too: the KV codec's path
+KV_SINK = 4                                            # its raw first tokens per layer (as the shipped codec)
 SPLIT_TOKENS = 1024                                    # attention on coefficients: tokens per slice of p R_v
 LANE_TOKENS = 256                                      # rANS lane length: a layer's KV decodes in 4x fewer
                                                        # sequential steps than at the default 1024 (blobs ~2% larger)
@@ -107,10 +109,13 @@ TIMING_BUDGET_S = 420                                  # the timing model's whol
 
 # -- the quality model (SmolLM2) ------------------------------------------------------------------------
 CAL_CHUNKS, EVAL_CHUNKS, TOKENS, PREFIX = 4, 4, 1024, 512   # calibration / evaluated chunks of text, tokens
+EVAL_FROM = 40                                         # first evaluated chunk: past the text the shipped KV codec
+                                                       # was fitted (chunks 0-7) and calibrated (8-39) on
 GEN_TOKENS, GEN_CHUNK = 128, 64                        # greedy tokens generated; chunk_tokens while generating
 DRIVERS = {"timing": "own decode loop", "quality": "transformers forward / generate()"}
 AGREEMENT_BUDGET_S = 30                                # greedy-agreement prompts are added while within this
-QUICK_LM = dict(cal=2, eval=1, tokens=256, prefix=128, gen=20, gen_chunk=16)
+QUICK_LM = dict(cal=2, eval=1, eval_from=2, tokens=256, prefix=128, gen=20, gen_chunk=16)
+KV_CODEC_TARGET = 0.3                                  # % perplexity the shipped KV codec is calibrated for
 
 
 # ---------------------------------------------------------------- the random-weight decoder
@@ -460,6 +465,29 @@ def decode_api(cache) -> str:
                "with the reconstruction GEMM into the staging slot") + "; payload checks read once per step")
 
 
+def kv_codec_on_prompt(model: "RandomDecoder", kv, device):
+    """The attention-aware KV codec's path on the timing model (shared.kvcodec.KVCodec through
+    SpillCache.from_kv_codec): the first KV_SINK tokens raw, keys coded before RoPE at their absolute
+    positions and rotated forward again inside the decode's graph. The random model has no attention
+    worth weighting, so its transforms are plain PCA of the pre-RoPE keys and of the values, with steps
+    found as fit_codecs_on_prompt finds them: the same coding, plus the KV codec's work around it."""
+    from shared.kvcodec import KVCodec, Rope, TensorTransform
+
+    rope = Rope(model.inv_freq.double().cpu().numpy())
+    sampled = []
+    for k_rows, v_rows in kv:
+        stride = max(1, (k_rows.shape[0] - KV_SINK) // BASIS_SAMPLE)
+        positions = torch.arange(KV_SINK, k_rows.shape[0], stride)[:BASIS_SAMPLE]
+        k = rope._apply(k_rows[positions].to(device).float(), positions.to(device), -1)  # back to before RoPE
+        sampled.append((k, v_rows[positions].to(device).float()))
+    codecs, _ = fit_codecs_on_prompt(sampled, progress=False, device=device)
+    transforms = {(i, kind): TensorTransform(c.basis.mean, c.basis.components, np.ascontiguousarray(c.basis.components.T),
+                                             c.quantizer.step)
+                  for i, pair in enumerate(codecs) for kind, c in zip("kv", pair)}
+    return KVCodec(transforms, sink=KV_SINK, pre_rope=True, rope=rope,
+                   meta={"model": "random-32b-shape", "hash": f"timing-{SEED}"})
+
+
 # ---------------------------------------------------------------- the timing model rows
 
 def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
@@ -504,7 +532,9 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
     kv_bf16_per_token = 2 * shape["layers"] * model.kv_dim * 2
     # compressed_coefficients: the same cache and codec, its attention on the decoder's coefficient rows
     # (RandomDecoder.attend_coefficients), which needs the GPU decoder and the graphed step
-    timing_modes = ("gpu_resident", "raw_fetch", "compressed_fetch") + (("compressed_coefficients",) if graphs and COEFFICIENTS else ())
+    timing_modes = ("gpu_resident", "raw_fetch", "compressed_fetch") + (("compressed_coefficients",) if graphs and COEFFICIENTS else ()) \
+        + (("compressed_kv_codec",) if KV_CODEC_PATH else ())
+    kv_codec = kv_codec_on_prompt(model, kv, device) if KV_CODEC_PATH else None
     hbm = hbm_gbps(device) if on_cuda else None
     if hbm:
         print(f"  memory bandwidth (device-to-device copy): {hbm:.0f} GB/s")
@@ -525,10 +555,13 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             # stalled run says where it stalls
             faulthandler.dump_traceback_later(STALL_S, repeat=True)
             compressed = mode.startswith("compressed")
-            cache = SpillCache(shape["layers"], "compressed_fetch" if compressed else mode,
-                               codecs=codecs if compressed else None, chunk_tokens=CHUNK_TOKENS,
-                               max_tokens=context + WARMUP_STEPS + MAX_STEPS + 2, contiguous=False,
-                               coefficients=mode == "compressed_coefficients")
+            sizes = dict(chunk_tokens=CHUNK_TOKENS, max_tokens=context + WARMUP_STEPS + MAX_STEPS + 2, contiguous=False)
+            if mode == "compressed_kv_codec":
+                cache = SpillCache.from_kv_codec(kv_codec, num_layers=shape["layers"], lane_tokens=LANE_TOKENS, **sizes)
+            else:
+                cache = SpillCache(shape["layers"], "compressed_fetch" if compressed else mode,
+                                   codecs=codecs if compressed else None, coefficients=mode == "compressed_coefficients",
+                                   **sizes)
             start = time.perf_counter()
             fill(cache, kv, context, shape["kv_heads"], device)
             sync(device)
@@ -630,6 +663,30 @@ def smollm2_codecs(model, cal: torch.Tensor, quick: bool):
     return codecs, steps
 
 
+def shipped_kv_codec():
+    """The attention-aware KV codec shipped for SmolLM2 (calibrated for KV_CODEC_TARGET % by PoC 05's
+    protocol), or None (and why) where this checkout has no codec file."""
+    from shared import kvcodec
+
+    try:
+        return kvcodec.load_shipped("smollm2", target=KV_CODEC_TARGET)
+    except (FileNotFoundError, AttributeError) as error:
+        print(f"the shipped KV codec is not measured: {error}")
+        return None
+
+
+def kv_codec_label(codec) -> str:
+    target = codec.meta.get("target_pct", KV_CODEC_TARGET)
+    return f"attention-aware KV codec calibrated for +{target:g}% (scale {codec.scale:.3g}, sink {codec.sink})"
+
+
+def variant_columns(mode: str, variants: dict) -> dict:
+    """mode / codec / backend columns of a quality row (compressed variants are compressed_fetch)."""
+    if mode in variants:
+        return dict(mode="compressed_fetch", backend="rans", **variants[mode])
+    return dict(mode="dynamic_cache" if mode == "dynamic" else mode, backend="none", codec="none")
+
+
 def make_cache(mode: str, layers: int, codecs, chunk_tokens: int):
     from transformers import DynamicCache
 
@@ -645,29 +702,41 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
     except (WeightsUnavailable, BackendUnavailable) as error:
         print(f"SmolLM2 quality rows skipped: {error}")
         return False
-    q = QUICK_LM if quick else dict(cal=CAL_CHUNKS, eval=EVAL_CHUNKS, tokens=TOKENS, prefix=PREFIX, gen=GEN_TOKENS,
-                                    gen_chunk=GEN_CHUNK)
+    q = QUICK_LM if quick else dict(cal=CAL_CHUNKS, eval=EVAL_CHUNKS, eval_from=EVAL_FROM, tokens=TOKENS,
+                                    prefix=PREFIX, gen=GEN_TOKENS, gen_chunk=GEN_CHUNK)
     layers = model.config.num_hidden_layers
-    chunks = llm.text_chunks(tokenizer, q["cal"] + q["eval"], q["tokens"])
-    cal, evaluated = chunks[:q["cal"]], chunks[q["cal"]:]
+    chunks = llm.text_chunks(tokenizer, q["eval_from"] + q["eval"], q["tokens"])
+    cal, evaluated = chunks[:q["cal"]], chunks[q["eval_from"]:]
     codecs, steps = smollm2_codecs(model, cal, quick)
+    kv_codec = shipped_kv_codec()
     label = llm.model_label(model)
     print(f"SmolLM2: {layers} layers; bases and steps from {q['cal']} calibration chunks of {q['tokens']} tokens "
-          f"(step {min(steps):.4g}..{max(steps):.4g}); {q['eval']} other chunks evaluated")
-    common = dict(model=label, loop=DRIVERS["quality"], target_cos=TARGET_COS,
-                  bases=f"{q['cal']} calibration chunks x {q['tokens']} tokens, not evaluated")
+          f"(step {min(steps):.4g}..{max(steps):.4g}); chunks {q['eval_from']}..{q['eval_from'] + q['eval'] - 1} "
+          "evaluated" + ("" if kv_codec is None else f"; the shipped KV codec ({kv_codec_label(kv_codec)})"))
+    common = dict(model=label, loop=DRIVERS["quality"],
+                  bases=f"{q['cal']} calibration chunks x {q['tokens']} tokens, not evaluated",
+                  evaluated_chunks=f"{q['eval_from']}..{q['eval_from'] + q['eval'] - 1}")
+    # what each compressed variant is: its codec column and its cache
+    variants = {"compressed_fetch": dict(codec=f"per-layer PCA at cos {TARGET_COS}", target_cos=TARGET_COS)}
+    if kv_codec is not None:
+        variants["compressed_kv_codec"] = dict(codec=kv_codec_label(kv_codec))
+
+    def cache_of(variant: str, chunk_tokens: int):
+        if variant == "compressed_kv_codec":
+            return SpillCache.from_kv_codec(kv_codec, model, chunk_tokens=chunk_tokens)
+        return make_cache(variant, layers, codecs, chunk_tokens)
     # perplexity: the second half of each evaluated chunk from a cache of its first half
     prefix = q["prefix"]
-    nll = {m: [] for m in ("dynamic", "raw_fetch", "compressed_fetch")}
+    nll = {m: [] for m in ("dynamic", "raw_fetch", *variants)}
     top1 = {m: [] for m in nll}
-    cos, raw_bytes, coded_bytes, raw_exact = [], 0, 0, True
+    cos, raw_bytes, coded_bytes, raw_exact = {}, {}, {}, True
     with torch.no_grad():
         for chunk in tqdm(evaluated, desc="perplexity", unit="chunk", leave=False):
             ids = chunk[None].to(device)
             reference_rows = None
             for mode in nll:
                 # chunk_tokens above the chunk: nothing flushes by itself; flush() spills the prefix
-                cache = make_cache(mode, layers, codecs, 4 * q["tokens"])
+                cache = cache_of(mode, 4 * q["tokens"])
                 model(ids[:, :prefix], **cache_kwarg(model, cache))
                 if mode == "dynamic":
                     reference_rows = [(llm.kv_to_rows(k).clone(), llm.kv_to_rows(v).clone())
@@ -679,10 +748,10 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
                         if mode == "raw_fetch":
                             raw_exact &= torch.equal(k, k_ref) and torch.equal(v, v_ref)
                         else:
-                            cos += [cosine(k_ref, k), cosine(v_ref, v)]
-                    if mode == "compressed_fetch":
-                        raw_bytes += sum(2 * k.numel() * 2 for k, _ in reference_rows)  # at 2 bytes per value
-                        coded_bytes += cache.stored_bytes()
+                            cos.setdefault(mode, []).extend([cosine(k_ref, k), cosine(v_ref, v)])
+                    if mode in variants:  # bytes at 2 per value (bf16) over bytes stored (blobs, raw sink rows)
+                        raw_bytes[mode] = raw_bytes.get(mode, 0) + sum(2 * k.numel() * 2 for k, _ in reference_rows)
+                        coded_bytes[mode] = coded_bytes.get(mode, 0) + cache.stored_bytes(value_bytes=2)
                 logits = model(ids[:, prefix:], **cache_kwarg(model, cache)).logits[0, :-1].float()
                 nll[mode].append(float(F.cross_entropy(logits, ids[0, prefix + 1:])))
                 top1[mode].append(logits.argmax(-1).cpu())
@@ -691,21 +760,22 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
     if not raw_exact:
         raise SystemExit("raw_fetch: the fetched KV differs from DynamicCache's: a bug")
     ppl = {m: float(np.exp(np.mean(v))) for m, v in nll.items()}
-    for mode in ("raw_fetch", "compressed_fetch"):
+    for mode in ("raw_fetch", *variants):
         change = 100 * (ppl[mode] / ppl["dynamic"] - 1)
         agree = float(torch.cat([a == b for a, b in zip(top1[mode], top1["dynamic"])]).float().mean())
-        row = dict(common, mode=mode, context=prefix, backend="rans" if mode == "compressed_fetch" else "none",
+        row = dict(common, **variant_columns(mode, variants), context=prefix,
                    chunks=q["eval"], scored_tokens=q["eval"] * (q["tokens"] - prefix - 1))
         res.add(metric="perplexity", value=ppl[mode], unit="ppl", **row)
         res.add(metric="perplexity_dynamic_cache", value=ppl["dynamic"], unit="ppl", **row)
         res.add(metric="ppl_change_pct", value=change, unit="%", **row)
         res.add(metric="top1_agreement", value=agree, unit="fraction", **row)
-        if mode == "compressed_fetch":
-            res.add(metric="cos", value=float(np.mean(cos)), unit="cos", **row)
-            res.add(metric="cos_min", value=float(np.min(cos)), unit="cos", **row)
-            res.add(metric="ratio", value=raw_bytes / coded_bytes, unit="x", **row)
-            print(f"  compressed_fetch: KV cos {np.mean(cos):.5f} (min over layers/K/V {np.min(cos):.5f}), ratio "
-                  f"{raw_bytes / coded_bytes:.2f}x of bf16; perplexity {ppl['dynamic']:.4f} -> {ppl[mode]:.4f} "
+        if mode in variants:
+            ratio = raw_bytes[mode] / coded_bytes[mode]
+            res.add(metric="cos", value=float(np.mean(cos[mode])), unit="cos", **row)
+            res.add(metric="cos_min", value=float(np.min(cos[mode])), unit="cos", **row)
+            res.add(metric="ratio", value=ratio, unit="x", **row)
+            print(f"  {row['codec']}: KV cos {np.mean(cos[mode]):.5f} (min over layers/K/V {np.min(cos[mode]):.5f}), "
+                  f"ratio {ratio:.2f}x of bf16; perplexity {ppl['dynamic']:.4f} -> {ppl[mode]:.4f} "
                   f"({change:+.3f}%), next-token agreement {agree:.4f}")
         else:
             res.add(metric="fetch_exact", value=1.0, unit="bool", **row)
@@ -714,8 +784,8 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
     # greedy generation through generate() with each cache: speed, and where the free run first diverges
     prompt = evaluated[0, :prefix][None].to(device)
     outputs = {}
-    for mode in ("dynamic",) + MODES:
-        cache = make_cache(mode, layers, codecs, q["gen_chunk"])
+    for mode in ("dynamic", "raw_fetch", "gpu_resident", *variants):
+        cache = cache_of(mode, q["gen_chunk"])
         clock = _StepClock(device)
         with torch.no_grad():
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=q["gen"],
@@ -723,9 +793,8 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
                                  pad_token_id=tokenizer.eos_token_id, **cache_kwarg(model, cache))
         outputs[mode] = out[0, prefix:].cpu()
         rate = (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
-        row = dict(common, mode=mode if mode != "dynamic" else "dynamic_cache", context=prefix, steps=q["gen"],
-                   gen_chunk_tokens=q["gen_chunk"], backend="rans" if mode == "compressed_fetch" else "none",
-                   decode_api=decode_api(cache) if mode != "dynamic" else "")
+        row = dict(common, **variant_columns(mode, variants), context=prefix, steps=q["gen"],
+                   gen_chunk_tokens=q["gen_chunk"], decode_api=decode_api(cache) if mode != "dynamic" else "")
         res.add(metric="tokens_per_s", value=rate, unit="tokens/s", **row)
         if mode == "dynamic":
             print(f"  generate() DynamicCache     {rate:7.1f} tokens/s")
@@ -734,14 +803,14 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
         diverged = int((~same).nonzero()[0]) if not bool(same.all()) else len(same)
         res.add(metric="first_divergence", value=diverged, unit="tokens", **row)
         res.add(metric="greedy_identical", value=float(bool(same.all())), unit="bool", **row)
-        if mode != "compressed_fetch" and not bool(same.all()):
+        if mode not in variants and not bool(same.all()):
             print(f"  WARNING: {mode}'s greedy output differs from DynamicCache's (its fetched KV was bit-exact)")
         print(f"  generate() {mode:<16} {rate:7.1f} tokens/s  free-running greedy output first differs from "
               f"DynamicCache's at token {diverged} of {len(same)} ({cache.stats.flushes // layers} flushes per layer)")
         cache.close()
     # greedy-output agreement: along DynamicCache's greedy output of each evaluated prompt, how often the
     # cache's greedy choice is the same token (decoded step by step, so the cache flushes as in generate)
-    start, hits, prompts_used = time.perf_counter(), {"raw_fetch": [], "compressed_fetch": []}, 0
+    start, hits, prompts_used = time.perf_counter(), {m: [] for m in ("raw_fetch", *variants)}, 0
     for chunk in evaluated:
         if prompts_used and time.perf_counter() - start > AGREEMENT_BUDGET_S:
             break
@@ -751,7 +820,7 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=q["gen"], min_new_tokens=q["gen"],
                 do_sample=False, pad_token_id=tokenizer.eos_token_id)[0, prefix:]
             for mode in hits:
-                cache = make_cache(mode, layers, codecs, q["gen_chunk"])
+                cache = cache_of(mode, q["gen_chunk"])
                 logits = model(ids, **cache_kwarg(model, cache)).logits[0, -1]
                 for t in range(q["gen"]):
                     hits[mode].append(bool(logits.argmax() == reference[t]))
@@ -760,8 +829,8 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
                 cache.close()
         prompts_used += 1
     for mode, h in hits.items():
-        row = dict(common, mode=mode, context=prefix, steps=q["gen"], gen_chunk_tokens=q["gen_chunk"],
-                   prompts=prompts_used, backend="rans" if mode == "compressed_fetch" else "none")
+        row = dict(common, **variant_columns(mode, variants), context=prefix, steps=q["gen"],
+                   gen_chunk_tokens=q["gen_chunk"], prompts=prompts_used)
         res.add(metric="agreement", value=float(np.mean(h)), unit="fraction", **row)
         print(f"  {mode}: greedy-output agreement {np.mean(h):.4f} over {len(h)} steps of DynamicCache's greedy "
               f"output ({prompts_used} prompts)")

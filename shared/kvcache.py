@@ -212,11 +212,13 @@ class SpillLayer(DynamicLayer):
             first += m
         return out
 
-    def nbytes_stored(self) -> int:
-        """Bytes of the stored form (host rows, blobs, or GPU rows)."""
+    def nbytes_stored(self, value_bytes: int | None = None) -> int:
+        """Bytes of the stored form (host rows, blobs and raw sink rows, or GPU rows); value_bytes: count raw
+        rows at this many bytes a value (2: as bf16) instead of the model's dtype."""
+        size = value_bytes or (self.dtype.itemsize if self.dtype else 0)
         if self.blobs or self.sink:
-            return sum(_nbytes(k) + _nbytes(v) for _, k, v in self.blobs) + 2 * self.sink * self.dim * self.dtype.itemsize
-        return 2 * self.stored * (self.dim or 0) * (self.dtype.itemsize if self.dtype else 0)
+            return sum(_nbytes(k) + _nbytes(v) for _, k, v in self.blobs) + 2 * self.sink * self.dim * size
+        return 2 * self.stored * (self.dim or 0) * size
 
 
 def _nbytes(blob) -> int:
@@ -337,7 +339,8 @@ class SpillCache(Cache):
         self.timeline: list | None = None  # set to [] to record each fetch's copy and decode spans (CUDA events)
 
     @classmethod
-    def from_kv_codec(cls, kv_codec, model=None, *, num_layers: int | None = None, **kwargs) -> "SpillCache":
+    def from_kv_codec(cls, kv_codec, model=None, *, num_layers: int | None = None, lane_tokens: int | None = None,
+                      **kwargs) -> "SpillCache":
         """A compressed_fetch cache coded by the attention-aware KV codec (shared.kvcodec.KVCodec, e.g. a
         loaded codec file): each layer's K and V coded by kv_codec.tensor_codec (its transform and step),
         the first kv_codec.sink tokens of every layer kept raw, and keys coded before RoPE where the codec
@@ -345,7 +348,8 @@ class SpillCache(Cache):
         forward again on the device they are fetched to). The codec's `recent` plays no part: the
         cache's recent window (chunk_tokens) is never coded. model: the transformers model the cache
         serves, to refuse now a codec fitted on another (layer count, KV channels, RoPE frequencies);
-        num_layers without a model. Other keywords go to SpillCache()."""
+        num_layers without a model; lane_tokens: the rANS lane length (shared.pipeline.TensorCodec).
+        Other keywords go to SpillCache()."""
         held = sorted({layer for layer, _ in kv_codec.transforms})
         if not held:
             raise ConfigurationError("the KV codec holds no transforms")
@@ -373,7 +377,8 @@ class SpillCache(Cache):
         if held != list(range(num_layers)):
             raise ConfigurationError(f"the KV codec holds layers {held[0]}..{held[-1]} ({len(held)}); the model has "
                                      f"{num_layers}. Fix: the codec file of this model")
-        codecs = [(kv_codec.tensor_codec(i, "k"), kv_codec.tensor_codec(i, "v")) for i in range(num_layers)]
+        codecs = [(kv_codec.tensor_codec(i, "k", lane_tokens), kv_codec.tensor_codec(i, "v", lane_tokens))
+                  for i in range(num_layers)]
         return cls(num_layers, "compressed_fetch", codecs=codecs, sink=kv_codec.sink,
                    rope=kv_codec.rope if kv_codec.pre_rope else None, **kwargs)
 
@@ -382,9 +387,10 @@ class SpillCache(Cache):
     def on_cuda(self) -> bool:
         return self.device is not None and self.device.type == "cuda"
 
-    def stored_bytes(self) -> int:
-        """Bytes of every layer's stored form (host memory, or GPU memory for gpu_resident)."""
-        return sum(layer.nbytes_stored() for layer in self.layers)
+    def stored_bytes(self, value_bytes: int | None = None) -> int:
+        """Bytes of every layer's stored form (host memory, or GPU memory for gpu_resident); value_bytes:
+        raw rows counted at this many bytes a value (2: as bf16, the unit of a compression ratio)."""
+        return sum(layer.nbytes_stored(value_bytes) for layer in self.layers)
 
     def stored_tokens(self) -> int:
         return self.layers[0].stored if self.layers else 0
@@ -959,6 +965,10 @@ class SpillCache(Cache):
                 other.plans.clear()
             self._scratch = torch.empty(_align(need + need // 4, BYTES_STEP), dtype=torch.uint8, device=self.device)
             where = where[:2] + (self._scratch.data_ptr(),)
+        if not any(other.plans for other in self.layers):
+            # a pool whose graphs are all gone may not take a new capture (torch's allocator asserts): plans
+            # share a pool only while one of them lives
+            self._pool = torch.cuda.graph_pool_handle()
         try:
             plan = StagedDecode(codecs, layer.container_heads, [n for _, n in layer.places], [a for a, _ in layer.places],
                                 self._stage[s], outs, scratch=self._scratch if need else None, pool=self._pool,

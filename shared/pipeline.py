@@ -1265,6 +1265,10 @@ class StagedDecode:
                                      f"{len(outs)} outputs")
         if not (_is_tensor(buffer) and buffer.is_cuda and buffer.dtype == torch.uint8 and buffer.dim() == 1):
             raise InvalidTensorError("StagedDecode's buffer must be a 1-D uint8 CUDA tensor")
+        if buffer.numel() % PAYLOAD_ALIGN or buffer.data_ptr() % PAYLOAD_ALIGN:
+            raise ConfigurationError(f"StagedDecode's buffer must start {PAYLOAD_ALIGN}-byte aligned and hold a multiple of "
+                                     f"{PAYLOAD_ALIGN} bytes (the kernels read it as 4- and 8-byte words); it holds "
+                                     f"{buffer.numel()}. Fix: allocate it rounded up")
         dev = buffer.device
         jobs = []  # (index, parsed payload header, payload offset in buffer, step, projection)
         for i, (codec, head, total, offset, out) in enumerate(zip(codecs, heads, totals, offsets, outs)):

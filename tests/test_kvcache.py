@@ -341,7 +341,7 @@ def test_gpu_decoder_graphs_match_eager_and_raw_matches_resident():
             model.capture_graphs()
         for mode in MODES:
             cache = SpillCache(shape["layers"], mode, codecs=codecs, chunk_tokens=4, contiguous=False)
-            p17.fill(cache, kv, 512, shape["kv_heads"])
+            p17.fill(cache, kv, 512, shape["kv_heads"], "cuda")
             check = p17.check_fetch(cache, kv, 512)
             assert check["exact"] if mode != "compressed_fetch" else check["cos_min"] >= 0.999
             for position in range(512, 520):  # the same tokens in every case; flushes twice
@@ -387,7 +387,7 @@ def test_gpu_attention_on_coefficient_rows_matches_attention_on_reconstructed_kv
     for coefficients in (False, True):
         cache = SpillCache(shape["layers"], "compressed_fetch", codecs=codecs, chunk_tokens=4, contiguous=False,
                            coefficients=coefficients)
-        p17.fill(cache, kv, 512, shape["kv_heads"])
+        p17.fill(cache, kv, 512, shape["kv_heads"], "cuda")
         assert p17.check_fetch(cache, kv, 512)["cos_min"] >= 0.999  # fetched_kv reconstructs the rows
         for position in range(512, 520):  # flushes twice: stored rows and the recent window both attended
             _, out = model.step(ids[position:position + 1].cuda(), position, cache)
