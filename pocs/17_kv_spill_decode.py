@@ -209,27 +209,26 @@ class RandomDecoder:
         the reconstructed KV; p R_v sums over tokens in SPLIT_TOKENS slices side by side (a split-K: one
         GEMM with the tokens as its inner dimension would run on a handful of the GPU's SMs)."""
         s = self.s
-        kvh, d = s["kv_heads"], s["head_dim"]
-        groups = s["heads"] // kvh
-        qg = q[0, :, 0].reshape(kvh, groups, d)
+        kvh, d, heads = s["kv_heads"], s["head_dim"], s["heads"]
+        qg = q[0, :, 0].reshape(kvh, heads // kvh, d)
         wk, wv = kv.weights_k.shape[0], kv.weights_v.shape[0]
-        q_coeff = torch.einsum("whd,hgd->whg", kv.weights_k.view(wk, kvh, d), qg).reshape(wk, s["heads"])
-        recent = kv.recent_k.shape[0]
-        scores = torch.cat([kv.rows_k @ q_coeff,  # [S, heads]
-                            torch.einsum("rhd,hgd->rhg", kv.recent_k.view(recent, kvh, d), qg).reshape(recent, -1)])
-        probs = torch.softmax(scores.float() * d ** -0.5, 0).to(kv.rows_v.dtype)  # over tokens, per head
-        stored = kv.rows_k.shape[0]
+        stored, recent = kv.rows_k.shape[0], kv.recent_k.shape[0]
+        # scores [heads, tokens] (tokens contiguous, so the softmax runs along rows; dev/coefficient_attention.py)
+        q_coeff = torch.bmm(qg, kv.weights_k.view(wk, kvh, d).permute(1, 2, 0)).reshape(heads, wk)
+        scores = torch.empty(heads, stored + recent, dtype=torch.float32, device=q.device)
+        scores[:, :stored] = q_coeff @ kv.rows_k.T  # a transposed operand: R_k is read in place
+        scores[:, stored:] = torch.bmm(qg, kv.recent_k.view(recent, kvh, d).permute(1, 2, 0)).reshape(heads, recent)
+        probs = torch.softmax(scores * d ** -0.5, -1).to(kv.rows_v.dtype)
         whole = stored // SPLIT_TOKENS * SPLIT_TOKENS
-        mixed = torch.zeros(s["heads"], wv, dtype=torch.float32, device=q.device)  # p R_v, still coefficients
         if whole:
-            p = probs[:whole].view(-1, SPLIT_TOKENS, s["heads"]).transpose(1, 2)
-            mixed += torch.bmm(p, kv.rows_v[:whole].view(-1, SPLIT_TOKENS, wv)).float().sum(0)
+            mixed = torch.bmm(probs[:, :whole].view(heads, -1, SPLIT_TOKENS).transpose(0, 1),
+                              kv.rows_v[:whole].view(-1, SPLIT_TOKENS, wv)).float().sum(0)
+        else:
+            mixed = torch.zeros(heads, wv, dtype=torch.float32, device=q.device)
         if stored > whole:
-            mixed += (probs[whole:stored].T @ kv.rows_v[whole:]).float()
-        out = torch.einsum("hgw,whd->hgd", mixed.to(kv.weights_v.dtype).view(kvh, groups, wv),
-                           kv.weights_v.view(wv, kvh, d))
-        out = out + torch.einsum("rhg,rhd->hgd", probs[stored:].view(recent, kvh, groups),
-                                 kv.recent_v.view(recent, kvh, d))
+            mixed += (probs[:, whole:stored] @ kv.rows_v[whole:]).float()
+        out = torch.bmm(mixed.to(kv.weights_v.dtype).view(kvh, heads // kvh, wv), kv.weights_v.view(wv, kvh, d).transpose(0, 1))
+        out = out + torch.bmm(probs[:, stored:].view(kvh, heads // kvh, recent), kv.recent_v.view(recent, kvh, d).transpose(0, 1))
         return out.reshape(1, self.q_dim)
 
     # -- whole passes ------------------------------------------------------------------------------------
