@@ -393,6 +393,7 @@ class SpillCache(Cache):
         return sum(layer.nbytes_stored(value_bytes) for layer in self.layers)
 
     def stored_tokens(self) -> int:
+        """Tokens of each layer held in the stored form (raw sink rows and coded chunks; the recent window not)."""
         return self.layers[0].stored if self.layers else 0
 
     def fetched_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
