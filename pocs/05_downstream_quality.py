@@ -492,7 +492,8 @@ def calibrated_rows(res, codec: KVCodec, calib: Scorer, held: Scorer, coder: str
     for target in targets:
         calibrate_scale(codec, evaluate, target, grid=CALIB_GRID, refine=CALIB_REFINE, z=CALIB_Z)
         n_cal = len(calib.chunks)
-        codec.meta.update(operating_point=f"perplexity change <= +{100 * target:g}% at a {prefix}-token cache",
+        codec.meta.update(model=settings["model"],
+                          operating_point=f"perplexity change <= +{100 * target:g}% at a {prefix}-token cache",
                           calibration_prefix=prefix, calibration_windows=n_cal,
                           calibration_tokens=n_cal * (calib.chunks.shape[1] - prefix - 1),
                           calibration_text=f"{llm.TEXT_SOURCE}, tokens {cal_spec[0]}.. in windows of {cal_spec[2]} "

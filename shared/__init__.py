@@ -12,5 +12,6 @@ from .errors import (  # noqa: F401
     BackendUnavailable,
     UnknownBackend,
     CodecError,
+    CodecFileMissing,
     TransferError,
 )

@@ -38,6 +38,11 @@ class WeightsUnavailable(TensorCodecError, FileNotFoundError):
     """Model weights are not on this machine and no model hub can be reached; the message says how to provide them."""
 
 
+class CodecFileMissing(TensorCodecError, FileNotFoundError):
+    """A codec file the repository ships (or a step makes) is not on disk; the message names the command that
+    rebuilds it."""
+
+
 class TransferError(TensorCodecError, RuntimeError):
     """A transfer between processes failed: the peer died or stalled past the timeout, or sent a message
     that is not this stream's (another magic, version or stream id, a bad descriptor, a failed check)."""

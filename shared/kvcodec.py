@@ -7,6 +7,7 @@ what attention cares about built into its transform, its step per tensor and its
     blob = codec.encode(k_rows, layer=3, kind="k", start=0)      # bytes, the TNSC container
     k_hat = codec.decode(blob)                  # float32 [T, C]
     codec.save("kv_codec.safetensors"); KVCodec.load(...)
+    codec = load_shipped("smollm2", target_pct=0.3)   # the calibrated SmolLM2-135M codec in artifacts/kv_codec/
 
 Per layer and kind (K or V) the codec holds a transform (mean [C], analysis A [C, C], synthesis
 S [C, C] with A S = I) and a step. Encoding a tensor of T tokens:
@@ -41,7 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import BitstreamError, ConfigurationError, InvalidTensorError
+from .errors import BitstreamError, CodecError, CodecFileMissing, ConfigurationError, InvalidTensorError
 from .pipeline import pack, unpack_container
 
 CODEC_ID = "kv_attn_rans"
@@ -544,16 +545,26 @@ class KVCodec:
                                 self.pre_rope and kind == "k", recent if self.recent else None), blob_len
 
     # -- the artifact ----------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
-        """Write the codec to a safetensors file: every transform (float32), the RoPE frequencies
-        and, as metadata, sink, recent, pre_rope, scale, units and meta (a calibrated target with it)."""
+    def save(self, path: str | Path, *, synthesis: bool = True, dtype: str = "float32") -> None:
+        """Write the codec to a safetensors file: every transform, the RoPE frequencies and, as
+        metadata, sink, recent, pre_rope, scale, units and meta (a calibrated target with it).
+
+        synthesis=False leaves out the synthesis matrices (half the file): load() rebuilds each as
+        the inverse of its analysis matrix (A S = I), so the encoder's symbols are the same and the
+        decoded rows differ only by float32 rounding. dtype "float16" stores the analysis (and
+        synthesis) matrices in half precision, half the file again, but the symbols are then no
+        longer all the same (on SmolLM2's KV 0.04% differ); the means stay float32. The meta hash is
+        kept, so blobs coded with either file decode with the other."""
         from safetensors.numpy import save_file
 
+        if dtype not in ("float32", "float16"):
+            raise ConfigurationError(f"dtype={dtype!r}: the codec's matrices are stored as 'float32' or 'float16'")
         tensors = {}
         for (layer, kind), t in self.transforms.items():
             tensors[f"{layer}.{kind}.mean"] = np.asarray(t.mean, np.float32)
-            tensors[f"{layer}.{kind}.analysis"] = np.asarray(t.analysis, np.float32)
-            tensors[f"{layer}.{kind}.synthesis"] = np.asarray(t.synthesis, np.float32)
+            tensors[f"{layer}.{kind}.analysis"] = np.asarray(t.analysis, dtype)
+            if synthesis:
+                tensors[f"{layer}.{kind}.synthesis"] = np.asarray(t.synthesis, dtype)
         if self.rope is not None:
             tensors["rope.inv_freq"] = np.asarray(self.rope.inv_freq, np.float64)
         units = {f"{layer}.{kind}": t.unit for (layer, kind), t in self.transforms.items()}
@@ -565,7 +576,8 @@ class KVCodec:
 
     @classmethod
     def load(cls, path: str | Path) -> "KVCodec":
-        """The codec a save() wrote, ready to decode (and encode) what the saved one did."""
+        """The codec a save() wrote, ready to decode (and encode) what the saved one did; a file
+        saved without synthesis matrices gets each as its analysis matrix's inverse."""
         from safetensors import safe_open
 
         with safe_open(str(path), "numpy") as f:
@@ -574,8 +586,131 @@ class KVCodec:
         transforms = {}
         for key, unit in s["units"].items():
             layer, kind = key.split(".")
-            transforms[(int(layer), kind)] = TensorTransform(t[f"{key}.mean"], t[f"{key}.analysis"],
-                                                             t[f"{key}.synthesis"], float(unit))
+            analysis = np.asarray(t[f"{key}.analysis"], np.float32)
+            synthesis = t.get(f"{key}.synthesis")
+            synthesis = (np.linalg.inv(analysis.astype(np.float64)) if synthesis is None else synthesis).astype(np.float32)
+            transforms[(int(layer), kind)] = TensorTransform(t[f"{key}.mean"].astype(np.float32), analysis, synthesis,
+                                                             float(unit))
         rope = Rope(t["rope.inv_freq"], s["rope_scaling"]) if "rope.inv_freq" in t else None
         return cls(transforms, sink=s["sink"], recent=s.get("recent", 0), pre_rope=s["pre_rope"], rope=rope,
                    scale=s["scale"], meta=s["meta"])
+
+
+# ---------------------------------------------------------------- the codec files the repository ships
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "kv_codec"
+SHIPPED_MODELS = ("smollm2",)  # the file-name stem of each model a codec file ships for
+SHIPPED_BUILD = "make kv-codec"  # rebuilds the shipped files from the text through PoC 05
+
+
+def shipped_path(model: str = "smollm2", target_pct: float = 0.3, prefix: int = 512) -> Path:
+    """Where the codec file of `model` calibrated for +target_pct% perplexity at a `prefix`-token
+    cache lives in the repository (artifacts/kv_codec/), whether or not it is there."""
+    return SHIPPED_DIR / f"{model}_p{prefix}_target{target_pct:g}pct.safetensors"
+
+
+def load_shipped(model: str = "smollm2", target_pct: float = 0.3, prefix: int = 512) -> KVCodec:
+    """The KV codec the repository ships for `model`, calibrated (PoC 05's protocol) for a perplexity
+    change of at most +target_pct% with a `prefix`-token cache, every layer's K and V coded:
+
+        codec = load_shipped("smollm2", target_pct=0.3)
+        blob = codec.encode(k_rows, layer=3, kind="k", start=0); k_hat = codec.decode(blob)
+
+    Its meta names the model (`model`), the target (`target_ppl_change`, a fraction, and
+    `operating_point`) and the calibration. Raises CodecFileMissing, naming the make target that
+    rebuilds the file, when it is not in this checkout."""
+    if model not in SHIPPED_MODELS:
+        raise ConfigurationError(f"model={model!r}: KV codec files ship for {', '.join(SHIPPED_MODELS)}; for another "
+                                 "model fit one (fit_kv_codec, calibrate_scale) as pocs/05_downstream_quality.py does")
+    path = shipped_path(model, target_pct, prefix)
+    if not path.is_file():
+        held = sorted(p.name for p in SHIPPED_DIR.glob("*.safetensors")) if SHIPPED_DIR.is_dir() else []
+        raise CodecFileMissing(
+            f"no shipped KV codec {path.name} in {SHIPPED_DIR} (this checkout holds "
+            f"{', '.join(held) if held else 'none'}). Fix: `{SHIPPED_BUILD}` rebuilds the shipped files from the "
+            "text through PoC 05 (43 minutes on a 2-core CPU; KV_CODEC_TARGETS=\"0.3 1 5\" ships +5% too)")
+    return KVCodec.load(path)
+
+
+def compare_decoding(full: KVCodec, other: KVCodec, kv: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> dict:
+    """How `other` (e.g. a reduced file of the same codec) codes real KV rows kv[chunk][layer] = (K, V)
+    against `full`: how many symbols differ (of how many), the largest |decoded difference| of the two
+    round trips and of a blob of `full` decoded by `other`, the largest |x| (the scale of those
+    differences), and the squared-error ratio of other's round trip to full's (1 = the same quality)."""
+    differ = total = 0
+    max_diff = max_cross = max_abs = 0.0
+    err_full = err_other = 0.0
+    for chunk in kv:
+        for layer, pair in enumerate(chunk):
+            for kind, x in zip(KINDS, pair):
+                x = x.float()
+                sym_full, sym_other = full.symbols(x, layer, kind), other.symbols(x, layer, kind)
+                differ += int((sym_full != sym_other).sum())
+                total += sym_full.numel()
+                x_full = full.roundtrip(x, layer, kind, count_bytes=False)[0]
+                x_other = other.roundtrip(x, layer, kind, count_bytes=False)[0]
+                max_diff = max(max_diff, float((x_full - x_other).abs().max()))
+                max_abs = max(max_abs, float(x.abs().max()))
+                err_full += float(((x_full - x) ** 2).sum())
+                err_other += float(((x_other - x) ** 2).sum())
+        x = chunk[0][0].float()  # one blob per chunk through the real container and decoder
+        cross = other.decode(full.encode(x, 0, "k", coder="cpu")) - full.decode(full.encode(x, 0, "k", coder="cpu"))
+        max_cross = max(max_cross, float(cross.abs().max()))
+    return dict(symbols=total, symbols_differ=differ, max_abs_diff=max_diff, max_abs_diff_cross_decode=max_cross,
+                max_abs_x=max_abs, squared_error_ratio=err_other / err_full if err_full else float("nan"))
+
+
+def _ship(args) -> None:
+    """Write the reduced codec files of artifacts/kv_codec/ from PoC 05's full ones (data/kv_codec/),
+    after checking on real captured KV that they code it as the full files do."""
+    from .captures import CaptureStore
+    from .llm import SMOLLM2_LABEL
+
+    root = SHIPPED_DIR.parent.parent
+    stores = sorted((root / "data" / "captures").glob(f"smollm2_kv05_p{args.prefix}_*"))[:args.check_chunks]
+    if not stores:
+        raise FileNotFoundError(f"no captured KV of PoC 05 in {root / 'data' / 'captures'} to check the reduced file "
+                                f"on. Fix: run PoC 05 first (`{SHIPPED_BUILD}` does)")
+    kv = []
+    for path in stores:
+        store = CaptureStore(path)
+        for key in store.keys():
+            t = store.load(key)
+            kv.append([(t[f"layer{L}.k"], t[f"layer{L}.v"]) for L in range(len(t) // 2)])
+    SHIPPED_DIR.mkdir(parents=True, exist_ok=True)
+    for target in args.targets:
+        source = root / "data" / "kv_codec" / shipped_path(args.model, target, args.prefix).name
+        if not source.is_file():
+            raise CodecFileMissing(f"{source} is missing. Fix: `{SHIPPED_BUILD}` (PoC 05 writes it)")
+        full = KVCodec.load(source)
+        full.meta.setdefault("model", SMOLLM2_LABEL)  # files written before PoC 05 recorded the model
+        out = shipped_path(args.model, target, args.prefix)
+        full.save(out, synthesis=False, dtype=args.dtype)
+        check = compare_decoding(full, KVCodec.load(out), kv)
+        print(f"{out.relative_to(root)}: {out.stat().st_size / 1e6:.2f} MB ({source.stat().st_size / 1e6:.2f} MB "
+              f"in full), scale {full.scale:g}, hash {full.meta.get('hash')}; on {len(kv)} chunks of real KV "
+              f"({check['symbols']} symbols): {check['symbols_differ']} symbols differ, decoded rows differ by at "
+              f"most {check['max_abs_diff']:.3g} (|x| up to {check['max_abs_x']:.3g}; a full blob decoded by the "
+              f"reduced file: {check['max_abs_diff_cross_decode']:.3g}), squared error "
+              f"{check['squared_error_ratio']:.6f} x the full file's")
+        if not check["squared_error_ratio"] <= 1 + args.max_error_increase:
+            out.unlink()
+            raise CodecError(f"the reduced file codes {check['squared_error_ratio']:.4f} x the full file's squared "
+                             f"error, more than 1 + {args.max_error_increase:g}: not written. Fix: --dtype float32")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="KV codec files: `ship` writes artifacts/kv_codec/ from PoC 05's "
+                                             "data/kv_codec/ (analysis matrices only; the decoder inverts them)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    ship = sub.add_parser("ship", help="write the reduced codec files the repository ships")
+    ship.add_argument("--model", default="smollm2", choices=SHIPPED_MODELS)
+    ship.add_argument("--prefix", type=int, default=512, help="cache length the codec was calibrated at")
+    ship.add_argument("--targets", type=float, nargs="+", default=[0.3], help="perplexity targets, percent")
+    ship.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="of the analysis matrices")
+    ship.add_argument("--check-chunks", type=int, default=8, help="captured chunks of real KV the check codes")
+    ship.add_argument("--max-error-increase", type=float, default=0.01,
+                      help="largest relative increase of the squared error over the full file's that is written")
+    _ship(ap.parse_args())

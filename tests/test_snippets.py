@@ -25,7 +25,7 @@ NEEDS = re.compile(r"^#\s*needs:\s*(.+?)\s*$")
 KNOWN_NEEDS = {"cuda", "model", "two processes"}
 # blocks slower than ~5 s on a 2-core CPU (transformers' import alone takes ~3 s): (file, text in the block)
 SLOW = {("docs/library.md", "cache = SpillCache("), ("docs/library.md", "SpillCache.from_kv_codec("),
-        ("docs/kv-codec.md", "calibrate_scale(codec")}
+        ("docs/kv-codec.md", "calibrate_scale(codec"), ("README.md", "load_shipped(")}
 
 
 def _cuda() -> bool:
