@@ -667,13 +667,15 @@ def kv_spill() -> str | None:
         timing = timing[timing.device != "cpu"]
     if len(timing):
         rows, coefficient_mode = [], (timing["mode"] == "compressed_coefficients").any()
+        kv_codec_mode = (timing["mode"] == "compressed_kv_codec").any()
         for context, g in timing.groupby("context"):
             v = {(r.mode, r.metric): r.value for r in g.itertuples()}
             tps = {m: v.get((m, "tokens_per_s")) for m in ("raw_fetch", "compressed_fetch", "gpu_resident")}
             if None in tps.values():
                 continue
             coef = v.get(("compressed_coefficients", "tokens_per_s"))
-            best = max(tps["compressed_fetch"], coef or 0)
+            kv_path = v.get(("compressed_kv_codec", "tokens_per_s"))
+            best = max(tps["compressed_fetch"], coef or 0, kv_path or 0)
 
             def ms(mode, metric):
                 value = v.get((mode, f"per_layer_{metric}_ms"))
@@ -682,6 +684,7 @@ def kv_spill() -> str | None:
             rows.append([f"{int(context) // 1024}K" if context >= 1024 else int(context),
                          f"{tps['raw_fetch']:.2f}", f"{tps['compressed_fetch']:.2f}"]
                         + ([f"{coef:.2f}" if coef else "-"] if coefficient_mode else [])
+                        + ([f"{kv_path:.2f}" if kv_path else "-"] if kv_codec_mode else [])
                         + [f"{tps['gpu_resident']:.2f}", f"**{best / tps['raw_fetch']:.2f}x**",
                            f"{v[('raw_fetch', 'fetched_bytes_per_step')] / 1e9:.2f} / "
                            f"{v[('compressed_fetch', 'fetched_bytes_per_step')] / 1e9:.2f}",
@@ -698,6 +701,7 @@ def kv_spill() -> str | None:
         profiled = "per_layer_layer_ms" in set(timing.metric)
         header = (["context", "raw_fetch tok/s", "compressed_fetch tok/s"]
                   + (["compressed, attention on coefficients tok/s"] if coefficient_mode else [])
+                  + (["KV codec's path (raw sink rows, keys before RoPE) tok/s"] if kv_codec_mode else [])
                   + ["gpu_resident tok/s (bound)", "best compressed / raw", "GB fetched per step (raw / compressed)",
                      "ratio", "KV cos"]
                   + (["raw: ms per layer / its copy", "compressed: ms per layer / copy / decode"]
@@ -717,24 +721,35 @@ def kv_spill() -> str | None:
             + bound)
     lm = df[df.loop != "own decode loop"]
     if len(lm):
-        v = {(r.mode, r.metric): r.value for r in lm.itertuples()}
-        comp = "compressed_fetch"
-        if (comp, "ppl_change_pct") in v:
-            same = [m for m in ("raw_fetch", "gpu_resident") if v.get((m, "greedy_identical")) == 1.0]
-            exact = (f"{' and '.join(same)} gave DynamicCache's greedy output exactly." if same else "") + \
-                ("" if len(same) == 2 else " WARNING: an uncompressed mode differed from DynamicCache.")
-            gen = [f"{m} {v[(m, 'tokens_per_s')]:.1f}" for m in ("dynamic_cache", "raw_fetch", comp, "gpu_resident")
-                   if (m, "tokens_per_s") in v]
+        codec = lm["codec"].astype(str) if "codec" in lm else pd.Series("", index=lm.index)
+        v = {(r.mode, c, r.metric): r.value for r, c in zip(lm.itertuples(), codec)}
+        same = [m for m in ("raw_fetch", "gpu_resident") if any(
+            val == 1.0 for (mode, _, metric), val in v.items() if mode == m and metric == "greedy_identical")]
+        rows = []
+        for name in sorted({c for (mode, c, metric) in v if mode == "compressed_fetch" and metric == "ppl_change_pct"}):
+            def get(metric, fmt):
+                value = v.get(("compressed_fetch", name, metric))
+                return "-" if value is None or value != value else format(value, fmt)
+            rows.append([name if name not in ("", "nan") else "compressed_fetch", get("ratio", ".2f") + "x",
+                         f"{get('cos', '.5f')} ({get('cos_min', '.5f')})", f"**{get('ppl_change_pct', '+.3f')}%**",
+                         get("top1_agreement", ".4f"), get("agreement", ".4f"), get("first_divergence", ".0f"),
+                         get("tokens_per_s", ".1f")])
+        if rows:
+            base = next((val for (mode, _, metric), val in v.items() if metric == "perplexity_dynamic_cache"), None)
+            chunks = lm["evaluated_chunks"].dropna().astype(str) if "evaluated_chunks" in lm else pd.Series([], dtype=str)
+            gen = {m: val for (m, _, metric), val in v.items() if metric == "tokens_per_s" and m in
+                   ("dynamic_cache", "raw_fetch", "gpu_resident")}
             parts.append(
-                f"SmolLM2-135M through transformers' forward and generate() with the cache, compressed vs "
-                f"uncompressed: KV cos {v[(comp, 'cos')]:.5f} (worst layer {v[(comp, 'cos_min')]:.5f}) at "
-                f"{v[(comp, 'ratio')]:.2f}x; perplexity {v[(comp, 'perplexity_dynamic_cache')]:.4f} -> "
-                f"{v[(comp, 'perplexity')]:.4f} (**{v[(comp, 'ppl_change_pct')]:+.3f}%**); next-token agreement "
-                f"{v[(comp, 'top1_agreement')]:.4f}; greedy-output agreement {v[(comp, 'agreement')]:.4f} (along "
-                f"DynamicCache's greedy output; a free run first differs at token "
-                f"{int(v[(comp, 'first_divergence')])}). {exact} "
-                f"generate() tokens/s: {', '.join(gen)} "
-                f"({', '.join(sorted(set(lm.device.astype(str))))}).")
+                "SmolLM2-135M through transformers' forward and generate() with the cache, each compressed setting "
+                f"against DynamicCache (perplexity {base:.4f}) on text chunks "
+                f"{chunks.iloc[0] if len(chunks) else '(see the CSV)'} of the evaluation text, which neither codec "
+                "was fitted or calibrated on; greedy-output agreement along DynamicCache's greedy output:\n\n"
+                + _table(rows, ["codec", "ratio", "KV cos (worst layer)", "perplexity change", "next-token agreement",
+                                "greedy-output agreement", "a free run first differs at token", "generate() tokens/s"])
+                + "\n\n" + (f"{' and '.join(same)} gave DynamicCache's greedy output exactly. " if same else
+                              "WARNING: an uncompressed mode differed from DynamicCache. ")
+                + "generate() tokens/s uncompressed: " + ", ".join(f"{m} {t:.1f}" for m, t in gen.items())
+                + f" ({', '.join(sorted(set(lm.device.astype(str))))}).")
     return "\n\n".join(parts) + "\n\n" + _source(df, "17_kv_spill_decode") if parts else None
 
 
