@@ -881,6 +881,7 @@ def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
     styles = {"gpu_resident": ("s--", "#009E73", "GPU-resident (the bound)"),
               "compressed_coefficients": ("D-", "#CC79A7", "compressed fetch, attention on coefficient rows"),
               "compressed_fetch": ("o-", "#D55E00", "compressed fetch, KV reconstructed"),
+              "compressed_kv_codec": ("v:", "#E69F00", "the KV codec's path (raw sink rows,\nkeys coded before RoPE)"),
               "raw_fetch": ("^-", "#0072B2", "raw fetch (pinned host -> GPU)")}
     for mode, (marker, color, label) in styles.items():
         part = timing[timing["mode"] == mode].sort_values("context")
@@ -890,7 +891,7 @@ def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
     ratios = []
     for context, group in timing.groupby("context"):
         values = dict(zip(group["mode"], group.value))
-        compressed = [m for m in ("compressed_coefficients", "compressed_fetch") if m in values]
+        compressed = [m for m in ("compressed_coefficients", "compressed_fetch", "compressed_kv_codec") if m in values]
         if "raw_fetch" in values and compressed:
             best = max(compressed, key=values.get)
             ratio = values[best] / values["raw_fetch"]
@@ -915,12 +916,16 @@ def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
         title = "a CPU smoke run (host-to-host copies, no PCIe): not a fetch measurement"
     ax.set_title(f"PoC 17: {title} ({device}); labels: best compressed / raw", fontsize=10)
     text = [f"timing model: {timing.model.iloc[0]}" if len(timing) else ""]
+    skipped = df[(df.metric == "skipped_context") & (df.device == device)].context
+    if len(skipped):
+        text.append("not timed in this run (its time budget): " + ", ".join(f"{int(c) // 1024}K" for c in sorted(skipped)))
     lm = df[(df.loop == "transformers forward / generate()") & (df["mode"] == "compressed_fetch")]
-    for metric, fmt in (("ppl_change_pct", "perplexity change {:+.3f}%"), ("agreement", "greedy agreement {:.3f}"),
-                        ("cos", "KV cos {:.5f}"), ("ratio", "ratio {:.2f}x")):
-        values = lm[lm.metric == metric].value
-        if len(values):
-            text.append("SmolLM2 compressed: " + fmt.format(float(values.iloc[0])))
+    for codec, rows in lm.groupby(lm["codec"].astype(str) if "codec" in lm else lm["mode"]):
+        values = {m: float(rows[rows.metric == m].value.iloc[0]) for m in ("ratio", "ppl_change_pct", "agreement")
+                  if (rows.metric == m).any()}
+        if len(values) == 3:
+            text.append(f"SmolLM2 through generate(), {codec}: {values['ratio']:.2f}x, perplexity "
+                        f"{values['ppl_change_pct']:+.3f}%, greedy agreement {values['agreement']:.3f}")
     if len(timing):
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="mode")
     else:
