@@ -115,13 +115,59 @@ def _stream_apart(device, taken: set):
     raise TensorCodecError("no CUDA stream apart from the compute and capture streams in torch's stream pool")
 
 
-def _rotate_forward(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+def _rotate_forward(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                    fused: bool | None = None) -> None:
     """RoPE on rows [T, heads * head_dim] in place (HF layout: dimension i pairs with i + head_dim / 2),
-    cos / sin float32 [T, head_dim] of the rows' positions: a step of a graph-replayed decode."""
+    cos / sin float32 [T, head_dim] of the rows' positions: a step of a graph-replayed decode. On a GPU
+    one Triton kernel reads and writes each value once (fused=None: there; the torch ops it replaces
+    made several float32 passes, 0.66 ms a layer at 32K tokens of 1024 channels on an H100)."""
+    if fused is None:
+        fused = rows.is_cuda
+    if fused:
+        _rope_in_place(rows, cos, sin, head_dim)
+        return
     x = rows.view(rows.shape[0], -1, head_dim)
     xf = x.float()
     half = head_dim // 2
     x.copy_(xf * cos[:, None] + torch.cat([-xf[..., half:], xf[..., :half]], -1) * sin[:, None])
+
+
+_ROPE_KERNEL = None
+ROPE_BLOCK_ROWS = 16  # rows per program of the fused RoPE
+
+
+def _rope_in_place(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    global _ROPE_KERNEL
+    if _ROPE_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def rope(x_ptr, cos_ptr, sin_ptr, T, table_stride, CHANNELS: tl.constexpr, HALF: tl.constexpr,
+                 PAIRS: tl.constexpr, BLOCK_PAIRS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+            # each row holds PAIRS = heads * HALF pairs (x[h, j], x[h, j + HALF]); the tables hold each
+            # position's cos / sin, of which the first HALF columns are read (the rest repeat them)
+            t = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+            p = tl.arange(0, BLOCK_PAIRS)[None, :]
+            mask = (t < T) & (p < PAIRS)
+            j = p % HALF
+            first = t * CHANNELS + (p // HALF) * (2 * HALF) + j
+            c = tl.load(cos_ptr + t * table_stride + j, mask=mask, other=0.0)
+            s = tl.load(sin_ptr + t * table_stride + j, mask=mask, other=0.0)
+            a = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(x_ptr + first + HALF, mask=mask, other=0.0).to(tl.float32)
+            tl.store(x_ptr + first, (a * c - b * s).to(x_ptr.dtype.element_ty), mask=mask)
+            tl.store(x_ptr + first + HALF, (b * c + a * s).to(x_ptr.dtype.element_ty), mask=mask)
+
+        _ROPE_KERNEL = (rope, triton)
+    kernel, triton = _ROPE_KERNEL
+    T, C = rows.shape
+    if not (rows.is_contiguous() and cos.stride() == sin.stride() and cos.stride(1) == 1 and cos.shape[0] >= T):
+        raise TensorCodecError("internal: the fused RoPE takes contiguous rows and row-major tables")
+    pairs = C // 2
+    grid = (triton.cdiv(T, ROPE_BLOCK_ROWS),)
+    kernel[grid](rows, cos, sin, T, cos.stride(0), CHANNELS=C, HALF=head_dim // 2, PAIRS=pairs,
+                 BLOCK_PAIRS=triton.next_power_of_2(pairs), BLOCK_ROWS=ROPE_BLOCK_ROWS)
 
 
 def _round_up(n: int, step: int = CAPACITY_STEP) -> int:

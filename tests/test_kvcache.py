@@ -489,3 +489,20 @@ def test_gpu_kv_codec_cache_staged_equals_unstaged_and_generates():
     reference = generate(model, ids, DynamicCache())
     out = generate(model, ids, SpillCache.from_kv_codec(codec, model, chunk_tokens=CHUNK))
     assert (out == reference).float().mean() >= 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,head_dim", [(8, 128), (3, 64)])  # PoC 17's timing shape, SmolLM2's
+def test_gpu_fused_rope_equals_the_torch_rotation(heads, head_dim):
+    from shared.kvcache import _rotate_forward
+    from shared.kvcodec import Rope
+
+    rope = Rope(1e4 ** (-np.arange(head_dim // 2) / (head_dim // 2)))
+    cos, sin = (t.float().cuda().contiguous() for t in rope.cos_sin(torch.arange(5000)))
+    rows = torch.randn(4999, heads * head_dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).cuda()
+    fused, eager = rows.clone(), rows.clone()
+    _rotate_forward(fused[3:], cos[3:4999], sin[3:4999], head_dim, fused=True)  # a slice, as the cache rotates
+    _rotate_forward(eager[3:], cos[3:4999], sin[3:4999], head_dim, fused=False)
+    assert torch.equal(fused[:3], rows[:3])  # rows before the slice untouched
+    assert float((fused.float() - eager.float()).abs().max()) <= 2 ** -6 * float(rows.float().abs().max())
+    assert quality(eager.float(), fused.float(), "cos") > 0.99999
