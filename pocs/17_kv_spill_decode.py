@@ -113,7 +113,8 @@ EVAL_FROM = 40                                         # first evaluated chunk: 
                                                        # was fitted (chunks 0-7) and calibrated (8-39) on
 GEN_TOKENS, GEN_CHUNK = 128, 64                        # greedy tokens generated; chunk_tokens while generating
 DRIVERS = {"timing": "own decode loop", "quality": "transformers forward / generate()"}
-AGREEMENT_BUDGET_S = 30                                # greedy-agreement prompts are added while within this
+AGREEMENT_BUDGET_S = 240                               # greedy-agreement prompts are added while within this
+                                                       # (4 prompts x 3 caches x 128 steps: ~3 min on 2 CPU cores)
 QUICK_LM = dict(cal=2, eval=1, eval_from=2, tokens=256, prefix=128, gen=20, gen_chunk=16)
 KV_CODEC_TARGET = 0.3                                  # % perplexity the shipped KV codec is calibrated for
 

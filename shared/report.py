@@ -743,7 +743,9 @@ def kv_spill() -> str | None:
                 "SmolLM2-135M through transformers' forward and generate() with the cache, each compressed setting "
                 f"against DynamicCache (perplexity {base:.4f}) on text chunks "
                 f"{chunks.iloc[0] if len(chunks) else '(see the CSV)'} of the evaluation text, which neither codec "
-                "was fitted or calibrated on; greedy-output agreement along DynamicCache's greedy output:\n\n"
+                "was fitted or calibrated on; greedy-output agreement along DynamicCache's greedy output"
+                + (f" ({int(lm.prompts.dropna().max())} prompts x {int(lm.steps.dropna().max())} steps)"
+                   if "prompts" in lm and lm.prompts.notna().any() and "steps" in lm else "") + ":\n\n"
                 + _table(rows, ["codec", "ratio", "KV cos (worst layer)", "perplexity change", "next-token agreement",
                                 "greedy-output agreement", "a free run first differs at token", "generate() tokens/s"])
                 + "\n\n" + (f"{' and '.join(same)} gave DynamicCache's greedy output exactly. " if same else
