@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared import llm  # noqa: E402
 from shared.basis import fit_basis, fit_basis_torch  # noqa: E402
 from shared.errors import BackendUnavailable, WeightsUnavailable  # noqa: E402
-from shared.kvcache import MODES, SpillCache, cache_kwarg, rows_to_states  # noqa: E402
+from shared.kvcache import SpillCache, cache_kwarg, rows_to_states  # noqa: E402
 from shared.pipeline import TensorCodec  # noqa: E402
 from shared.rdquant import find_step, quality  # noqa: E402
 from shared.results import ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402

@@ -614,10 +614,9 @@ class SpillCache(Cache):
         if keep < layer.sink:  # the cut falls in the raw sink rows: every chunk goes
             layer.sink = keep
         if last is not None and sum(chunks[last]) > keep:  # the cut falls inside this chunk
-            codec_k, codec_v = self.codecs[layer_idx]
             _, blob_k, blob_v = layer.blobs[last]
-            k_rows, v_rows = decode_blobs([codec_k, codec_v], [blob_k, blob_v], self.device if self.on_cuda else None)
-            k_rows = self._decoded_keys(layer, starts[last], k_rows)
+            k_rows, v_rows = self._decode_rows(layer_idx, [blob_k, blob_v], chunks[last:last + 1],
+                                               self.device if self.on_cuda else None)
             n = keep - starts[last]
             rows = (k_rows[:n].to(self.device, layer.dtype), v_rows[:n].to(self.device, layer.dtype))
             kept = kept[:-1]
@@ -811,12 +810,17 @@ class SpillCache(Cache):
         layer.sink += take
         return k_rows[take:], v_rows[take:]
 
-    def _decoded_keys(self, layer: SpillLayer, first: int, k_rows):
-        """Decoded key rows of the chunk starting at token `first`, rotated forward again where the codec
-        coded them before RoPE."""
-        if self.rope is None:
-            return k_rows
-        return self.rope.apply(k_rows, first).to(k_rows.dtype)
+    def _decode_rows(self, layer_idx: int, containers, chunks, device=None) -> list:
+        """The rows [k0, v0, k1, v1, ...] of a layer's containers (K and V of each chunk of `chunks`, in its
+        order; device None: the CPU decoder), keys rotated forward again where the codec coded them before
+        RoPE (the graph-replayed decode does that in _after_decode)."""
+        if not containers:
+            return []
+        codec_k, codec_v = self.codecs[layer_idx]
+        outs = decode_blobs([codec_k, codec_v] * (len(containers) // 2), containers, device)
+        if self.rope is not None:
+            outs[0::2] = [self.rope.apply(k, first).to(k.dtype) for (first, _), k in zip(chunks, outs[0::2])]
+        return outs
 
     # -- fetching ----------------------------------------------------------------------------------------
     def _release(self) -> None:
@@ -877,19 +881,17 @@ class SpillCache(Cache):
                     mark[3].record(stream)
                 fetch.ready.record(stream)
             return
-        codec_k, codec_v = self.codecs[fetch.layer]
         blobs = fetch.blobs
         if not self.on_cuda:
             self.stats.fetched_bytes += sum(_nbytes(k) + _nbytes(v) for _, k, v in blobs)
             chunks = layer.chunks()
             if self.keep_decoded:
-                for (first, _), (_, blob_k, blob_v) in zip(chunks[len(layer.decoded):], blobs[len(layer.decoded):]):
-                    k_rows, v_rows = decode_blobs([codec_k, codec_v], [blob_k, blob_v])
-                    layer.decoded.append((self._decoded_keys(layer, first, k_rows), v_rows))
+                done = len(layer.decoded)
+                new = self._decode_rows(fetch.layer, [b for _, k, v in blobs[done:] for b in (k, v)], chunks[done:])
+                layer.decoded += list(zip(new[0::2], new[1::2]))
                 outs = [t for pair in layer.decoded for t in pair]
             else:
-                outs = decode_blobs([codec_k, codec_v] * len(blobs), [b for _, k, v in blobs for b in (k, v)])
-                outs[0::2] = [self._decoded_keys(layer, first, k) for (first, _), k in zip(chunks, outs[0::2])]
+                outs = self._decode_rows(fetch.layer, [b for _, k, v in blobs for b in (k, v)], chunks)
             self._place(slot, layer, blobs, outs)
             return
         # CUDA: the layer's packed containers cross in one copy, then its plan decodes them into the slot
@@ -912,10 +914,9 @@ class SpillCache(Cache):
                 # checks the payloads on the host
                 views = [self._stage[s][a:a + n] for a, n in layer.places]
                 try:
-                    outs = decode_blobs([codec_k, codec_v] * len(blobs), views, self.device) if blobs else []
+                    outs = self._decode_rows(fetch.layer, views, layer.chunks(), self.device)
                 except BitstreamError as error:
                     raise BitstreamError(f"layer {fetch.layer}: {error}") from None
-                outs[0::2] = [self._decoded_keys(layer, first, k) for (first, _), k in zip(layer.chunks(), outs[0::2])]
                 self._place(slot, layer, blobs, outs)
                 self._stage_free[s].record(decode)
                 fetch.ready.record(decode)
@@ -1041,9 +1042,7 @@ class SpillCache(Cache):
         table = self._rope_table
 
         def after():
-            if sink:
-                slot.k[:sink].copy_(layer.sink_k[:sink])
-                slot.v[:sink].copy_(layer.sink_v[:sink])
+            self._place_sink(slot, layer, sink)
             if self.rope is not None and stored > sink:
                 _rotate_forward(slot.k[sink:stored], table[0][sink:stored], table[1][sink:stored], self.rope.head_dim)
         return after
@@ -1069,11 +1068,16 @@ class SpillCache(Cache):
         self._unchecked = pending
 
     @staticmethod
+    def _place_sink(slot: _Slot, layer: SpillLayer, sink: int) -> None:
+        """The layer's first `sink` raw rows to the front of the slot."""
+        if sink:
+            slot.k[:sink].copy_(layer.sink_k[:sink])
+            slot.v[:sink].copy_(layer.sink_v[:sink])
+
+    @staticmethod
     def _place(slot: _Slot, layer: SpillLayer, blobs, outs) -> None:
         offset = layer.sink
-        if offset:
-            slot.k[:offset].copy_(layer.sink_k[:offset])
-            slot.v[:offset].copy_(layer.sink_v[:offset])
+        SpillCache._place_sink(slot, layer, offset)
         for (m, _, _), k_rows, v_rows in zip(blobs, outs[0::2], outs[1::2]):
             if k_rows.shape[0] != m or v_rows.shape[0] != m:
                 raise TensorCodecError(f"a blob decoded to {k_rows.shape[0]} / {v_rows.shape[0]} tokens, "
