@@ -77,13 +77,26 @@ TIMEOUT_S = 1800                 # any gloo operation or worker command gives up
 QUICK = dict(PREFILL_TOKENS=[128], DECODE_TOKENS=8, CAL_CHUNKS=2, CAL_TOKENS=128, EVAL_CHUNKS=1, REPEATS=1,
              DIFF_BATCH=10, DIFF_STEPS=4, DIFF_CAL_SEEDS=[100, 101], TIMEOUT_S=300)
 
+# -- GPU compute (--gpu): both stages on one CUDA GPU (each in its own process), the codec on that GPU
+WIDE_SHAPE = dict(layers=32, hidden=4096, heads=32, kv_heads=8, mlp=14336, vocab=32000)  # random bf16 weights in
+                                 # an 8B-class shape: the 4096-wide hidden state such models are split at
+WIDE_SPLIT = 16                  # wide decoder: stage 0 = embeddings + layers [0, 16)
+WIDE_PREFILL = [512, 2048]       # wide decoder: tokens of one prefill step (random token ids)
+WIDE_CAL_CHUNKS = 4              # wide decoder: calibration prompts of random tokens (WIDE_PREFILL[-1] each)
+WIDE_SEED = 0                    # its weights (both processes build the same ones) and its token ids
+STEP_SEARCH_ROWS = 1024          # wide decoder: rows of each calibration tensor its step search sees (CPU time)
+GPU_QUICK = dict(WIDE_SHAPE=dict(WIDE_SHAPE, layers=4), WIDE_SPLIT=2, WIDE_PREFILL=[256], WIDE_CAL_CHUNKS=2)
+
 NAME = "16_split_inference"
 PROTOCOL = "@@ "                 # prefix of the worker's result lines on stdout
 
 
-def settings(quick: bool) -> dict:
-    cfg = {k: v for k, v in globals().items() if k.isupper() and k not in ("QUICK", "NAME", "PROTOCOL", "WORKER_ENV")}
+def settings(quick: bool, gpu: bool = False) -> dict:
+    cfg = {k: v for k, v in globals().items()
+           if k.isupper() and k not in ("QUICK", "GPU_QUICK", "NAME", "PROTOCOL", "WORKER_ENV")}
     cfg.update(QUICK if quick else {})
+    cfg.update(GPU_QUICK if quick and gpu else {})
+    cfg["DEVICE"] = "cuda" if gpu else "cpu"
     return cfg
 
 
@@ -92,31 +105,44 @@ def now() -> float:
     return time.perf_counter()
 
 
+def tick(device) -> float:
+    """now(), after the GPU's queued work is done when running there (so a time covers that work)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return now()
+
+
 # ---------------------------------------------------------------- the codec call and the wire
 RAW, CODED = 0, 1
 WIRE_DTYPES = [torch.bfloat16, torch.float32, torch.int64]
 
 
-def encode_tensor(codec, x: torch.Tensor) -> bytes:
-    """The one codec call of the sender (swap in a batched or GPU encoder here)."""
-    return codec.encode(x)
+def encode_tensor(codec, x: torch.Tensor) -> torch.Tensor:
+    """The one codec call of the sender: the container as a uint8 CPU tensor, ready for gloo. A CUDA
+    tensor is coded on its GPU (TensorCodec's GPU path) and only the container comes to the host."""
+    blob = codec.encode(x)
+    return blob.cpu() if isinstance(blob, torch.Tensor) else torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
-def decode_tensor(codec, blob: bytes) -> torch.Tensor:
-    """The one codec call of the receiver."""
-    return codec.decode(blob)
+def decode_tensor(codec, blob: torch.Tensor, device="cpu") -> torch.Tensor:
+    """The one codec call of the receiver: on a GPU the container is decoded and reconstructed there."""
+    if torch.device(device).type == "cuda":
+        return codec.decode(blob, device=device)
+    return codec.decode(blob.numpy().tobytes())
 
 
 def send_tensor(x: torch.Tensor, dst: int, codec=None) -> dict:
     """Send a [rows, cols] tensor raw (its bytes) or coded (codec container): a 5-int64 head, then
-    the payload as uint8. Returns encode_ms, bytes on the wire and the clock at the first send."""
+    the payload as uint8. Returns encode_ms, bytes on the wire and the clock at the first send.
+    gloo sends from host memory, so a CUDA tensor's bytes (raw) or container (coded) are copied to the
+    host first, inside encode_ms."""
     import torch.distributed as dist
 
-    t0 = now()
+    t0 = tick(x.device)
     if codec is None:
-        kind, payload = RAW, x.contiguous().view(-1).view(torch.uint8)
+        kind, payload = RAW, x.contiguous().view(-1).view(torch.uint8).cpu()
     else:
-        kind, payload = CODED, torch.frombuffer(bytearray(encode_tensor(codec, x)), dtype=torch.uint8)
+        kind, payload = CODED, encode_tensor(codec, x)
     t1 = now()
     head = torch.tensor([kind, payload.numel(), x.shape[0], x.shape[1], WIRE_DTYPES.index(x.dtype)])
     dist.send(head, dst)
@@ -135,19 +161,19 @@ def recv_tensor(src: int) -> tuple[list[int], torch.Tensor]:
     return head.tolist(), payload
 
 
-def open_tensor(head: list[int], payload: torch.Tensor, codec=None) -> tuple[torch.Tensor, float]:
-    """(tensor, decode_ms) of a received message."""
+def open_tensor(head: list[int], payload: torch.Tensor, codec=None, device="cpu") -> tuple[torch.Tensor, float]:
+    """(tensor on `device`, decode_ms) of a received message; on a GPU decode_ms includes the copy there."""
     kind, _, rows, cols, dtype = head
     t0 = now()
     if kind == RAW:
-        x = payload.view(WIRE_DTYPES[dtype]).view(rows, cols)
+        x = payload.view(WIRE_DTYPES[dtype]).view(rows, cols).to(device)
     else:
         if codec is None:
             raise RuntimeError("received a coded tensor but this side holds no codec")
-        x = decode_tensor(codec, payload.numpy().tobytes())
+        x = decode_tensor(codec, payload, device)
         if tuple(x.shape) != (rows, cols):
             raise RuntimeError(f"decoded shape {tuple(x.shape)} differs from the sent shape {(rows, cols)}")
-    return x, (now() - t0) * 1e3
+    return x, (tick(device) - t0) * 1e3
 
 
 def coder_for(mode: str, rows: int, codec, min_rows: int):
@@ -158,7 +184,7 @@ def coder_for(mode: str, rows: int, codec, min_rows: int):
 # ---------------------------------------------------------------- the LLM halves
 def llm_layers(model, h: torch.Tensor, layers: range, start: int, cache) -> torch.Tensor:
     """Run decoder layers `layers` on h [1, T, D] at positions start..start+T-1 (SDPA: causal when T > 1)."""
-    positions = torch.arange(start, start + h.shape[1])[None]
+    positions = torch.arange(start, start + h.shape[1], device=h.device)[None]
     rotary = model.model.rotary_emb(h, position_ids=positions)
     for i in layers:
         h = model.model.layers[i](h, attention_mask=None, position_embeddings=rotary, position_ids=positions,
@@ -173,8 +199,8 @@ def llm_stage0(model, ids: torch.Tensor, start: int, cache, split: int) -> torch
 
 def llm_stage1(model, x: torch.Tensor, start: int, cache, split: int, all_positions: bool) -> torch.Tensor:
     """Hidden state [T, D] -> logits [T or 1, vocab] (float32)."""
-    h = llm_layers(model, x.float()[None], range(split, model.config.num_hidden_layers), start, cache)[0]
-    return model.lm_head(model.model.norm(h if all_positions else h[-1:]))
+    h = llm_layers(model, x.to(model.dtype)[None], range(split, model.config.num_hidden_layers), start, cache)[0]
+    return model.lm_head(model.model.norm(h if all_positions else h[-1:])).float()
 
 
 def score_logits(logits: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -186,7 +212,7 @@ def score_logits(logits: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, n
         logp = torch.log_softmax(block, -1)
         targets = ids[s + 1: s + 1 + block.shape[0]]
         nll.append(-logp[: len(targets)].gather(1, targets[:, None])[:, 0])
-    return torch.cat(top).numpy(), torch.cat(nll).double().numpy()
+    return torch.cat(top).cpu().numpy(), torch.cat(nll).double().cpu().numpy()
 
 
 def llm_reference(model, ids: torch.Tensor, new_tokens: int) -> dict:
@@ -198,31 +224,32 @@ def llm_reference(model, ids: torch.Tensor, new_tokens: int) -> dict:
     top, nll = score_logits(out.logits[0], ids)
     tokens = [int(out.logits[0, -1].argmax())]
     for _ in range(new_tokens - 1):
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device=ids.device), cache=cache, use_cache=True)
         tokens.append(int(out.logits[0, -1].argmax()))
     return {"top": top, "nll": nll, "tokens": tokens}
 
 
-def llm_session(rank: int, ctx: dict, ids: torch.Tensor, mode: str, new_tokens: int, score: bool) -> dict:
-    """One prefill of ids [T] and `new_tokens` greedy decode steps across the link.
+def llm_session(rank: int, ctx: dict, task: str, ids: torch.Tensor, mode: str, new_tokens: int, score: bool) -> dict:
+    """One prefill of ids [T] and `new_tokens` greedy decode steps of the LM `task` across the link.
 
     Rank 0 returns per-step timings of its side; rank 1 those of its side, the tokens it produced
     and, with score, the prefill's argmax/NLL per position (all positions through the head)."""
     from transformers import DynamicCache
 
-    cfg, model = ctx["cfg"], ctx["model"]
-    split, codec, min_rows = cfg["SPLIT_LAYER"], ctx["llm_codec"], ctx["llm_min_rows"]
+    lm, device = ctx["lms"][task], ctx["cfg"]["DEVICE"]
+    model, split, codec, min_rows = lm["model"], lm["split"], lm["codec"], lm["min_rows"]
+    ids = ids.to(device)
     cache, steps, start = DynamicCache(), [], 0
     if rank == 0:
         step_ids = ids[None]
         for _ in range(1 + new_tokens):
-            t0 = now()
+            t0 = tick(device)
             h = llm_stage0(model, step_ids, start, cache, split).to(torch.bfloat16)
-            t1 = now()
+            t1 = tick(device)
             sent = send_tensor(h, 1, coder_for(mode, h.shape[0], codec, min_rows))
             head, payload = recv_tensor(1)
-            token, _ = open_tensor(head, payload)
-            t2 = now()
+            token, _ = open_tensor(head, payload, device=device)
+            t2 = tick(device)
             steps.append(dict(sent, step_ms=(t2 - t0) * 1e3, stage0_ms=(t1 - t0) * 1e3, rows=h.shape[0]))
             start += step_ids.shape[1]
             step_ids = token.view(1, 1)
@@ -231,7 +258,7 @@ def llm_session(rank: int, ctx: dict, ids: torch.Tensor, mode: str, new_tokens: 
     for i in range(1 + new_tokens):
         head, payload = recv_tensor(0)
         t_recv = now()
-        x, decode_ms = open_tensor(head, payload, codec)
+        x, decode_ms = open_tensor(head, payload, codec, device)
         t1 = now()
         logits = llm_stage1(model, x, start, cache, split, all_positions=score and i == 0)
         token = int(logits[-1].argmax())
@@ -286,40 +313,41 @@ def diffusion_session(rank: int, ctx: dict, mode: str) -> dict:
     """One generation (DIFF_STEPS Euler steps, the noise of DIFF_EVAL_SEED) across the link. Per step
     the image stream (mode) and the text stream + time embedding (raw bf16) cross; the velocity
     comes back raw (float32). Rank 0 returns its timings and the images' PSNR vs the unsplit model."""
-    cfg, flux = ctx["cfg"], ctx["flux"]
-    split, codec, labels = cfg["DIFF_SPLIT_BLOCK"], ctx["diff_codec"], diffusion_labels(cfg)
+    cfg, flux, device = ctx["cfg"], ctx["flux"], ctx["cfg"]["DEVICE"]
+    split, codec, labels = cfg["DIFF_SPLIT_BLOCK"], ctx["diff_codec"], diffusion_labels(cfg).to(device)
     B, T, D = len(labels), flux.tokens, flux.transformer.inner_dim
-    sigmas = torch.linspace(1.0, 0.0, cfg["DIFF_STEPS"] + 1)
+    sigmas = torch.linspace(1.0, 0.0, cfg["DIFF_STEPS"] + 1, device=device)
     steps = []
     if rank == 0:
         x = torch.randn(B, T, flux.token_values, generator=torch.Generator().manual_seed(cfg["DIFF_EVAL_SEED"]))
+        x = x.to(device)
         for i in range(cfg["DIFF_STEPS"]):
-            t0 = now()
+            t0 = tick(device)
             hidden, encoder, temb = flux_stage0(flux, x, sigmas[i].expand(B), labels, split)
             image = hidden.reshape(B * T, D).to(torch.bfloat16)
             side = torch.cat([encoder.reshape(-1, D), temb]).to(torch.bfloat16)
-            t1 = now()
+            t1 = tick(device)
             sent = send_tensor(image, 1, coder_for(mode, image.shape[0], codec, ctx["diff_min_rows"]))
             side_sent = send_tensor(side, 1)
             head, payload = recv_tensor(1)
-            velocity, _ = open_tensor(head, payload)
+            velocity, _ = open_tensor(head, payload, device=device)
             x = x + (sigmas[i + 1] - sigmas[i]) * velocity.view(B, T, -1)
-            t2 = now()
+            t2 = tick(device)
             steps.append(dict(sent, bytes=sent["bytes"] + side_sent["bytes"], image_bytes=sent["bytes"],
                               step_ms=(t2 - t0) * 1e3, stage0_ms=(t1 - t0) * 1e3, rows=image.shape[0]))
-        images = ((flux.unpack(x) + 1) / 2).clamp(0, 1)
+        images = ((flux.unpack(x) + 1) / 2).clamp(0, 1).cpu()
         return {"steps": steps, "psnr_db": psnr_db(images, ctx["diff_reference"])}
     S = flux.text_tokens
     for i in range(cfg["DIFF_STEPS"]):
         head, payload = recv_tensor(0)
         side_head, side_payload = recv_tensor(0)
         t_recv = now()
-        image, decode_ms = open_tensor(head, payload, codec)
-        side, _ = open_tensor(side_head, side_payload)
+        image, decode_ms = open_tensor(head, payload, codec, device)
+        side, _ = open_tensor(side_head, side_payload, device=device)
         t1 = now()
         side = side.float()
         velocity = flux_stage1(flux, image.float().view(B, T, D), side[: B * S].view(B, S, D), side[B * S:], split)
-        t2 = now()
+        t2 = tick(device)
         send_tensor(velocity.reshape(B * T, -1).float().contiguous(), 0)
         steps.append({"t_recv": t_recv, "decode_ms": decode_ms, "stage1_ms": (t2 - t1) * 1e3})
     return {"steps": steps}
@@ -330,13 +358,17 @@ def emit(obj: dict) -> None:
     print(PROTOCOL + json.dumps(obj), flush=True)
 
 
-def calibrated_step(tensors: list[torch.Tensor], basis, target: float) -> tuple[float, list[float]]:
-    """The largest shared step with which every calibration tensor reaches cos >= target, and each one's cos."""
+def calibrated_step(tensors: list[torch.Tensor], basis, target: float,
+                    search_rows: int | None = None) -> tuple[float, list[float]]:
+    """The largest shared step with which every calibration tensor reaches cos >= target, and each one's cos.
+    search_rows: the step search sees every n-th row of each tensor, at most this many (the cos reported
+    is still over all rows)."""
     from shared.rdquant import RDQuantizer, find_step, quality
 
-    arrays = [t.float().numpy() for t in tensors]
-    step = min(find_step(basis.project(a), target, "cos", reconstruct=basis.reconstruct, reference=a).step
-               for a in arrays)
+    arrays = [t.float().cpu().numpy() for t in tensors]
+    every = [max(1, -(-len(a) // search_rows)) if search_rows else 1 for a in arrays]
+    step = min(find_step(basis.project(a[::n]), target, "cos", reconstruct=basis.reconstruct, reference=a[::n]).step
+               for a, n in zip(arrays, every))
     q = RDQuantizer(step)
     cos = [quality(a, basis.reconstruct(q.dequantize(q.quantize(basis.project(a)))), "cos") for a in arrays]
     return step, cos
@@ -351,7 +383,7 @@ def min_coded_rows(codec, x: torch.Tensor) -> tuple[int, list[dict]]:
     rows = 1
     while rows <= x.shape[0]:
         part = x[1: 1 + rows] if x.shape[0] > rows else x[:rows]  # skip the first (attention-sink) token
-        blob = encode_tensor(codec, part)
+        blob = encode_tensor(codec, part).numpy().tobytes()
         _, chunks = unpack(blob)
         sizes.append({"rows": rows, "container_bytes": len(blob), "payload_bytes": len(chunks["DATA"]),
                       "raw_bytes": part.numel() * part.element_size()})
@@ -373,23 +405,74 @@ def text_split(tokenizer, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return cal, chunks[1:, : max(cfg["PREFILL_TOKENS"])]
 
 
+def random_tokens(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wide decoder's (calibration prompts, held-out prompts) of random token ids: it has random
+    weights, so no text means more to it than any other; held-out prompts are other draws."""
+    g = torch.Generator().manual_seed(cfg["WIDE_SEED"] + 1)
+    ids = torch.randint(0, cfg["WIDE_SHAPE"]["vocab"], (cfg["WIDE_CAL_CHUNKS"] + cfg["EVAL_CHUNKS"],
+                                                        max(cfg["WIDE_PREFILL"])), generator=g)
+    return ids[: cfg["WIDE_CAL_CHUNKS"]], ids[cfg["WIDE_CAL_CHUNKS"]:]
+
+
+def wide_decoder(cfg: dict):
+    """A Llama-architecture transformers model of WIDE_SHAPE with random bf16 weights, built on the GPU
+    from WIDE_SEED (both stage processes build the same weights). Timing only: its outputs mean nothing,
+    but the split and the unsplit model must still agree on them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = cfg["WIDE_SHAPE"]
+    config = LlamaConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+                         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                         intermediate_size=shape["mlp"], vocab_size=shape["vocab"], rope_theta=5e5,
+                         max_position_embeddings=8192, attn_implementation="sdpa")
+    torch.manual_seed(cfg["WIDE_SEED"])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(cfg["DEVICE"]):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def language_models(ctx: dict) -> dict:
+    """The LMs this run splits, each with its cut, its calibration and held-out token ids and prefill sizes:
+    SmolLM2 (task "llm", real text) everywhere; the wide random decoder (task "wide") on a GPU."""
+    cfg = ctx["cfg"]
+    cal, evals = text_split(ctx["tokenizer"], cfg)
+    lms = {"llm": dict(model=ctx["model"], split=cfg["SPLIT_LAYER"], cal=cal, evals=evals, text=True,
+                       prefill=cfg["PREFILL_TOKENS"], label="smollm2")}
+    if cfg["DEVICE"] != "cpu":
+        cal, evals = random_tokens(cfg)
+        lms["wide"] = dict(model=wide_decoder(cfg), split=cfg["WIDE_SPLIT"], cal=cal, evals=evals, text=False,
+                           prefill=cfg["WIDE_PREFILL"], label="random_llama_4096")
+    return lms
+
+
 def setup_stage0(ctx: dict) -> dict:
-    """Rank 0: calibration hidden states -> basis and step (LLM and diffusion); the unsplit images."""
+    """Rank 0: calibration hidden states -> basis and step (each LM and diffusion); the unsplit images."""
     from tqdm import tqdm
 
-    from shared.basis import fit_basis
+    from shared.basis import fit_basis, fit_basis_torch
     from shared.diffusion import generate, record_block_output
     from shared.pipeline import TensorCodec
 
-    cfg, model, flux = ctx["cfg"], ctx["model"], ctx["flux"]
-    cal, _ = text_split(ctx["tokenizer"], cfg)
-    with torch.no_grad():
-        hidden = [llm_stage0(model, c[None], 0, None, cfg["SPLIT_LAYER"]).to(torch.bfloat16)
-                  for c in tqdm(cal, desc="calibration: LLM hidden states", unit="chunk")]
-    llm_basis = fit_basis(hidden, k=model.config.hidden_size, model="smollm2", layer=f"hidden{cfg['SPLIT_LAYER']}")
-    llm_step, llm_cal_cos = calibrated_step(hidden, llm_basis, cfg["TARGET_COS"])
-    llm_codec = TensorCodec(llm_basis, backend="rans", step=llm_step)
-    llm_min_rows, llm_sizes = min_coded_rows(llm_codec, hidden[0])
+    cfg, flux, device = ctx["cfg"], ctx["flux_cpu"], ctx["cfg"]["DEVICE"]
+    shared, report = {}, {}
+    for task, lm in ctx["lms"].items():
+        model, split = lm["model"], lm["split"]
+        with torch.no_grad():
+            hidden = [llm_stage0(model, c[None].to(device), 0, None, split).to(torch.bfloat16)
+                      for c in tqdm(lm["cal"], desc=f"calibration: {task} hidden states", unit="chunk")]
+        meta = dict(k=model.config.hidden_size, model=lm["label"], layer=f"hidden{split}")
+        basis = (fit_basis(hidden, **meta) if device == "cpu"
+                 else fit_basis_torch(torch.cat(hidden), **meta))  # the GPU fits a 4096-wide basis in a blink
+        step, cal_cos = calibrated_step(hidden, basis, cfg["TARGET_COS"], cfg["STEP_SEARCH_ROWS"] if task == "wide" else None)
+        min_rows, sizes = min_coded_rows(TensorCodec(basis, backend="rans", step=step), hidden[0])
+        shared[task] = (basis, step, min_rows)
+        report.update({f"{task}_step": step, f"{task}_cal_cos": cal_cos, f"{task}_min_rows": min_rows,
+                       f"{task}_sizes": sizes})
 
     labels = diffusion_labels(cfg)
     captures = []
@@ -401,8 +484,9 @@ def setup_stage0(ctx: dict) -> dict:
                            layer=f"double{cfg['DIFF_SPLIT_BLOCK']}.image")
     diff_step, diff_cal_cos = calibrated_step(captures, diff_basis, cfg["TARGET_COS"])
     diff_codec = TensorCodec(diff_basis, backend="rans", step=diff_step)
-    diff_min_rows, diff_sizes = min_coded_rows(diff_codec, captures[0])
+    diff_min_rows, diff_sizes = min_coded_rows(diff_codec, captures[0].to(device))
     ctx["diff_reference"] = generate(flux, labels, cfg["DIFF_EVAL_SEED"], cfg["DIFF_STEPS"])
+    shared["diff"] = (diff_basis, diff_step, diff_min_rows)
 
     # the split halves composed in one process equal the unsplit model (checked before any transfer)
     x0 = torch.randn(len(labels), flux.tokens, flux.token_values, generator=torch.Generator().manual_seed(1))
@@ -411,33 +495,29 @@ def setup_stage0(ctx: dict) -> dict:
         split_velocity = flux_stage1(flux, *flux_stage0(flux, x0, sigma, labels, cfg["DIFF_SPLIT_BLOCK"]),
                                      cfg["DIFF_SPLIT_BLOCK"])
         diff_split_err = float((split_velocity - flux(x0, sigma, labels)).abs().max())
-    return {"llm": (llm_basis, llm_step, llm_min_rows), "diff": (diff_basis, diff_step, diff_min_rows),
-            "report": {"llm_step": llm_step, "llm_cal_cos": llm_cal_cos, "llm_min_rows": llm_min_rows,
-                       "llm_sizes": llm_sizes, "diff_step": diff_step, "diff_cal_cos": diff_cal_cos,
-                       "diff_min_rows": diff_min_rows, "diff_sizes": diff_sizes,
-                       "diff_split_max_abs_err": diff_split_err}}
+    report.update({"diff_step": diff_step, "diff_cal_cos": diff_cal_cos, "diff_min_rows": diff_min_rows,
+                   "diff_sizes": diff_sizes, "diff_split_max_abs_err": diff_split_err})
+    return {"shared": shared, "report": report}
 
 
 def setup_stage1(ctx: dict) -> dict:
-    """Rank 1: the unsplit model's outputs on the held-out text (every prefill size, every chunk)."""
-    cfg, model = ctx["cfg"], ctx["model"]
-    _, evals = text_split(ctx["tokenizer"], cfg)
-    refs = {}
-    jobs = [(c, T) for c in range(len(evals)) for T in cfg["PREFILL_TOKENS"]]
-    with torch.no_grad():
-        for c, T in jobs:  # no bar: stage 0's calibration bar runs at the same time
-            refs[(c, T)] = llm_reference(model, evals[c, :T], cfg["DECODE_TOKENS"])
-        # the split halves composed in one process equal the unsplit forward (no transfer involved)
-        T = min(cfg["PREFILL_TOKENS"])
-        ids = evals[0, :T]
-        logits = llm_stage1(model, llm_stage0(model, ids[None], 0, None, cfg["SPLIT_LAYER"]), 0, None,
-                            cfg["SPLIT_LAYER"], all_positions=True)
-        split_err = float((logits - model(input_ids=ids[None]).logits[0]).abs().max())
-    ctx["llm_refs"] = refs
-    return {"report": {"llm_split_max_abs_err": split_err}}
+    """Rank 1: each LM's unsplit outputs on its held-out prompts (every prefill size, every chunk)."""
+    cfg, device, report = ctx["cfg"], ctx["cfg"]["DEVICE"], {}
+    for task, lm in ctx["lms"].items():
+        model, split, evals = lm["model"], lm["split"], lm["evals"].to(device)
+        lm["refs"] = {}
+        with torch.no_grad():
+            for c in range(len(evals)):  # no bar: stage 0's calibration bar runs at the same time
+                for T in lm["prefill"]:
+                    lm["refs"][(c, T)] = llm_reference(model, evals[c, :T], cfg["DECODE_TOKENS"])
+            # the split halves composed in one process equal the unsplit forward (no transfer involved)
+            ids = evals[0, :min(lm["prefill"])]
+            logits = llm_stage1(model, llm_stage0(model, ids[None], 0, None, split), 0, None, split, all_positions=True)
+            report[f"{task}_split_max_abs_err"] = float((logits - model(input_ids=ids[None]).logits[0].float()).abs().max())
+    return {"report": report}
 
 
-def check_hop(rank: int, reference: torch.Tensor | None, codec, name: str) -> dict:
+def check_hop(rank: int, reference: torch.Tensor | None, codec, name: str, device="cpu") -> dict:
     """Send a float32 tensor raw as the reference, then its bf16 raw and its bf16 coded forms; the
     receiver checks the raw one bit for bit and measures the coded one's cosine."""
     from shared.rdquant import quality
@@ -450,7 +530,7 @@ def check_hop(rank: int, reference: torch.Tensor | None, codec, name: str) -> di
     got = []
     for _ in range(3):
         head, payload = recv_tensor(0)
-        got.append(open_tensor(head, payload, codec)[0].clone())
+        got.append(open_tensor(head, payload, codec, device)[0].cpu().clone())
     ref, raw, coded = got
     bit_exact = raw.dtype == torch.bfloat16 and torch.equal(raw.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
     if not bit_exact:
@@ -463,37 +543,40 @@ def check_hop(rank: int, reference: torch.Tensor | None, codec, name: str) -> di
 
 
 def run_check(rank: int, ctx: dict) -> dict:
-    """Correctness of the transfer (bit-exact raw, cos coded), then the split model's quality runs."""
+    """Correctness of the transfer (bit-exact raw, cos coded), then the split models' quality runs."""
     from tqdm import tqdm
 
-    cfg, model = ctx["cfg"], ctx["model"]
-    _, evals = text_split(ctx["tokenizer"], cfg)
+    cfg, device = ctx["cfg"], ctx["cfg"]["DEVICE"]
     hops = []
     with torch.no_grad():
-        for T in cfg["PREFILL_TOKENS"]:
-            h = llm_stage0(model, evals[0, :T][None], 0, None, cfg["SPLIT_LAYER"]) if rank == 0 else None
-            hops.append(check_hop(rank, h, ctx["llm_codec"], f"llm prefill {T}"))
-        flux, labels = ctx["flux"], diffusion_labels(cfg)
+        for task, lm in ctx["lms"].items():
+            for T in lm["prefill"]:
+                ids = lm["evals"][0, :T][None].to(device)
+                h = llm_stage0(lm["model"], ids, 0, None, lm["split"]) if rank == 0 else None
+                hops.append(dict(check_hop(rank, h, lm["codec"], f"{task} prefill {T}", device), task=task))
+        flux, labels = ctx["flux"], diffusion_labels(cfg).to(device)
         image = None
         if rank == 0:
             x = torch.randn(len(labels), flux.tokens, flux.token_values,
-                            generator=torch.Generator().manual_seed(cfg["DIFF_EVAL_SEED"]))
-            hidden, _, _ = flux_stage0(flux, x, torch.ones(len(labels)), labels, cfg["DIFF_SPLIT_BLOCK"])
+                            generator=torch.Generator().manual_seed(cfg["DIFF_EVAL_SEED"])).to(device)
+            hidden, _, _ = flux_stage0(flux, x, torch.ones(len(labels), device=device), labels, cfg["DIFF_SPLIT_BLOCK"])
             image = hidden.reshape(-1, hidden.shape[-1])
-        hops.append(check_hop(rank, image, ctx["diff_codec"], "diffusion step 0"))
+        hops.append(dict(check_hop(rank, image, ctx["diff_codec"], "diffusion step 0", device), task="diffusion"))
         if rank == 1:
             for hop in hops:
                 print(f"  check {hop['name']}: raw bit-exact {hop['bit_exact']}, compressed cos "
                       f"{hop['cos_coded_vs_f32']:.5f} vs float32 ({hop['cos_coded_vs_bf16']:.5f} vs the bf16 sent)",
                       file=sys.stderr, flush=True)
         quality_runs = []
-        jobs = [(c, T, mode) for c in range(len(evals)) for T in cfg["PREFILL_TOKENS"] for mode in ("raw", "compressed")]
-        for c, T, mode in tqdm(jobs, desc="quality runs (1st link)", unit="run", disable=rank != 0):
-            out = llm_session(rank, ctx, evals[c, :T], mode, cfg["DECODE_TOKENS"], score=True)
+        jobs = [(task, c, T, mode) for task, lm in ctx["lms"].items() for c in range(len(lm["evals"]))
+                for T in lm["prefill"] for mode in ("raw", "compressed")]
+        for task, c, T, mode in tqdm(jobs, desc="quality runs (1st link)", unit="run", disable=rank != 0):
+            lm = ctx["lms"][task]
+            out = llm_session(rank, ctx, task, lm["evals"][c, :T], mode, cfg["DECODE_TOKENS"], score=True)
             if rank == 1:
-                ref = ctx["llm_refs"][(c, T)]
+                ref = lm["refs"][(c, T)]
                 top, nll = out["scored"]
-                quality_runs.append({"chunk": c, "tokens": T, "mode": mode, "nll_sum": float(nll.sum()),
+                quality_runs.append({"task": task, "chunk": c, "tokens": T, "mode": mode, "nll_sum": float(nll.sum()),
                                      "ref_nll_sum": float(ref["nll"].sum()), "scored": int(len(nll)),
                                      "agree": int((top == ref["top"]).sum()), "positions": int(len(top)),
                                      "greedy_agree": int(sum(a == b for a, b in zip(out["tokens"], ref["tokens"]))),
@@ -509,43 +592,51 @@ def run_measure(rank: int, ctx: dict, link_mbit) -> dict:
     from tqdm import tqdm
 
     cfg = ctx["cfg"]
-    _, evals = text_split(ctx["tokenizer"], cfg)
-    jobs = [("llm", T, mode, r) for T in cfg["PREFILL_TOKENS"] for r in range(cfg["REPEATS"])
-            for mode in ("raw", "compressed")]
+    jobs = [(task, T, mode, r) for task, lm in ctx["lms"].items() for T in lm["prefill"]
+            for r in range(cfg["REPEATS"]) for mode in ("raw", "compressed")]
     jobs += [("diffusion", None, mode, r) for r in range(cfg["REPEATS"]) for mode in ("raw", "compressed")]
     sessions = []
     with torch.no_grad():
         for task, T, mode, r in tqdm(jobs, desc=f"timed sessions at {link_mbit} Mbit", unit="session",
                                      disable=rank != 0):
-            if task == "llm":
-                out = llm_session(rank, ctx, evals[0, :T], mode, cfg["DECODE_TOKENS"], score=False)
-            else:
+            if task == "diffusion":
                 out = diffusion_session(rank, ctx, mode)
+            else:
+                out = llm_session(rank, ctx, task, ctx["lms"][task]["evals"][0, :T], mode, cfg["DECODE_TOKENS"],
+                                  score=False)
             sessions.append({"task": task, "tokens": T, "mode": mode, "repeat": r,
                              **{k: v for k, v in out.items() if k != "scored"}})
     return {"sessions": sessions}
 
 
-def worker(rank: int, master: str, port: int, quick: bool) -> None:
+def worker(rank: int, master: str, port: int, quick: bool, gpu: bool) -> None:
+    import copy
+
     import torch.distributed as dist
 
     from shared.diffusion import load_tiny_flux
     from shared.llm import load_smollm2
+    from shared.pipeline import TensorCodec
 
-    cfg = settings(quick)
+    cfg = settings(quick, gpu)
     torch.set_num_threads(cfg["WORKER_THREADS"])
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=cfg["TIMEOUT_S"]))
-    model, tokenizer = load_smollm2()
-    ctx = {"cfg": cfg, "model": model, "tokenizer": tokenizer, "flux": load_tiny_flux()}
+    model, tokenizer = load_smollm2(cfg["DEVICE"])
+    flux = load_tiny_flux()  # calibration and the reference images on the CPU; the sessions on DEVICE
+    ctx = {"cfg": cfg, "model": model, "tokenizer": tokenizer, "flux_cpu": flux,
+           "flux": flux if cfg["DEVICE"] == "cpu" else copy.deepcopy(flux).to(cfg["DEVICE"])}
+    ctx["lms"] = language_models(ctx)
     with torch.no_grad():
         setup = setup_stage0(ctx) if rank == 0 else setup_stage1(ctx)
-    shared = [setup.get("llm"), setup.get("diff")]
+    shared = [setup.get("shared")]
     dist.broadcast_object_list(shared, src=0)
-    from shared.pipeline import TensorCodec
-    (llm_basis, llm_step, ctx["llm_min_rows"]), (diff_basis, diff_step, ctx["diff_min_rows"]) = shared
-    ctx["llm_codec"] = TensorCodec(llm_basis, backend="rans", step=llm_step)
-    ctx["diff_codec"] = TensorCodec(diff_basis, backend="rans", step=diff_step)
+    for task, (basis, step, min_rows) in shared[0].items():
+        codec = TensorCodec(basis, backend="rans", step=step)
+        if task == "diff":
+            ctx["diff_codec"], ctx["diff_min_rows"] = codec, min_rows
+        else:
+            ctx["lms"][task].update(codec=codec, min_rows=min_rows)
     emit({"ready": rank, **setup["report"]})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -586,9 +677,9 @@ class Loopback:
 class Worker:
     """A stage process in its namespace; commands go in on stdin, '@@ {json}' results come out on stdout."""
 
-    def __init__(self, link, side: str, rank: int, port: int, quick: bool, timeout_s: float):
+    def __init__(self, link, side: str, rank: int, port: int, quick: bool, gpu: bool, timeout_s: float):
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", str(rank), "--master", link.ip_a,
-                "--port", str(port)] + (["--quick"] if quick else [])
+                "--port", str(port)] + (["--quick"] if quick else []) + (["--gpu"] if gpu else [])
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **WORKER_ENV,
                    GLOO_SOCKET_IFNAME=getattr(link, f"dev_{side}", "lo"))  # gloo's pairs use the veth end
         self.rank, self.timeout_s, self.lines = rank, timeout_s, queue.Queue()
@@ -631,9 +722,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_link_experiment(quick: bool, force_loopback: bool) -> dict:
+def run_link_experiment(quick: bool, force_loopback: bool, gpu: bool = False) -> dict:
     """Both stages on the shaped link (or loopback): setup, correctness and quality, then each link speed."""
-    cfg = settings(quick)
+    cfg = settings(quick, gpu)
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu: no CUDA GPU is visible to torch here; run without --gpu for the CPU stages")
     reason = "--loopback given" if force_loopback else None
     if reason is None:
         from shared.links import link_unavailable_reason
@@ -649,9 +742,9 @@ def run_link_experiment(quick: bool, force_loopback: bool) -> dict:
         print(f"NOTE: no shaped link ({reason}): both stages run over unshaped loopback (127.0.0.1); "
               "the rows say link=loopback")
         link_cm, links, port, link_kind = Loopback(), [None], free_port(), "loopback"
-    out = {"link": link_kind, "reason": reason, "cfg": cfg, "measures": []}
+    out = {"link": link_kind, "reason": reason, "cfg": cfg, "measures": [], "gpu": gpu}
     with link_cm as link:
-        workers = [Worker(link, side, rank, port, quick, cfg["TIMEOUT_S"]) for rank, side in ((0, "a"), (1, "b"))]
+        workers = [Worker(link, side, rank, port, quick, gpu, cfg["TIMEOUT_S"]) for rank, side in ((0, "a"), (1, "b"))]
         out["setup"] = [w.result() for w in workers]
         print(f"setup: LLM step {out['setup'][0]['llm_step']:.4g} (calibration cos "
               f"{min(out['setup'][0]['llm_cal_cos']):.5f}..), coded from {out['setup'][0]['llm_min_rows']} tokens; "
@@ -690,19 +783,23 @@ def coder_label() -> str:
 
 
 def make_rows(out: dict) -> ResultsWriter:
-    res = ResultsWriter("16", "split_inference")
+    gpu = out.get("gpu", False)
+    res = ResultsWriter("16", "split_inference", gpu=gpu)
     cfg, link_kind = out["cfg"], out["link"]
-    coder = coder_label()
+    coder = "GPU coder (TensorCodec on CUDA tensors)" if gpu else coder_label()
     s0, s1 = out["setup"]
-    common = dict(link=link_kind, delay_ms=cfg["DELAY_MS"], target_cos=cfg["TARGET_COS"], coder=coder)
+    common = dict(link=link_kind, delay_ms=cfg["DELAY_MS"], target_cos=cfg["TARGET_COS"], coder=coder,
+                  compute="gpu" if gpu else "cpu")
 
     def add(task, metric, value, unit, mode="", phase="", **kw):
         backend = "rans" if mode == "compressed" else ("raw-bf16" if mode == "raw" else "")
         res.add(backend=backend, metric=metric, value=float(value), unit=unit, task=task, phase=phase, mode=mode,
                 **{**common, **kw})
 
-    split = {"llm": f"layer {cfg['SPLIT_LAYER']}", "diffusion": f"after double block {cfg['DIFF_SPLIT_BLOCK']}"}
-    for task, key in (("llm", "llm"), ("diffusion", "diff")):
+    split = {"llm": f"layer {cfg['SPLIT_LAYER']}", "diffusion": f"after double block {cfg['DIFF_SPLIT_BLOCK']}",
+             "wide": f"layer {cfg['WIDE_SPLIT']} of {cfg['WIDE_SHAPE']['layers']}"}
+    lm_tasks = [t for t in ("llm", "wide") if f"{t}_step" in s0]
+    for task, key in [(t, t) for t in lm_tasks] + [("diffusion", "diff")]:
         add(task, "quant_step", s0[f"{key}_step"], "", "compressed", "calibration", split=split[task])
         add(task, "cos", min(s0[f"{key}_cal_cos"]), "", "compressed", "calibration", split=split[task],
             note="worst calibration tensor")
@@ -712,15 +809,16 @@ def make_rows(out: dict) -> ResultsWriter:
             for metric in ("container_bytes", "payload_bytes", "raw_bytes"):
                 add(task, metric, size[metric], "bytes", "compressed", "container_size", tokens=size["rows"],
                     split=split[task])
-    add("llm", "max_abs_err", s1["llm_split_max_abs_err"], "logit", "unsplit", "split_in_one_process",
-        split=split["llm"], note="both halves in one process vs the unsplit forward, no transfer")
+    for task in lm_tasks:
+        add(task, "max_abs_err", s1[f"{task}_split_max_abs_err"], "logit", "unsplit", "split_in_one_process",
+            split=split[task], note="both halves in one process vs the unsplit forward, no transfer")
     add("diffusion", "max_abs_err", s0["diff_split_max_abs_err"], "velocity", "unsplit", "split_in_one_process",
         split=split["diffusion"], note="both halves in one process vs the unsplit forward, no transfer")
 
     check0, check1 = out["check"]
     first = out["measures"][0][0]
     for hop in check1["hops"]:
-        task = "llm" if hop["name"].startswith("llm") else "diffusion"
+        task = hop["task"]
         add(task, "bit_exact", hop["bit_exact"], "bool", "raw", "check", tokens=hop["rows"], link_mbit=first)
         add(task, "cos", hop["cos_raw_vs_f32"], "", "raw", "check", tokens=hop["rows"], link_mbit=first,
             note="bf16 received vs the float32 hidden state")
@@ -729,18 +827,21 @@ def make_rows(out: dict) -> ResultsWriter:
         add(task, "cos_vs_bf16", hop["cos_coded_vs_bf16"], "", "compressed", "check", tokens=hop["rows"],
             link_mbit=first, note="decoded vs the bf16 tensor raw mode sends")
     quality = check1["quality"]
-    for T in cfg["PREFILL_TOKENS"]:
-        runs = {m: [q for q in quality if q["tokens"] == T and q["mode"] == m] for m in ("raw", "compressed")}
+    for task, T in sorted({(q["task"], q["tokens"]) for q in quality}):
+        runs = {m: [q for q in quality if q["task"] == task and q["tokens"] == T and q["mode"] == m]
+                for m in ("raw", "compressed")}
         n_scored = sum(q["scored"] for q in runs["raw"])
-        add("llm", "perplexity", math.exp(sum(q["ref_nll_sum"] for q in runs["raw"]) / n_scored), "", "unsplit",
-            "quality", tokens=T, chunks=len(runs["raw"]))
+        if task == "llm":  # the wide decoder's random weights and tokens give no meaningful perplexity
+            add(task, "perplexity", math.exp(sum(q["ref_nll_sum"] for q in runs["raw"]) / n_scored), "", "unsplit",
+                "quality", tokens=T, chunks=len(runs["raw"]))
         for mode, rs in runs.items():
-            add("llm", "perplexity", math.exp(sum(q["nll_sum"] for q in rs) / n_scored), "", mode, "quality",
-                tokens=T, chunks=len(rs), link_mbit=first)
-            add("llm", "agreement", sum(q["agree"] for q in rs) / sum(q["positions"] for q in rs), "fraction", mode,
+            if task == "llm":
+                add(task, "perplexity", math.exp(sum(q["nll_sum"] for q in rs) / n_scored), "", mode, "quality",
+                    tokens=T, chunks=len(rs), link_mbit=first)
+            add(task, "agreement", sum(q["agree"] for q in rs) / sum(q["positions"] for q in rs), "fraction", mode,
                 "quality", tokens=T, chunks=len(rs), link_mbit=first,
                 note="argmax of the next token at every prefill position, same as the unsplit model")
-            add("llm", "greedy_agreement", sum(q["greedy_agree"] for q in rs) / sum(q["greedy_total"] for q in rs),
+            add(task, "greedy_agreement", sum(q["greedy_agree"] for q in rs) / sum(q["greedy_total"] for q in rs),
                 "fraction", mode, "quality", tokens=T, chunks=len(rs), link_mbit=first,
                 note=f"greedy tokens equal to the unsplit model's, position by position, {cfg['DECODE_TOKENS']} per chunk")
     for mode, value in check0["diffusion_psnr"].items():
@@ -751,9 +852,9 @@ def make_rows(out: dict) -> ResultsWriter:
         groups: dict = {}
         for a, b in zip(m0["sessions"], m1["sessions"]):
             steps = step_table(a, b)
-            if a["task"] == "llm":
-                groups.setdefault(("llm", "prefill", a["tokens"], a["mode"]), []).extend(steps[:1])
-                groups.setdefault(("llm", "decode", a["tokens"], a["mode"]), []).extend(steps[1:])
+            if a["task"] != "diffusion":
+                groups.setdefault((a["task"], "prefill", a["tokens"], a["mode"]), []).extend(steps[:1])
+                groups.setdefault((a["task"], "decode", a["tokens"], a["mode"]), []).extend(steps[1:])
             else:
                 groups.setdefault(("diffusion", "sampler_step", None, a["mode"]), []).extend(steps)
                 add("diffusion", "psnr_db", a["psnr_db"], "dB", a["mode"], "quality", link_mbit=mbit,
@@ -772,7 +873,7 @@ def make_rows(out: dict) -> ResultsWriter:
                 note="bytes of the step / wire_ms: the rate the link delivered")
             per_step = 1 if phase == "decode" else (T or cfg["DIFF_BATCH"])
             unit = "images/s" if task == "diffusion" else "tokens/s"
-            add(task, "tokens_per_s" if task == "llm" else "images_per_s", per_step * 1e3 / med["step_ms"], unit,
+            add(task, "images_per_s" if task == "diffusion" else "tokens_per_s", per_step * 1e3 / med["step_ms"], unit,
                 mode, phase, **kw)
         for (task, phase, T, mode), med in medians.items():
             if mode != "compressed":
@@ -794,16 +895,30 @@ def make_rows(out: dict) -> ResultsWriter:
 
 # ---------------------------------------------------------------- figure
 def plot(csv_path: Path, fig_dir: Path | None = None):
-    """Top row: the whole step per link speed, raw vs compressed, split into its measured parts.
-    Bottom row: the hand-over alone (encode + wire + decode), where compression acts."""
+    """figures/16_split_inference.png from the rows whose stages and codec ran on the CPU, and
+    figures/16_split_inference_gpu.png from those that ran on a GPU (where there are any)."""
     import pandas as pd
 
-    plt = apply_style()
     df = pd.read_csv(csv_path)
     df["link_mbit"] = df.link_mbit.fillna(-1)
+    df["compute"] = df["compute"].fillna("cpu") if "compute" in df else "cpu"
+    for compute, name in (("cpu", NAME), ("gpu", f"{NAME}_gpu")):
+        if (df.compute == compute).any():
+            plot_compute(df[df.compute == compute], compute, name, fig_dir)
+
+
+TASK_NAMES = {"llm": "SmolLM2", "wide": "4096-wide decoder", "diffusion": "diffusion"}
+
+
+def plot_compute(df, compute: str, fig_name: str, fig_dir: Path | None):
+    """Top row: the whole step per link speed, raw vs compressed, split into its measured parts.
+    Bottom row: the hand-over alone (encode + wire + decode), where compression acts."""
+    plt = apply_style()
     timed = df[df.phase.isin(["prefill", "decode", "sampler_step"])]
-    prefills = sorted(timed[timed.phase == "prefill"].context.dropna().unique())
-    panels = [("llm", "prefill", t) for t in prefills] + [("llm", "decode", max(prefills))] if prefills else []
+    panels = []
+    for task in ("llm", "wide"):
+        prefills = sorted(timed[(timed.task == task) & (timed.phase == "prefill")].context.dropna().unique())
+        panels += [(task, "prefill", t) for t in prefills] + ([(task, "decode", max(prefills))] if prefills else [])
     panels += [("diffusion", "sampler_step", None)]
     fig, axes = plt.subplots(2, len(panels), figsize=(3.7 * len(panels) + 1.6, 7.4), squeeze=False)
     compute = [("stage0_ms", "stage 0 compute", "#0072B2"), ("stage1_ms", "stage 1 compute", "#56B4E9")]
@@ -840,25 +955,29 @@ def plot(csv_path: Path, fig_dir: Path | None = None):
             ax.set_xticks(ticks, labels, fontsize=7)
             ax.set_ylabel(ylabel, fontsize=8)
             sent = set(sel[(sel.metric == "step_ms") & (sel["mode"] == "compressed")].sent_as.dropna())
-            what = {"prefill": f"LLM prefill, {int(ctx_tokens) if ctx_tokens else ''} tokens",
-                    "decode": "LLM decode, 1 token per step", "sampler_step": "diffusion, one sampler step"}[phase]
+            what = {"prefill": f"{TASK_NAMES[task]} prefill, {int(ctx_tokens) if ctx_tokens else ''} tokens",
+                    "decode": f"{TASK_NAMES[task]} decode, 1 token per step",
+                    "sampler_step": "diffusion, one sampler step"}[phase]
             how = "both modes send it raw (container > raw)" if sent == {"raw"} else "hatched: compressed"
             ax.set_title(f"{what} ({speed_name})\nplain: raw bf16; {how}", fontsize=8)
         axes[r, -1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     gains = df[(df.metric.isin(["speedup", "hop_speedup"])) & (df.link_mbit.between(0, 100)) & (df.phase != "decode")]
     where = "a tc-shaped veth link" if (df.link == "veth+tc").any() else "unshaped loopback (no namespaces here)"
-    title = f"Split inference across {where} (CPU codec: {coder_label_from(df)})"
+    if compute == "gpu":
+        title = f"Split inference on {', '.join(df.device.unique())} across {where} (both stages and the codec on the GPU)"
+    else:
+        title = f"Split inference on a CPU across {where} (CPU codec: {coder_label_from(df)})"
     if len(gains):
         hs, ss = gains[gains.metric == "hop_speedup"].value, gains[gains.metric == "speedup"].value
-        title += (f": at <= 100 Mbit compression speeds the hand-over {hs.min():.2f}-{hs.max():.2f}x, "
-                  f"the whole step {ss.min():.2f}-{ss.max():.2f}x (compute-bound on this CPU)")
+        title += (f":\nat <= 100 Mbit compression speeds the hand-over {hs.min():.2f}-{hs.max():.2f}x, "
+                  f"the whole step {ss.min():.2f}-{ss.max():.2f}x" + (" (compute-bound on this CPU)" if compute == "cpu" else ""))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     if fig_dir is None:
-        save_figure(fig, NAME, f"{NAME}.csv")
+        save_figure(fig, fig_name, f"{NAME}.csv")
     else:
-        fig.savefig(fig_dir / f"{NAME}.png")
-        print(f"wrote {fig_dir / (NAME + '.png')}")
+        fig.savefig(fig_dir / f"{fig_name}.png")
+        print(f"wrote {fig_dir / (fig_name + '.png')}")
 
 
 def coder_label_from(df) -> str:
@@ -892,18 +1011,30 @@ def summary(res: ResultsWriter) -> None:
 
 def markdown_table(csv_path: Path) -> str:
     """The PoC 16 tables of docs/results.md ("Split inference over a shaped link"), from the CSV alone
-    (python pocs/16_split_inference.py --table)."""
+    (python pocs/16_split_inference.py --table): one pair of tables per place the stages ran (CPU, GPU)."""
     import pandas as pd
 
     df = pd.read_csv(csv_path)
     df["context"], df["link_mbit"] = df.context.fillna(-1), df.link_mbit.fillna(-1)  # -1: loopback
+    df["compute"] = df["compute"].fillna("cpu") if "compute" in df else "cpu"
+    out = []
+    for compute in ("cpu", "gpu"):
+        sub = df[df.compute == compute]
+        if len(sub):
+            where = "a CPU" if compute == "cpu" else ", ".join(sub.device.unique())
+            out += [f"Stages and codec on {where}:", "", timing_table(sub), "", quality_table(sub), ""]
+    return "\n".join(out).rstrip()
+
+
+def timing_table(df) -> str:
     timed = df[df.phase.isin(["prefill", "decode", "sampler_step"])]
     lines = ["| task, step | link | raw ms/step | compressed ms/step | bytes ratio | step speed-up | speed-up / ratio "
              "| hop ms raw -> compressed (encode + wire + decode) | compressed sent as |",
              "|---|---|---|---|---|---|---|---|---|"]
     order = {"prefill": 0, "decode": 1, "sampler_step": 2}
-    keys = sorted({(t, p, c) for t, p, c in zip(timed.task, timed.phase, timed.context)}, key=lambda k: (
-        k[0] != "llm", order[k[1]], k[2]))
+    tasks = {"llm": 0, "wide": 1, "diffusion": 2}
+    keys = sorted({(t, p, c) for t, p, c in zip(timed.task, timed.phase, timed.context)},
+                  key=lambda k: (tasks[k[0]], order[k[1]], k[2]))
     for task, phase, ctx in keys:
         sel = timed[(timed.task == task) & (timed.phase == phase) & (timed.context == ctx)]
         for mbit in sorted(sel.link_mbit.unique(), reverse=True):
@@ -912,13 +1043,18 @@ def markdown_table(csv_path: Path) -> str:
             def get(metric, mode="compressed"):
                 v = at[(at.metric == metric) & (at["mode"] == mode)].value
                 return float(v.iloc[0]) if len(v) else float("nan")
-            what = {"prefill": f"LLM prefill {int(ctx)} tokens", "decode": f"LLM decode (after {int(ctx)})",
+            name = TASK_NAMES[task]
+            what = {"prefill": f"{name} prefill {int(ctx)} tokens", "decode": f"{name} decode (after {int(ctx)})",
                     "sampler_step": "diffusion sampler step"}[phase]
             sent = at[(at.metric == "step_ms") & (at["mode"] == "compressed")].sent_as.iloc[0]
             lines.append(
                 f"| {what} | {'loopback' if mbit == -1 else f'{mbit:g} Mbit'} | {get('step_ms', 'raw'):.1f} | {get('step_ms'):.1f} | {get('ratio'):.2f}x "
                 f"| {get('speedup'):.2f}x | {get('speedup') / get('ratio'):.2f} | {get('hop_ms', 'raw'):.1f} -> "
                 f"{get('hop_ms'):.1f} ({get('encode_ms'):.1f} + {get('wire_ms'):.1f} + {get('decode_ms'):.1f}) | {sent} |")
+    return "\n".join(lines)
+
+
+def quality_table(df) -> str:
     q = df[df.phase.isin(["quality", "check", "calibration"])]
 
     def val(task, phase, mode, metric, tokens=None):
@@ -926,16 +1062,19 @@ def markdown_table(csv_path: Path) -> str:
         if tokens is not None:
             v = v[v.tokens == tokens]
         return float(v.value.iloc[0]) if len(v) else float("nan")
-    lines += ["", "| task | tokens | cos (eval, compressed) | perplexity unsplit / raw / compressed | "
-              "next-token agreement raw / compressed | greedy agreement raw / compressed |", "|---|---|---|---|---|---|"]
-    for T in sorted(q[(q.task == "llm") & (q.metric == "perplexity")].tokens.dropna().unique()):
-        lines.append(
-            f"| LLM | {int(T)} | {val('llm', 'check', 'compressed', 'cos', T):.4f} | "
-            f"{val('llm', 'quality', 'unsplit', 'perplexity', T):.3f} / {val('llm', 'quality', 'raw', 'perplexity', T):.3f}"
-            f" / {val('llm', 'quality', 'compressed', 'perplexity', T):.3f} | "
-            f"{val('llm', 'quality', 'raw', 'agreement', T):.3f} / {val('llm', 'quality', 'compressed', 'agreement', T):.3f}"
-            f" | {val('llm', 'quality', 'raw', 'greedy_agreement', T):.3f} / "
-            f"{val('llm', 'quality', 'compressed', 'greedy_agreement', T):.3f} |")
+    lines = ["| task | tokens | cos (eval, compressed) | perplexity unsplit / raw / compressed | "
+             "next-token agreement raw / compressed | greedy agreement raw / compressed |", "|---|---|---|---|---|---|"]
+    for task in ("llm", "wide"):
+        for T in sorted(q[(q.task == task) & (q.metric == "agreement")].tokens.dropna().unique()):
+            ppl = (f"{val(task, 'quality', 'unsplit', 'perplexity', T):.3f} / "
+                   f"{val(task, 'quality', 'raw', 'perplexity', T):.3f} / "
+                   f"{val(task, 'quality', 'compressed', 'perplexity', T):.3f}" if task == "llm"
+                   else "(random weights: not meaningful)")
+            lines.append(
+                f"| {TASK_NAMES[task]} | {int(T)} | {val(task, 'check', 'compressed', 'cos', T):.4f} | {ppl} | "
+                f"{val(task, 'quality', 'raw', 'agreement', T):.3f} / {val(task, 'quality', 'compressed', 'agreement', T):.3f}"
+                f" | {val(task, 'quality', 'raw', 'greedy_agreement', T):.3f} / "
+                f"{val(task, 'quality', 'compressed', 'greedy_agreement', T):.3f} |")
     psnr = q[(q.task == "diffusion") & (q.metric == "psnr_db")]
     rows = q[(q.task == "diffusion") & (q.phase == "check") & (q.metric == "cos")].tokens
     lines.append(f"| diffusion | {int(rows.iloc[0]) if len(rows) else ''} | "
@@ -951,13 +1090,15 @@ def main():
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     ap.add_argument("--loopback", action="store_true", help="unshaped 127.0.0.1 instead of the shaped veth link")
     ap.add_argument("--table", action="store_true", help="print docs/results.md's PoC 16 tables from the CSV")
+    ap.add_argument("--gpu", action="store_true", help="both stages and the codec on the CUDA GPU (adds the 4096-wide "
+                    "random decoder); its rows replace the CSV's GPU rows and keep the CPU ones")
     ap.add_argument("--out", type=Path, default=None, help="write the CSV and figure into this folder instead")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.master, args.port, args.quick)
+        worker(args.worker, args.master, args.port, args.quick, args.gpu)
         return
     csv_path = (args.out / f"{NAME}.csv") if args.out else None
     if args.table:
@@ -967,11 +1108,15 @@ def main():
     if not args.plot_only:
         announce("16")
         t0 = time.time()
-        res = make_rows(run_link_experiment(args.quick, args.loopback))
+        res = make_rows(run_link_experiment(args.quick, args.loopback, args.gpu))
         summary(res)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-        csv_path = res.save(csv_path)
+            csv_path = res.save(csv_path)
+        elif args.quick:
+            csv_path = res.save()
+        else:  # the CPU run and the GPU run are made on different machines: each replaces only its own rows
+            csv_path = res.merge(compute="gpu" if args.gpu else "cpu")
         print(f"total {time.time() - t0:.0f} s")
     from shared.results import RESULTS
     plot(csv_path or RESULTS / f"{NAME}.csv", args.out)

@@ -85,3 +85,20 @@ def test_quick_run_checks_transfers_writes_rows_and_cleans_up(tmp_path):
     decode_sent = set(df[(df.phase == "decode") & (df["mode"] == "compressed")].sent_as.dropna())
     assert decode_sent == ({"raw"} if one["container_bytes"] >= one["raw_bytes"] else {"coded"})
     assert "bit-exact True" in run.stdout + run.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_quick_run_codes_on_the_gpu_and_adds_the_wide_decoder(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--gpu", "--loopback", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    df = pd.read_csv(tmp_path / "16_split_inference.csv")
+    assert set(df.compute) == {"gpu"} and "cpu" not in set(df.device)
+    check = df[df.phase == "check"]
+    exact = check[check.metric == "bit_exact"]
+    assert set(exact.task) == {"llm", "wide", "diffusion"} and (exact.value == 1).all()
+    coded_cos = check[(check.metric == "cos") & (check["mode"] == "compressed")]
+    assert len(coded_cos) == 3 and (coded_cos.value > 0.99).all() and (coded_cos.value < 1).all()
+    split = df[df.phase == "split_in_one_process"].set_index("task").value
+    assert split["wide"] < 1e-2  # the same bf16 ops in one process: the split is the model
+    assert (tmp_path / "16_split_inference_gpu.png").exists()
