@@ -50,8 +50,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.basis import fit_basis  # noqa: E402
+from shared.container import read_header  # noqa: E402
 from shared.metrics import quality, ratio  # noqa: E402
-from shared.pipeline import TensorCodec, read_header  # noqa: E402
+from shared.pipeline import TensorCodec  # noqa: E402
 from shared.results import ResultsWriter, announce, apply_style, legend_outside, load, save_figure  # noqa: E402
 
 TOKENS = 4096          # rows of each synthetic tensor

@@ -386,7 +386,7 @@ def calibrated_step(tensors: list[torch.Tensor], basis, target: float,
 def min_coded_rows(codec, x: torch.Tensor) -> tuple[int, list[dict]]:
     """The fewest rows (tokens) of x, in powers of two, for which the container is smaller than raw,
     and the measured sizes (container, its header, raw) at each size tried."""
-    from shared.pipeline import unpack
+    from shared.container import unpack
 
     sizes, found = [], None
     rows = 1

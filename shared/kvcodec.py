@@ -42,8 +42,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .container import pack, unpack_container
 from .errors import BitstreamError, CodecError, CodecFileMissing, ConfigurationError, InvalidTensorError
-from .pipeline import pack, unpack_container
 
 CODEC_ID = "kv_attn_rans"
 KINDS = ("k", "v")  # what a fitted KV codec codes: keys and values

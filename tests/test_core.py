@@ -10,8 +10,9 @@ from shared import BackendUnavailable, BasisMismatchError, BitstreamError, Confi
 from shared import frames as framing
 from shared.basis import CovarianceAccumulator, PCABasis, fit_basis, leave_one_out
 from shared.codecs import availability, get_backend
+from shared.container import pack, read_header, unpack
 from shared.metrics import aggregate, quality, ratio
-from shared.pipeline import TensorCodec, pack, read_header, unpack
+from shared.pipeline import TensorCodec
 from shared.quant import PerChannelQuantizer
 
 RNG = np.random.default_rng(0)

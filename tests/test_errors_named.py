@@ -78,8 +78,8 @@ def test_a_kv_layer_it_was_not_fitted_on_is_named(kv_codec):
 
 
 def test_a_kv_header_naming_another_layer_is_a_bitstream_error(kv_codec):
+    from shared.container import pack, unpack_container
     from shared.errors import BitstreamError
-    from shared.pipeline import pack, unpack_container
 
     blob = kv_codec.encode(torch.randn(10, 8), layer=1, kind="v")
     assert kv_codec.decode(blob).shape == (10, 8)

@@ -13,8 +13,9 @@ import torch
 from shared import fuzz, schema
 from shared.basis import fit_basis
 from shared.codecs import rans
+from shared.container import read_header, unpack
 from shared.errors import BitstreamError, ConfigurationError, InvalidTensorError, TensorCodecError
-from shared.pipeline import TensorCodec, read_header, unpack
+from shared.pipeline import TensorCodec
 from shared.quant import PerChannelQuantizer
 from shared.rdquant import RDQuantizer, find_step, quality
 from test_rans import needs_triton, run_interpreted

@@ -889,8 +889,9 @@ def test_triton_interpreter_scaled_decode_and_gemm_match_the_cpu_decoder():
         import torch
         from shared import pipeline
         from shared.basis import fit_basis
+        from shared.container import unpack
         from shared.errors import BitstreamError
-        from shared.pipeline import TensorCodec, unpack
+        from shared.pipeline import TensorCodec
         from shared.rdquant import calibrate_step
         rng = np.random.default_rng(3)
         calib = rng.standard_normal((400, 24)).astype(np.float32) @ rng.standard_normal((24, 24)).astype(np.float32)

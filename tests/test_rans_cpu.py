@@ -156,7 +156,8 @@ def test_compiled_quantizer_matches_numpy():
 def test_tensor_codec_uses_the_compiled_coder(monkeypatch):
     import torch
 
-    from shared.pipeline import TensorCodec, unpack
+    from shared.container import unpack
+    from shared.pipeline import TensorCodec
 
     assert rans_cpu.coder() is rans_cpu
     x = torch.from_numpy(wide_windows(1500, 6).astype(np.float32) / 50).bfloat16()
@@ -254,7 +255,8 @@ def test_bf16_cpu_path_follows_the_gpu_formulas():
     payload is the numpy reference coder's for those symbols."""
     import torch
 
-    from shared.pipeline import TensorCodec, unpack
+    from shared.container import unpack
+    from shared.pipeline import TensorCodec
 
     x, basis = _bf16_case()
     codec = TensorCodec(basis, backend="rans", target_cos=0.999)
@@ -282,7 +284,8 @@ def test_bf16_cpu_path_follows_the_gpu_formulas():
 def test_bf16_cpu_path_without_basis_is_the_float32_path():
     import torch
 
-    from shared.pipeline import TensorCodec, unpack
+    from shared.container import unpack
+    from shared.pipeline import TensorCodec
 
     x = torch.from_numpy(wide_windows(1500, 6).astype(np.float32) / 50).bfloat16()
     codec = TensorCodec(None, backend="rans", step=0.02)

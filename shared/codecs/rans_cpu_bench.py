@@ -87,7 +87,8 @@ def benchmark_cpu_pipeline(cases=None, threads: int = 1, reps: int = 9, check_re
     import threadpoolctl
     import torch
 
-    from ..pipeline import TensorCodec, unpack
+    from ..container import unpack
+    from ..pipeline import TensorCodec
     from ..rdquant import RDQuantizer, quality
 
     import numba
