@@ -266,7 +266,11 @@ def reconstruct_grid(T: int, D: int, N: int):
     return lambda meta: (-(-T // meta["BM"]) * -(-D // meta["BN"]), N)
 
 
-project_quantize_tuned = triton.autotune(_PROJECT_CONFIGS, key=["D", "K", "SIZE_CLASS", "SUM32"],
+# The key names X_DTYPE: inputs read by address arrive as int64 address tables whatever their dtype, so
+# without it a tile tuned on bf16 inputs was reused for float32 ones, whose 128-row tiles need more
+# shared memory than an H100 has (237,568 of 232,448 bytes) and failed to launch.
+PROJECTION_KEY = ["D", "K", "SIZE_CLASS", "SUM32", "X_DTYPE"]
+project_quantize_tuned = triton.autotune(_PROJECT_CONFIGS, key=PROJECTION_KEY,
                                          reset_to_zero=["sum_ptr"])(
     project_quantize_kernel)
 _RECON_CONFIGS = [triton.Config(dict(BM=c.kwargs["BM"], BN=c.kwargs["BN"], BK=c.kwargs["BD"]),
@@ -282,5 +286,5 @@ _WIDE_CONFIGS = [
     for bm, bn, w, st, group in [(128, 256, 8, 3, WIDE_GROUP_M), (128, 256, 8, 4, WIDE_GROUP_M),
                                  (128, 256, 8, 3, 16), (256, 128, 8, 3, 4), (128, 64, 4, 4, WIDE_GROUP_M)]
 ]
-project_quantize_wide_tuned = triton.autotune(_WIDE_CONFIGS, key=["D", "K", "SIZE_CLASS", "SUM32"],
+project_quantize_wide_tuned = triton.autotune(_WIDE_CONFIGS, key=PROJECTION_KEY,
                                               reset_to_zero=["sum_ptr"])(project_quantize_wide_kernel)

@@ -120,7 +120,7 @@ def _rotate_forward(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
     """RoPE on rows [T, heads * head_dim] in place (HF layout: dimension i pairs with i + head_dim / 2),
     cos / sin float32 [T, head_dim] of the rows' positions: a step of a graph-replayed decode. fused: one
     Triton kernel that reads and writes each value once, where the torch ops make several float32
-    passes (0.66 ms a layer at 32K tokens of 1024 channels on an H100); None: FUSED_ROPE on a GPU."""
+    passes (dev/rope_bench.py); None: FUSED_ROPE on a GPU."""
     if fused is None:
         fused = rows.is_cuda and FUSED_ROPE
     if fused:
@@ -134,9 +134,10 @@ def _rotate_forward(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
 
 _ROPE_KERNEL = None
 ROPE_BLOCK_ROWS = 16  # rows per program of the fused RoPE
-# the fused kernel matches the torch rotation under Triton's interpreter; it becomes the default once its
-# GPU test (tests/test_kvcache.py::test_gpu_fused_rope_equals_the_torch_rotation) has passed on a GPU
-FUSED_ROPE = False
+# the fused kernel equals the torch rotation to rounding on a GPU (tests/test_kvcache.py::
+# test_gpu_fused_rope_equals_the_torch_rotation) and takes a tenth of its time at 32K-64K tokens
+# (dev/rope_bench.py); False takes the torch ops
+FUSED_ROPE = True
 
 
 def _rope_in_place(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:

@@ -88,6 +88,11 @@ wide.quantize_many(x72t.unsqueeze(0), [0.05], narrow=True)
 h72 = x72t.half()
 wide.quantize_many(h72.unsqueeze(0), [0.05], addresses=torch.tensor([h72.data_ptr()]))
 proj.reconstruct_many(sym, [0.05])
+# float32 inputs read by address, through the kernel that hoists its basis (D <= 3 BD, as on a GPU)
+x32 = torch.from_numpy(x)
+hoisted = CudaProjection(mean, comps, device="cpu")
+hoisted.BLOCK = dict(proj.BLOCK, BD=64)
+hoisted.quantize_many(x32.unsqueeze(0), [0.05], addresses=torch.tensor([x32.data_ptr()]))
 blobs = rans_cuda.encode_many_cuda([sym[0], sym[0].int()], lane_tokens=32, stats=[(mn[0], mx[0], sm[0])] * 2)
 rans_cuda.decode_many_cuda(list(blobs))
 rans_cuda.decode_many_cuda(list(blobs), scales=[(0.05, 1e30, proj.coefficient_width(), 16)] * 2)
@@ -114,6 +119,7 @@ H200 = GPUTarget("cuda", 90, 32)
 # (on a 2-core CPU machine the codec's kernels take 0.1-3 s each; a histogram whose 64 sampled rows
 # were unrolled took 61-79 s, and a GPU test run ran out of time compiling its specializations)
 COMPILE_SECONDS_MAX = 20
+SHARED_MAX = 232448  # bytes of shared memory a block may use on an H100 or H200 (sm_90)
 
 
 def on_the_gpu(launch):
@@ -134,23 +140,25 @@ def on_the_gpu(launch):
 
 
 def variants(launch):
-    yield on_the_gpu(launch)
+    \"\"\"(variant, tuned): the launch as a GPU makes it, then every tile the autotuner tries (tuned).\"\"\"
+    yield on_the_gpu(launch), False
     if launch["name"] in ("project_quantize_kernel", "project_quantize_wide_kernel"):  # every tile autotuned
         configs = _rdquant_triton._PROJECT_CONFIGS if launch["name"] == "project_quantize_kernel" \
             else _rdquant_triton._WIDE_CONFIGS
         for cfg in configs:
             c = dict(launch["consts"], **cfg.kwargs, UPCAST=False)
-            yield dict(launch, consts=c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            yield dict(launch, consts=c, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True
     if launch["name"] == "reconstruct_kernel":
         for cfg in _rdquant_triton._RECON_CONFIGS:
             yield dict(launch, consts=dict(launch["consts"], **cfg.kwargs, UPCAST=False), num_warps=cfg.num_warps,
-                       num_stages=cfg.num_stages)
+                       num_stages=cfg.num_stages), True
 
 
 failed, done, slowest = [], 0, (0.0, "")
 for launch in json.load(open(sys.argv[1])):
     fn = getattr(importlib.import_module(launch["module"]), launch["name"])
-    for v in variants(launch):
+    fitting = []  # per autotuned tile: does its shared memory fit the GPU (the autotuner skips those that don't)
+    for v, tuned in variants(launch):
         consts = {k: DTYPES[x["dtype"]] if isinstance(x, dict) else x for k, x in v["consts"].items()}
         signature = {name: "constexpr" if name in consts else v["types"].get(name) for name in fn.arg_names
                      if name in consts or name in v["types"]}
@@ -159,12 +167,17 @@ for launch in json.load(open(sys.argv[1])):
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in v["aligned"] if n not in consts}
         try:
             start = time.perf_counter()
-            triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs), target=H200,
-                           options=dict(num_warps=v["num_warps"], num_stages=v["num_stages"]))
+            kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs), target=H200,
+                                    options=dict(num_warps=v["num_warps"], num_stages=v["num_stages"]))
             slowest = max(slowest, (time.perf_counter() - start, launch["name"]))
             done += 1
+            if tuned:
+                fitting.append(kernel.metadata.shared <= SHARED_MAX)
         except Exception as e:
             failed.append(f"{launch['name']} {v['consts']}: {str(e)[-600:]}\\n  cause: {repr(e.__cause__)[-500:]}")
+    if fitting and not any(fitting):
+        failed.append(f"{launch['name']} {launch['types']} {launch['consts']}: no autotuned tile fits in "
+                      f"{SHARED_MAX} bytes of shared memory")
 print(f"compiled {done} kernel variants for sm_90; slowest {slowest[1]} {slowest[0]:.1f} s")
 if slowest[0] > COMPILE_SECONDS_MAX:
     failed.append(f"{slowest[1]} took {slowest[0]:.0f} s to compile (limit {COMPILE_SECONDS_MAX} s): a user's first call waits for it")
@@ -194,3 +207,14 @@ def test_every_kernel_compiles_for_the_h200(tmp_path):
              str(launches))
     assert r.returncode == 0, f"a kernel does not compile for sm_90:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
     assert "compiled" in r.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton and torch")
+def test_projection_tiles_are_tuned_per_input_dtype():
+    """Inputs read by address reach the projection as int64 address tables whatever their dtype, so
+    the autotuner's key must name X_DTYPE: a tile tuned for bf16 inputs was reused for float32 ones and
+    failed to launch on an H100 (out of shared memory)."""
+    from shared import _rdquant_triton
+
+    for tuned in (_rdquant_triton.project_quantize_tuned, _rdquant_triton.project_quantize_wide_tuned):
+        assert "X_DTYPE" in tuned.keys and "X_DTYPE" in tuned.arg_names
