@@ -939,9 +939,9 @@ def plot_compute(df, compute: str, fig_name: str, fig_dir: Path | None):
         panels += [(task, "prefill", t) for t in prefills] + ([(task, "decode", max(prefills))] if prefills else [])
     panels += [("diffusion", "sampler_step", None)]
     fig, axes = plt.subplots(2, len(panels), figsize=(3.7 * len(panels) + 1.6, 7.4), squeeze=False)
-    compute = [("stage0_ms", "stage 0 compute", "#0072B2"), ("stage1_ms", "stage 1 compute", "#56B4E9")]
+    compute_parts = [("stage0_ms", "stage 0 compute", "#0072B2"), ("stage1_ms", "stage 1 compute", "#56B4E9")]
     hop = [("encode_ms", "encode", "#D55E00"), ("wire_ms", "wire", "#009E73"), ("decode_ms", "decode", "#E69F00")]
-    rows = [(compute + hop, "step_ms", "speedup", "step", "ms per step"),
+    rows = [(compute_parts + hop, "step_ms", "speedup", "step", "ms per step"),
             (hop, "hop_ms", "hop_speedup", "hand-over", "ms per hand-over (encode + wire + decode)")]
     links = sorted(timed.link_mbit.unique(), reverse=True)
     for r, (parts, total, speed_metric, speed_name, ylabel) in enumerate(rows):
