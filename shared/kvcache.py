@@ -45,10 +45,13 @@ decoding at every step).
 Limits: batch 1 (beam search and several sequences are refused by name). `crop` (assisted and
 prompt-lookup decoding) removes recent-window tokens at once and cuts stored chunks: the kept part of
 a compressed chunk the cut falls in is decoded back into the recent window and coded again at the next flush.
+`cache.layers[i].keys` / `.values` read a layer as transformers' layers hold it ([1, kv_heads, T, head_dim]),
+fetched as a step would fetch it (a copy; None while empty).
 """
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -188,8 +191,10 @@ class SpillLayer(DynamicLayer):
     is_croppable = True  # SpillCache.crop: the recent window, and stored chunks (the kept part of one decoded)
     supports_early_init = False  # the cache sets itself up at the first update
 
-    def __init__(self):
+    def __init__(self, cache=None, index: int = 0):
         super().__init__()
+        self._cache = weakref.ref(cache) if cache is not None else None  # the SpillCache that fills this layer
+        self._index = index
         self.length = 0  # tokens held: stored + recent
         self.stored = 0  # tokens in the stored form
         self.version = 0  # bumped when the stored form changes (a prefetch made before is refetched)
@@ -218,6 +223,37 @@ class SpillLayer(DynamicLayer):
 
     def update(self, *args, **kwargs):
         raise TensorCodecError("a SpillLayer is filled through its cache: call cache.update(k, v, layer_idx)")
+
+    # transformers' layers hold .keys / .values [batch, kv_heads, T, head_dim]; a SpillLayer holds its
+    # KV in the stored form, so reading one fetches the layer as a step would (a new tensor, the values
+    # attention reads; None while the layer is empty). It costs a fetch: read it between steps.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._fetched(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._fetched(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse(value)
+
+    @staticmethod
+    def _refuse(value) -> None:
+        if value is not None:  # DynamicLayer's own constructor and reset store None
+            raise TensorCodecError("a SpillLayer's keys and values are filled through its cache: call "
+                                   "cache.update(k, v, layer_idx)")
+
+    def _fetched(self, which: int) -> torch.Tensor | None:
+        cache = self._cache() if self._cache is not None else None
+        if cache is None or self.length == 0:
+            return None
+        return rows_to_states(cache.fetched_kv(self._index)[which], self.heads).contiguous()
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.length
@@ -365,6 +401,7 @@ class SpillCache(Cache):
             raise ConfigurationError("coefficients=True hands attention one basis' rows for every stored token; raw sink "
                                      "rows and keys coded before RoPE (sink, rope) do not fit that. Fix: coefficients=False")
         super().__init__(layers=[SpillLayer() for _ in range(num_layers)])
+        self.layers = [SpillLayer(self, i) for i in range(num_layers)]  # each knows its cache (layer.keys)
         if coefficients and not staged:
             raise ConfigurationError("coefficients=True needs the staged decode (staged=True)")
         self.sink, self.rope = int(sink), rope
@@ -573,7 +610,7 @@ class SpillCache(Cache):
     def reset(self) -> None:
         self.drain()
         for i in range(len(self.layers)):
-            self.layers[i] = SpillLayer()
+            self.layers[i] = SpillLayer(self, i)
         self._in_use = None
 
     def crop(self, tokens_to_remove: int) -> None:

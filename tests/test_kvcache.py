@@ -506,3 +506,25 @@ def test_gpu_fused_rope_equals_the_torch_rotation(heads, head_dim):
     assert torch.equal(fused[:3], rows[:3])  # rows before the slice untouched
     assert float((fused.float() - eager.float()).abs().max()) <= 2 ** -6 * float(rows.float().abs().max())
     assert quality(eager.float(), fused.float(), "cos") > 0.99999
+
+
+@pytest.mark.parametrize("mode", ["raw_fetch", "gpu_resident", "compressed_fetch"])
+def test_layer_keys_and_values_read_as_dynamic_caches_do(llama, prompt, codecs, mode):
+    reference, cache = DynamicCache(), SpillCache(2, mode, chunk_tokens=CHUNK,
+                                                  codecs=codecs if mode == "compressed_fetch" else None)
+    assert cache.layers[0].keys is None and cache.layers[1].values is None  # empty: as a DynamicLayer before use
+    generate(llama, prompt, reference)
+    generate(llama, prompt, cache)
+    for mine, theirs in zip(cache.layers, reference.layers):
+        for got, want in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            assert got.shape == want.shape == (1, KV_HEADS, PROMPT + NEW - 1, HIDDEN // HEADS)
+            if mode == "compressed_fetch":  # stored chunks come back through the codec
+                assert quality(want[0].transpose(0, 1).reshape(want.shape[2], -1),
+                               got[0].transpose(0, 1).reshape(got.shape[2], -1), "cos") > 0.999
+            else:
+                assert torch.equal(got, want)
+    with pytest.raises(TensorCodecError, match="through its cache"):
+        cache.layers[0].keys = torch.zeros(1)
+    # reading them fetched and changed nothing: the same rows again, the same length
+    assert torch.equal(cache.layers[1].keys, cache.layers[1].keys)
+    assert cache.get_seq_length() == reference.get_seq_length() == PROMPT + NEW - 1
