@@ -42,7 +42,8 @@ On a CPU the same code runs synchronously (stored blobs decoded by the numpy cod
 default there, decodes each blob once and keeps the result, which gives attention the same values as
 decoding at every step).
 
-Limits: batch 1 (beam search and several sequences are refused by name). `crop` (assisted and
+Limits: a SpillCache holds one sequence; BatchSpillCache holds a batch (one SpillCache per sequence:
+left-padded batches, num_return_sequences; beam search that would copy a sequence is refused by name). `crop` (assisted and
 prompt-lookup decoding) removes recent-window tokens at once and cuts stored chunks: the kept part of
 a compressed chunk the cut falls in is decoded back into the recent window and coded again at the next flush.
 `cache.layers[i].keys` / `.values` read a layer as transformers' layers hold it ([1, kv_heads, T, head_dim]),
@@ -279,12 +280,12 @@ class SpillLayer(DynamicLayer):
         if len(beam_idx) == 1 and int(beam_idx[0]) == 0:  # the one sequence stays where it is
             return
         raise TensorCodecError("SpillCache holds one sequence: beam search is not supported. Fix: num_beams=1, "
-                               "or use DynamicCache for beam search")
+                               "or DynamicCache for beam search")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
             raise TensorCodecError("SpillCache holds one sequence (batch 1); it cannot be repeated. Fix: "
-                                   "num_return_sequences=1 and num_beams=1")
+                                   "BatchSpillCache (same arguments) for num_return_sequences")
 
     def batch_select_indices(self, indices) -> None:
         if len(indices) != 1:
@@ -684,8 +685,8 @@ class SpillCache(Cache):
             raise InvalidTensorError(f"layer {idx}: key and value states must be [batch, kv_heads, T, head_dim] "
                                      f"of one shape; got {tuple(k.shape)} and {tuple(v.shape)}")
         if k.shape[0] != 1:
-            raise InvalidTensorError(f"SpillCache holds one sequence (batch 1); got batch {k.shape[0]}. Fix: run "
-                                     "sequences one at a time, or use DynamicCache for batched generation")
+            raise InvalidTensorError(f"SpillCache holds one sequence (batch 1); got batch {k.shape[0]}. Fix: "
+                                     "BatchSpillCache (same arguments) for a batch")
         if layer.is_initialized and (k.shape[1] * k.shape[3] != layer.dim or k.dtype != layer.dtype
                                      or k.device != layer.device):
             raise InvalidTensorError(f"layer {idx} holds {layer.dtype} KV of {layer.dim} channels on {layer.device}; "
@@ -1146,3 +1147,155 @@ class SpillCache(Cache):
     def _out(self, rows: torch.Tensor, layer: SpillLayer) -> torch.Tensor:
         states = rows_to_states(rows, layer.heads)
         return states.contiguous() if self.contiguous else states
+
+
+class _BatchLayer(DynamicLayer):
+    """One layer of a BatchSpillCache: answers the Cache API's per-layer questions from the sequences'
+    own layers (every sequence of a batch holds the same number of tokens, padding included)."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache, index: int):
+        super().__init__()
+        self._cache, self._index = weakref.ref(cache), index
+
+    def _layers(self) -> list:
+        return [seq.layers[self._index] for seq in self._cache().sequences]
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        layers = self._layers()
+        return layers[0].length if layers else 0
+
+    def get_mask_sizes(self, query, *args, **kwargs) -> tuple[int, int]:
+        query_length = query if isinstance(query, int) else int(query.shape[0])
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._stacked(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        SpillLayer._refuse(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._stacked(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        SpillLayer._refuse(value)
+
+    def _stacked(self, which: int) -> torch.Tensor | None:
+        layers = self._layers()
+        if not layers or layers[0].length == 0:
+            return None
+        return torch.cat([layer.keys if which == 0 else layer.values for layer in layers])
+
+
+class BatchSpillCache(Cache):
+    """SpillCache for a batch of sequences: one SpillCache per sequence (each its own stored form, fetch
+    pipeline and staging), the batch split on the way in and joined on the way out. generate() drives it
+    as it drives DynamicCache: batches with left padding, sampling with num_return_sequences, assisted
+    decoding (crop). Beam search is refused when it would copy a sequence (a beam that survives twice):
+    that copies a spilled cache, which this cache does not do.
+
+    Keys coded before RoPE (from_kv_codec of a codec fitted so): a sequence's stored keys are un-rotated at
+    their index in the cache and rotated back at the same index, so a left-padded sequence comes back
+    right, its keys coded as rotated by its pad count (slightly off the codec's fitted basis)."""
+
+    def __init__(self, num_layers: int, mode: str = "raw_fetch", **kwargs):
+        self._make = lambda: SpillCache(num_layers, mode, **kwargs)
+        self.sequences: list[SpillCache] = [self._make()]  # settings checked now; the rest at the first update
+        self._started = False
+        super().__init__(layers=[_BatchLayer(self, i) for i in range(num_layers)])
+
+    @classmethod
+    def from_kv_codec(cls, kv_codec, model=None, **kwargs) -> "BatchSpillCache":
+        """SpillCache.from_kv_codec for a batch: every sequence coded by the attention-aware KV codec."""
+        first = SpillCache.from_kv_codec(kv_codec, model, **kwargs)  # refuses a codec of another model now
+        cache = cls.__new__(cls)
+        cache._make = lambda: SpillCache.from_kv_codec(kv_codec, model, **kwargs)
+        cache.sequences, cache._started = [first], False
+        Cache.__init__(cache, layers=[_BatchLayer(cache, i) for i in range(len(first.layers))])
+        return cache
+
+    @property
+    def mode(self) -> str:
+        return self.sequences[0].mode
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The Cache API: each sequence's K/V [1, kv_heads, T, head_dim] to its own SpillCache; the whole
+        layer's K and V of the batch back."""
+        batch = int(key_states.shape[0])
+        if not self._started:
+            self.sequences += [self._make() for _ in range(batch - len(self.sequences))]
+            self._started = True
+        if batch != len(self.sequences):
+            raise InvalidTensorError(f"layer {layer_idx}: this cache holds {len(self.sequences)} sequences; got a batch "
+                                     f"of {batch}. Fix: one cache per generate() call")
+        outs = [seq.update(key_states[b:b + 1], value_states[b:b + 1], layer_idx, *args, **kwargs)
+                for b, seq in enumerate(self.sequences)]
+        if batch == 1:
+            return outs[0]
+        return torch.cat([k for k, _ in outs]), torch.cat([v for _, v in outs])
+
+    def _reordered(self, order: list[int], what: str) -> None:
+        if not self._started:  # nothing stored yet: the first update makes one cache per sequence it brings
+            return
+        if len(set(order)) != len(order):
+            raise TensorCodecError(f"{what} would copy a spilled sequence ({order}); BatchSpillCache does not copy "
+                                   "them. Fix: num_beams=1 (sampling or greedy; num_return_sequences works), or "
+                                   "DynamicCache for beam search")
+        self.sequences = [self.sequences[i] for i in order]
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._reordered([int(i) for i in beam_idx], "beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._reordered([i for i in range(len(self.sequences)) for _ in range(int(repeats))], "repeating the batch")
+
+    def batch_select_indices(self, indices) -> None:
+        self._reordered([int(i) for i in indices], "selecting from the batch")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for seq in self.sequences:
+            seq.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        for seq in self.sequences:
+            seq.reset()
+
+    def stored_bytes(self, value_bytes: int | None = None) -> int:
+        """Bytes of every sequence's stored form (see SpillCache.stored_bytes)."""
+        return sum(seq.stored_bytes(value_bytes) for seq in self.sequences)
+
+    def stored_tokens(self) -> int:
+        """Tokens of each sequence held in the stored form (the same for every sequence of the batch)."""
+        return self.sequences[0].stored_tokens()
+
+    def flush(self) -> None:
+        for seq in self.sequences:
+            seq.flush()
+
+    def drain(self) -> None:
+        for seq in self.sequences:
+            seq.drain()
+
+    def close(self) -> None:
+        for seq in self.sequences:
+            seq.close()

@@ -10,7 +10,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from poc_module import load_poc
 from shared.basis import fit_basis, fit_basis_torch
 from shared.errors import BitstreamError, ConfigurationError, InvalidTensorError, TensorCodecError
-from shared.kvcache import MODES, SpillCache, cache_kwarg, rows_to_states, states_to_rows
+from shared.kvcache import MODES, BatchSpillCache, SpillCache, cache_kwarg, rows_to_states, states_to_rows
 from shared.llm import cache_kv, kv_to_rows
 from shared.pipeline import TensorCodec
 from shared.rdquant import find_step, quality
@@ -528,3 +528,80 @@ def test_layer_keys_and_values_read_as_dynamic_caches_do(llama, prompt, codecs, 
     # reading them fetched and changed nothing: the same rows again, the same length
     assert torch.equal(cache.layers[1].keys, cache.layers[1].keys)
     assert cache.get_seq_length() == reference.get_seq_length() == PROMPT + NEW - 1
+
+
+def left_padded_batch():
+    """Two prompts of 40 and 31 tokens, the shorter one padded on the left (as a tokenizer pads for generation)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (2, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, :9], mask[1, :9] = 0, 0
+    return ids, mask
+
+
+def generate_batch(model, ids, mask, cache, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0,
+                              **cache_kwarg(model, cache), **kw)
+
+
+@pytest.mark.parametrize("mode", ["raw_fetch", "gpu_resident"])
+def test_batch_with_left_padding_matches_dynamic_cache_exactly(llama, mode):
+    ids, mask = left_padded_batch()
+    reference = generate_batch(llama, ids, mask, DynamicCache(), do_sample=False)
+    cache = BatchSpillCache(2, mode, chunk_tokens=CHUNK)
+    assert torch.equal(generate_batch(llama, ids, mask, cache, do_sample=False), reference)
+    assert len(cache.sequences) == 2 and cache.get_seq_length() == PROMPT + NEW - 1
+    if mode == "raw_fetch":
+        assert cache.stored_tokens() == PROMPT + CHUNK * ((NEW - 1) // CHUNK)
+    assert cache.layers[1].keys.shape == (2, KV_HEADS, PROMPT + NEW - 1, HIDDEN // HEADS)
+
+
+def test_sampling_several_sequences_per_prompt_matches_dynamic_cache(llama, prompt):
+    outputs = []
+    for cache in (DynamicCache(), BatchSpillCache(2, "raw_fetch", chunk_tokens=CHUNK)):
+        torch.manual_seed(7)
+        outputs.append(generate_batch(llama, prompt, torch.ones_like(prompt), cache, do_sample=True,
+                                      num_return_sequences=3))
+    assert outputs[0].shape[0] == 3 and torch.equal(*outputs)
+
+
+def test_batch_compressed_fetch_stays_close_and_beam_search_is_refused_by_name(llama, codecs):
+    ids, mask = left_padded_batch()
+    reference, cache = DynamicCache(), BatchSpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
+    step = torch.randint(1, 128, (2, 1), generator=torch.Generator().manual_seed(4))
+    logits = []
+    with torch.no_grad():
+        for c in (reference, cache):  # the prompts stored (coded), then one step that fetches them back
+            llama(ids, attention_mask=mask, **cache_kwarg(llama, c))
+            logits.append(llama(step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1),
+                                **cache_kwarg(llama, c)).logits[:, -1])
+    assert cache.stored_tokens() == PROMPT
+    for want, got in zip(*logits):  # each sequence through its own cache, the codec's error only
+        assert quality(want[None].double(), got[None].double(), "cos") > 0.999 and not torch.equal(want, got)
+    assert cache.stored_bytes(value_bytes=2) < 2 * 2 * 2 * cache.stored_tokens() * KV_HEADS * (HIDDEN // HEADS) * 2
+    with pytest.raises(TensorCodecError, match="beam search"):
+        generate_batch(llama, ids, mask, BatchSpillCache(2, "raw_fetch", chunk_tokens=CHUNK), do_sample=False,
+                       num_beams=2)
+    with pytest.raises(ConfigurationError, match="mode"):  # settings are checked when the cache is made
+        BatchSpillCache(2, "raw_fetc")
+
+
+def test_batch_kv_codec_cache_with_left_padding_keeps_positions_right(llama, prompt):
+    """Keys coded before RoPE in a left-padded batch: each sequence's keys are un-rotated and rotated back
+    at the same index, so the padded one comes back right (its logits at the codec's error, not a shift's)."""
+    codec = fit_kv(llama, prefill_kv(llama, prompt))
+    ids, mask = left_padded_batch()
+    step = torch.randint(1, 128, (2, 1), generator=torch.Generator().manual_seed(4))
+    position = mask.sum(1, keepdim=True)  # generate()'s position of the next token: the count of real ones
+    logits = []
+    with torch.no_grad():
+        for cache in (DynamicCache(), BatchSpillCache.from_kv_codec(codec, llama, chunk_tokens=CHUNK)):
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            llama(ids, attention_mask=mask, position_ids=positions, **cache_kwarg(llama, cache))
+            logits.append(llama(step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), position_ids=position,
+                                **cache_kwarg(llama, cache)).logits[:, -1])
+            if isinstance(cache, BatchSpillCache):
+                assert cache.stored_tokens() == PROMPT and cache.sequences[1].sink == codec.sink
+    for want, got in zip(*logits):
+        assert quality(want[None].double(), got[None].double(), "cos") > 0.999, quality(want[None].double(), got[None].double(), "cos")
