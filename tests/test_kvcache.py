@@ -605,3 +605,20 @@ def test_batch_kv_codec_cache_with_left_padding_keeps_positions_right(llama, pro
                 assert cache.stored_tokens() == PROMPT and cache.sequences[1].sink == codec.sink
     for want, got in zip(*logits):
         assert quality(want[None].double(), got[None].double(), "cos") > 0.999, quality(want[None].double(), got[None].double(), "cos")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["raw_fetch", "compressed_fetch"])
+def test_gpu_batch_with_left_padding(mode):
+    model = tiny_llama("cuda").to(torch.bfloat16)
+    ids, mask = left_padded_batch()
+    ids, mask = ids.cuda(), mask.cuda()
+    codecs = make_codecs([(k.float().cpu(), v.float().cpu()) for k, v in prefill_kv(model, ids[:1])])
+    reference = generate_batch(model, ids, mask, DynamicCache(), do_sample=False)
+    cache = BatchSpillCache(2, mode, chunk_tokens=CHUNK, codecs=codecs if mode == "compressed_fetch" else None)
+    out = generate_batch(model, ids, mask, cache, do_sample=False)
+    if mode == "raw_fetch":
+        assert torch.equal(out, reference)
+    else:
+        assert (out[:, PROMPT:] == reference[:, PROMPT:]).float().mean() >= 0.8
+    cache.close()
