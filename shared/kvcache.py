@@ -184,7 +184,34 @@ def _round_up(n: int, step: int = CAPACITY_STEP) -> int:
 
 # ---------------------------------------------------------------- the layer
 
-class SpillLayer(DynamicLayer):
+class _ReadOnlyKV:
+    """transformers' layers hold .keys / .values [batch, kv_heads, T, head_dim]; a spilled layer holds its KV
+    in the stored form, so it reads them on demand (_read) and refuses to be assigned them."""
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._read(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._read(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse(value)
+
+    @staticmethod
+    def _refuse(value) -> None:
+        if value is not None:  # DynamicLayer's own constructor and reset store None
+            raise TensorCodecError("a SpillLayer's keys and values are filled through its cache: call "
+                                   "cache.update(k, v, layer_idx)")
+
+
+class SpillLayer(_ReadOnlyKV, DynamicLayer):
     """One layer of a SpillCache: its stored KV (host rows, blobs, or GPU rows) and its recent window.
     The cache moves the data; this object answers the Cache API's per-layer questions."""
 
@@ -225,32 +252,9 @@ class SpillLayer(DynamicLayer):
     def update(self, *args, **kwargs):
         raise TensorCodecError("a SpillLayer is filled through its cache: call cache.update(k, v, layer_idx)")
 
-    # transformers' layers hold .keys / .values [batch, kv_heads, T, head_dim]; a SpillLayer holds its
-    # KV in the stored form, so reading one fetches the layer as a step would (a new tensor, the values
-    # attention reads; None while the layer is empty). It costs a fetch: read it between steps.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._fetched(0)
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._refuse(value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._fetched(1)
-
-    @values.setter
-    def values(self, value) -> None:
-        self._refuse(value)
-
-    @staticmethod
-    def _refuse(value) -> None:
-        if value is not None:  # DynamicLayer's own constructor and reset store None
-            raise TensorCodecError("a SpillLayer's keys and values are filled through its cache: call "
-                                   "cache.update(k, v, layer_idx)")
-
-    def _fetched(self, which: int) -> torch.Tensor | None:
+    def _read(self, which: int) -> torch.Tensor | None:
+        """keys (0) or values (1) as [1, kv_heads, T, head_dim], fetched as a step would (a new tensor, the
+        values attention reads; None while the layer is empty). It costs a fetch: read it between steps."""
         cache = self._cache() if self._cache is not None else None
         if cache is None or self.length == 0:
             return None
@@ -1149,7 +1153,7 @@ class SpillCache(Cache):
         return states.contiguous() if self.contiguous else states
 
 
-class _BatchLayer(DynamicLayer):
+class _BatchLayer(_ReadOnlyKV, DynamicLayer):
     """One layer of a BatchSpillCache: answers the Cache API's per-layer questions from the sequences'
     own layers (every sequence of a batch holds the same number of tokens, padding included)."""
 
@@ -1184,23 +1188,8 @@ class _BatchLayer(DynamicLayer):
     def prefetch(self):
         pass
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._stacked(0)
-
-    @keys.setter
-    def keys(self, value) -> None:
-        SpillLayer._refuse(value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._stacked(1)
-
-    @values.setter
-    def values(self, value) -> None:
-        SpillLayer._refuse(value)
-
-    def _stacked(self, which: int) -> torch.Tensor | None:
+    def _read(self, which: int) -> torch.Tensor | None:
+        """keys (0) or values (1) of every sequence, stacked on the batch axis."""
         layers = self._layers()
         if not layers or layers[0].length == 0:
             return None
