@@ -130,33 +130,18 @@ def stream_tensors(torch, base, T: int, n: int, device):
     return [torch.roll(src, shifts=-i * ROLL_TOKENS, dims=0)[:T].bfloat16().contiguous() for i in range(n)]
 
 
-# ---------------------------------------------------------------- the codec calls (batched where the API has them)
-
-def _api():
-    from shared import pipeline
-
-    return pipeline
-
+# ---------------------------------------------------------------- the codec calls
 
 def encode_list(codecs, xs):
-    api = _api()
-    return api.encode_many(codecs, xs) if hasattr(api, "encode_many") else [c.encode(x) for c, x in zip(codecs, xs)]
+    from shared.pipeline import encode_many
+
+    return encode_many(codecs, xs)
 
 
 def decode_list(codecs, blobs, device):
-    api = _api()
-    if hasattr(api, "decode_many"):
-        return api.decode_many(codecs, blobs, device=device)
-    return [c.decode(_as_bytes(b), device=device) for c, b in zip(codecs, blobs)]
+    from shared.pipeline import decode_many
 
-
-def _as_bytes(blob):
-    return blob if isinstance(blob, (bytes, bytearray)) else blob.cpu().numpy().tobytes()
-
-
-def gpu_resident_api() -> bool:
-    """Whether the codec takes and returns blobs as uint8 tensors (else bytes on the host)."""
-    return hasattr(_api(), "decode_many")
+    return decode_many(codecs, blobs, device=device)
 
 
 def blob_tensor(torch, blob, device, path: str):
@@ -167,9 +152,9 @@ def blob_tensor(torch, blob, device, path: str):
 
 
 def decode_buffer(codec, buf, device):
-    """Decode a uint8 tensor holding a blob: passed as it is where the API takes tensors, else as bytes."""
+    """Decode a uint8 tensor holding a blob (on the device it was received to)."""
     dev = None if str(device) == "cpu" else device
-    return codec.decode(buf if gpu_resident_api() else _as_bytes(buf), device=dev)
+    return codec.decode(buf, device=dev)
 
 
 # ---------------------------------------------------------------- one rank
@@ -228,19 +213,16 @@ class Link:
             self.pending -= 1
         self.settle()
 
-    def recv(self, to_device: bool = True):
-        """(uint8 tensor, the sender's t0): on this device, or for host staging with to_device=False
-        a host copy of the staging buffer (for a decoder that takes bytes)."""
+    def recv(self):
+        """(uint8 tensor on this device, the sender's t0)."""
         n, t0, slot, _ = self._msg()
         n = int(n)
         out = self.rbuf[:n]
         if self.path == "nccl":
             self.dist.recv(out, 0)
-        elif to_device:
+        else:
             out.copy_(self.slots[int(slot), :n], non_blocking=True)  # pinned host -> device
             self.sync()
-        else:
-            out = self.slots[int(slot), :n].clone()
         if self.path != "nccl":
             self._msg([0], dst=0)  # the buffer is free again
         return out, t0
@@ -305,10 +287,9 @@ def run_case(torch, dist, rank, link, codec, xs, case, cfg, quality, meta) -> li
             x.view(torch.uint8).reshape(-1)
         link.send(payload, t0)
 
-    to_device = not compressed or gpu_resident_api()
 
     def receive():
-        buf, t0 = link.recv(to_device)
+        buf, t0 = link.recv()
         y = decode_buffer(codec, buf, link.device) if compressed else buf.view(torch.bfloat16).view(xs[0].shape)
         link.sync()
         return y, t0, time.perf_counter(), buf.numel()
@@ -325,7 +306,7 @@ def run_case(torch, dist, rank, link, codec, xs, case, cfg, quality, meta) -> li
     else:
         got = []
         for _ in xs:  # each arrives in the one receive buffer: kept as a copy
-            buf, t0 = link.recv(to_device)
+            buf, t0 = link.recv()
             got.append((buf.clone(), t0))
         link.settle()
         if compressed:
