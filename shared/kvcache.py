@@ -405,8 +405,7 @@ class SpillCache(Cache):
         if coefficients and (int(sink) or rope is not None):
             raise ConfigurationError("coefficients=True hands attention one basis' rows for every stored token; raw sink "
                                      "rows and keys coded before RoPE (sink, rope) do not fit that. Fix: coefficients=False")
-        super().__init__(layers=[SpillLayer() for _ in range(num_layers)])
-        self.layers = [SpillLayer(self, i) for i in range(num_layers)]  # each knows its cache (layer.keys)
+        super().__init__(layers=[SpillLayer(self, i) for i in range(num_layers)])  # each knows its cache (.keys)
         if coefficients and not staged:
             raise ConfigurationError("coefficients=True needs the staged decode (staged=True)")
         self.sink, self.rope = int(sink), rope
@@ -1169,12 +1168,10 @@ class _BatchLayer(_ReadOnlyKV, DynamicLayer):
         return [seq.layers[self._index] for seq in self._cache().sequences]
 
     def get_seq_length(self, *args, **kwargs) -> int:
-        layers = self._layers()
-        return layers[0].length if layers else 0
+        return self._layers()[0].get_seq_length()
 
     def get_mask_sizes(self, query, *args, **kwargs) -> tuple[int, int]:
-        query_length = query if isinstance(query, int) else int(query.shape[0])
-        return self.get_seq_length() + query_length, 0
+        return self._layers()[0].get_mask_sizes(query)
 
     def get_max_length(self) -> int:
         return -1
@@ -1191,9 +1188,9 @@ class _BatchLayer(_ReadOnlyKV, DynamicLayer):
     def _read(self, which: int) -> torch.Tensor | None:
         """keys (0) or values (1) of every sequence, stacked on the batch axis."""
         layers = self._layers()
-        if not layers or layers[0].length == 0:
+        if layers[0].length == 0:
             return None
-        return torch.cat([layer.keys if which == 0 else layer.values for layer in layers])
+        return torch.cat([layer._read(which) for layer in layers])
 
 
 class BatchSpillCache(Cache):
@@ -1208,20 +1205,22 @@ class BatchSpillCache(Cache):
     right, its keys coded as rotated by its pad count (slightly off the codec's fitted basis)."""
 
     def __init__(self, num_layers: int, mode: str = "raw_fetch", **kwargs):
-        self._make = lambda: SpillCache(num_layers, mode, **kwargs)
-        self.sequences: list[SpillCache] = [self._make()]  # settings checked now; the rest at the first update
-        self._started = False
-        super().__init__(layers=[_BatchLayer(self, i) for i in range(num_layers)])
+        self._begin(lambda: SpillCache(num_layers, mode, **kwargs))
 
     @classmethod
     def from_kv_codec(cls, kv_codec, model=None, **kwargs) -> "BatchSpillCache":
         """SpillCache.from_kv_codec for a batch: every sequence coded by the attention-aware KV codec."""
-        first = SpillCache.from_kv_codec(kv_codec, model, **kwargs)  # refuses a codec of another model now
         cache = cls.__new__(cls)
-        cache._make = lambda: SpillCache.from_kv_codec(kv_codec, model, **kwargs)
-        cache.sequences, cache._started = [first], False
-        Cache.__init__(cache, layers=[_BatchLayer(cache, i) for i in range(len(first.layers))])
+        cache._begin(lambda: SpillCache.from_kv_codec(kv_codec, model, **kwargs))
         return cache
+
+    def _begin(self, make) -> None:
+        """make: a new SpillCache for one sequence. The first is made now, so wrong settings (or a codec of
+        another model) are refused when this cache is made; the others at the first update."""
+        self._make = make
+        self.sequences: list[SpillCache] = [make()]
+        self._started = False
+        Cache.__init__(self, layers=[_BatchLayer(self, i) for i in range(len(self.sequences[0].layers))])
 
     @property
     def mode(self) -> str:
