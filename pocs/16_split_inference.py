@@ -135,9 +135,7 @@ def encode_tensor(codec, x: torch.Tensor) -> torch.Tensor:
 
 def decode_tensor(codec, blob: torch.Tensor, device="cpu") -> torch.Tensor:
     """The one codec call of the receiver: on a GPU the container is decoded and reconstructed there."""
-    if torch.device(device).type == "cuda":
-        return codec.decode(blob, device=device)
-    return codec.decode(blob.numpy().tobytes())
+    return codec.decode(blob, device=None if torch.device(device).type == "cpu" else device)
 
 
 def send_tensor(x: torch.Tensor, dst: int, codec=None) -> dict:
@@ -451,22 +449,35 @@ def language_models(ctx: dict) -> dict:
     cfg, lms = ctx["cfg"], {}
     if ctx["model"] is not None:
         cal, evals = text_split(ctx["tokenizer"], cfg)
-        lms["llm"] = dict(model=ctx["model"], split=cfg["SPLIT_LAYER"], cal=cal, evals=evals, text=True,
-                          prefill=cfg["PREFILL_TOKENS"], label="smollm2")
+        lms["llm"] = dict(model=ctx["model"], split=cfg["SPLIT_LAYER"], cal=cal, evals=evals,
+                          prefill=cfg["PREFILL_TOKENS"], label="smollm2", search_rows=None)
     if cfg["DEVICE"] != "cpu":
         cal, evals = random_tokens(cfg)
-        lms["wide"] = dict(model=wide_decoder(cfg), split=cfg["WIDE_SPLIT"], cal=cal, evals=evals, text=False,
-                           prefill=cfg["WIDE_PREFILL"], label="random_llama_4096")
+        lms["wide"] = dict(model=wide_decoder(cfg), split=cfg["WIDE_SPLIT"], cal=cal, evals=evals,
+                           prefill=cfg["WIDE_PREFILL"], label="random_llama_4096", search_rows=cfg["STEP_SEARCH_ROWS"])
     return lms
+
+
+def calibrate(tensors: list[torch.Tensor], meta: dict, target: float, search_rows: int | None, device
+              ) -> tuple[tuple, dict]:
+    """One hand-over's codec from its calibration tensors: the basis (fitted where the tensors are: the
+    GPU fits a 4096-wide one in a blink), the shared step and the fewest rows worth coding; as
+    ((basis, step, min_rows), the report's step / cal_cos / min_rows / sizes)."""
+    from shared.basis import fit_basis, fit_basis_torch
+    from shared.pipeline import TensorCodec
+
+    basis = (fit_basis(tensors, **meta) if tensors[0].device.type == "cpu"
+             else fit_basis_torch(torch.cat(tensors), **meta))
+    step, cal_cos = calibrated_step(tensors, basis, target, search_rows)
+    min_rows, sizes = min_coded_rows(TensorCodec(basis, backend="rans", step=step), tensors[0].to(device))
+    return (basis, step, min_rows), {"step": step, "cal_cos": cal_cos, "min_rows": min_rows, "sizes": sizes}
 
 
 def setup_stage0(ctx: dict) -> dict:
     """Rank 0: calibration hidden states -> basis and step (each LM and diffusion); the unsplit images."""
     from tqdm import tqdm
 
-    from shared.basis import fit_basis, fit_basis_torch
     from shared.diffusion import generate, record_block_output
-    from shared.pipeline import TensorCodec
 
     cfg, flux, device = ctx["cfg"], ctx["flux_cpu"], ctx["cfg"]["DEVICE"]
     shared, report = {}, {}
@@ -476,13 +487,8 @@ def setup_stage0(ctx: dict) -> dict:
             hidden = [llm_stage0(model, c[None].to(device), 0, None, split).to(torch.bfloat16)
                       for c in tqdm(lm["cal"], desc=f"calibration: {task} hidden states", unit="chunk")]
         meta = dict(k=model.config.hidden_size, model=lm["label"], layer=f"hidden{split}")
-        basis = (fit_basis(hidden, **meta) if device == "cpu"
-                 else fit_basis_torch(torch.cat(hidden), **meta))  # the GPU fits a 4096-wide basis in a blink
-        step, cal_cos = calibrated_step(hidden, basis, cfg["TARGET_COS"], cfg["STEP_SEARCH_ROWS"] if task == "wide" else None)
-        min_rows, sizes = min_coded_rows(TensorCodec(basis, backend="rans", step=step), hidden[0])
-        shared[task] = (basis, step, min_rows)
-        report.update({f"{task}_step": step, f"{task}_cal_cos": cal_cos, f"{task}_min_rows": min_rows,
-                       f"{task}_sizes": sizes})
+        shared[task], got = calibrate(hidden, meta, cfg["TARGET_COS"], lm["search_rows"], device)
+        report.update({f"{task}_{k}": v for k, v in got.items()})
 
     labels = diffusion_labels(cfg)
     captures = []
@@ -490,13 +496,10 @@ def setup_stage0(ctx: dict) -> dict:
         with record_block_output(flux.transformer, cfg["DIFF_SPLIT_BLOCK"]) as outputs:
             generate(flux, labels, seed, cfg["DIFF_STEPS"], block=cfg["DIFF_SPLIT_BLOCK"])
         captures += [o.reshape(-1, o.shape[-1]).to(torch.bfloat16) for o in outputs]
-    diff_basis = fit_basis(captures, k=flux.transformer.inner_dim, model="tiny_flux",
-                           layer=f"double{cfg['DIFF_SPLIT_BLOCK']}.image")
-    diff_step, diff_cal_cos = calibrated_step(captures, diff_basis, cfg["TARGET_COS"])
-    diff_codec = TensorCodec(diff_basis, backend="rans", step=diff_step)
-    diff_min_rows, diff_sizes = min_coded_rows(diff_codec, captures[0].to(device))
+    meta = dict(k=flux.transformer.inner_dim, model="tiny_flux", layer=f"double{cfg['DIFF_SPLIT_BLOCK']}.image")
+    shared["diff"], got = calibrate(captures, meta, cfg["TARGET_COS"], None, device)
+    report.update({f"diff_{k}": v for k, v in got.items()})
     ctx["diff_reference"] = generate(flux, labels, cfg["DIFF_EVAL_SEED"], cfg["DIFF_STEPS"])
-    shared["diff"] = (diff_basis, diff_step, diff_min_rows)
 
     # the split halves composed in one process equal the unsplit model (checked before any transfer)
     x0 = torch.randn(len(labels), flux.tokens, flux.token_values, generator=torch.Generator().manual_seed(1))
@@ -505,8 +508,7 @@ def setup_stage0(ctx: dict) -> dict:
         split_velocity = flux_stage1(flux, *flux_stage0(flux, x0, sigma, labels, cfg["DIFF_SPLIT_BLOCK"]),
                                      cfg["DIFF_SPLIT_BLOCK"])
         diff_split_err = float((split_velocity - flux(x0, sigma, labels)).abs().max())
-    report.update({"diff_step": diff_step, "diff_cal_cos": diff_cal_cos, "diff_min_rows": diff_min_rows,
-                   "diff_sizes": diff_sizes, "diff_split_max_abs_err": diff_split_err})
+    report["diff_split_max_abs_err"] = diff_split_err
     return {"shared": shared, "report": report}
 
 
