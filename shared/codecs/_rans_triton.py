@@ -1170,8 +1170,8 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
                        SEG_FIELDS: tl.constexpr):
     """Payload s = program_id(1) of a batch (b8/b16/b32: the batch buffer as int8/int16/int32;
     seg_ptr: its segment table row). Program k < K: component k's window and weights (explicit
-    codes or its parametric model) -> its rANS table and its slot -> symbol lookup (PACKED:
-    symbol << 2n | f - 1 << n | slot - cum); program K: the virtual no-op component (one symbol
+    codes or its parametric model) -> its rANS table and its slot -> symbol lookup (the symbol, in
+    lut's type; PACKED: symbol << 2n | f - 1 << n | slot - cum, int32); program K: the virtual no-op component (one symbol
     of frequency 2^n). Anything out of range, and (program K) a checksum or table-size
     mismatch, sets the payload's error flag."""
     M: tl.constexpr = 1 << PROB_BITS
@@ -1242,14 +1242,16 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
     tl.store(a_ptr + k, A, mask=real)
     tl.store(rank_ptr + k, rank.to(tl.int64), mask=real)
     tl.store(tab_ptr + k * HCAP + j, ((c << 16) | f).to(tl.int32))
-    # slot -> symbol: mark each symbol's first slot, then a running maximum fills its range
+    # slot -> symbol: mark each symbol's first slot, then a running maximum fills its range (in the
+    # lookup's own type: uint8 / int16 symbols, or int32 PACKED entries)
+    LUT_T = lut_ptr.dtype.element_ty
     row = lut_ptr + k.to(tl.int64) * M
     slots = tl.arange(0, M)
-    tl.store(row + slots, tl.zeros([M], tl.int32))
+    tl.store(row + slots, tl.zeros([M], LUT_T))
     tl.debug_barrier()
-    tl.store(row + c, j.to(tl.int32), mask=f > 0)
+    tl.store(row + c, j.to(LUT_T), mask=f > 0)
     tl.debug_barrier()
-    sym = tl.associative_scan(tl.load(row + slots), 0, _max_combine)
+    sym = tl.associative_scan(tl.load(row + slots).to(tl.int32), 0, _max_combine)
     if PACKED:
         t = tl.load(tab_ptr + k * HCAP + sym)
         fs = t & 0xFFFF
@@ -1258,7 +1260,7 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
     else:
         val = sym
     tl.debug_barrier()
-    tl.store(row + slots, val)
+    tl.store(row + slots, val.to(LUT_T))
     tl.atomic_or(err_ptr + s, bad.to(tl.int32))
 
 
@@ -1270,7 +1272,8 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
                   NARROW: tl.constexpr = False, SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
     first to last, reading each group's words from the end of its stream. PACKED: lut holds
-    symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol and tab the
+    symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol (uint8, or int16 past
+    256 symbols: a quarter or half of the bytes, so more lanes' lookups stay in cache) and tab the
     (cum << 16 | f) entry. Escaped values are read from the end of each group's escapes, as its
     words. Any inconsistency sets the payload's error flag (bit 0); a lane found off its warp lane
     (VOTE, see lanes_before) sets bit 2, which the host reports as a fault of its own, not corruption.

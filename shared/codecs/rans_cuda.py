@@ -175,6 +175,9 @@ META_BLOCK = 256  # components a meta kernel sums at a time for the offsets of t
 TABLE_MAXNREG = 80
 TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed at once, symbols per step
 USE_STREAM_PREFETCH = True  # decoder lanes: prefetch each group's stream into L2 a few steps ahead
+SYMBOL_LOOKUP = True  # decoder lanes: slot -> symbol in one byte, then the symbol's (cum, freq) entry, rather than
+# one int32 holding all three: a lane's lookups are a quarter of the bytes (a warp's 32 lanes use 32 different
+# components' rows), which matters where many payloads decode at once and their tables overflow L2
 USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with the table's reciprocal (prob_bits <= 14),
 # not a 32-bit division (about 16 instructions, three of them quarter-rate, on the state's dependency chain)
 COPY_OUT_WORDS, COPY_OUT_META = 2048, 1024  # PendingEncode.copy_out: int64 words a program of copy_out_kernel copies; meta words a step
@@ -929,8 +932,9 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
     lo = torch.empty((N, K), dtype=torch.int64, device=dev)
     W, A, rank = torch.empty_like(lo), torch.empty_like(lo), torch.empty_like(lo)
     tab = torch.empty((N, K + 1, HCAP), dtype=torch.int32, device=dev)
-    lut = torch.empty((N, (K + 1) * M), dtype=torch.int32, device=dev)
-    packed = n <= 11
+    packed = n <= 11 and not SYMBOL_LOOKUP
+    lut = torch.empty((N, (K + 1) * M), device=dev,
+                      dtype=torch.int32 if packed else torch.uint8 if HCAP <= 256 else torch.int16)
     b8, b16, b32 = buf.view(torch.int8), buf.view(torch.int16), buf.view(torch.int32)
     mt = _model_tables_on(torch, dev, n)
     kern["decode_meta"][(K + 1, N)](

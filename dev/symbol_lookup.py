@@ -1,0 +1,137 @@
+"""Does the GPU rANS decoder run faster with a one-byte slot -> symbol table than with one packed int32 per slot?
+
+Each decoder lane looks up, every step, the entry of its state's slot in its component's table. A warp's 32
+lanes are 32 components, so a warp touches 32 tables at once; a layer's KV spilled in 1024-token chunks is
+128 payloads of 1024 components each, whose tables (9-bit: 512 slots per component) total 269 MB as packed
+int32 entries, far past the GPU's L2. Two variants of the same decoder, side by side:
+
+  packed   lut[slot] = symbol << 2n | freq - 1 << n | slot - cum   (int32; one load a step)
+  symbol   lut[slot] = symbol (uint8), then tab[symbol] = cum << 16 | freq   (two loads, a quarter of the bytes)
+
+For each case the containers are decoded both ways (pipeline.StagedDecode, one CUDA graph, coefficient rows as
+PoC 17's fastest mode reads them, or decode_many for single tensors), the outputs must be equal bit for bit,
+then each is timed with CUDA events (median of REPEATS), beside the H2D copy of the same containers.
+
+Command:  python3 dev/symbol_lookup.py            (an NVIDIA GPU; about a minute)
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared.basis import fit_basis_torch  # noqa: E402
+from shared.codecs import rans_cuda  # noqa: E402
+from shared.pipeline import StagedDecode, TensorCodec, decode_many, encode_many  # noqa: E402
+
+CHUNKED = [32768, 65536]        # contexts of one layer spilled in chunks (PoC 17's layout), tokens
+CHUNK_TOKENS = 1024             # tokens per container (PoC 17's CHUNK_TOKENS)
+D_KV = 1024                     # KV channels (8 heads x 128)
+STEP_KV = 0.14                  # quantization step (PoC 17's random model: 0.135-0.141)
+LANE_TOKENS = 256               # as PoC 17
+WHOLE = [(8, 32768, 1024, 0.14), (8, 8192, 4096, 0.14), (60, 1024, 192, 0.14)]  # (tensors, T, D, step): decode_many
+REPEATS = 20                    # timed runs per variant
+SEED = 0
+
+
+def rows(T: int, D: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scale = torch.arange(1, D + 1, device="cuda", dtype=torch.float32) ** -0.8  # heavy-tailed spectrum
+    mix = torch.linalg.qr(torch.randn(D, D, generator=g, device="cuda"))[0]
+    return ((torch.randn(T, D, generator=g, device="cuda") * scale) @ mix * 8).to(torch.bfloat16)
+
+
+def timed(fn) -> float:
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def with_lookup(symbol: bool, make):
+    saved = rans_cuda.SYMBOL_LOOKUP
+    rans_cuda.SYMBOL_LOOKUP = symbol
+    try:
+        return make()
+    finally:
+        rans_cuda.SYMBOL_LOOKUP = saved
+
+
+def chunked(context: int) -> dict:
+    """One layer's K and V of `context` tokens as 2 x context / CHUNK_TOKENS containers, one graph."""
+    kv = [rows(context, D_KV, SEED + 1), rows(context, D_KV, SEED + 2)]
+    base = [TensorCodec(fit_basis_torch(t[:8192].float(), D_KV), backend="rans", step=STEP_KV,
+                        lane_tokens=LANE_TOKENS) for t in kv]
+    chunks = [(base[i], kv[i][a:a + CHUNK_TOKENS]) for a in range(0, context, CHUNK_TOKENS) for i in range(2)]
+    codecs = [c for c, _ in chunks]
+    blobs = [b.clone() for b in encode_many(codecs, [x for _, x in chunks])]
+    offsets = np.cumsum([0] + [-(-b.numel() // 16) * 16 for b in blobs[:-1]]).tolist()
+    total = offsets[-1] + blobs[-1].numel()
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    for b, a in zip(blobs, offsets):
+        host[a:a + b.numel()].copy_(b)
+    stage = torch.empty(-(-total // 16) * 16, dtype=torch.uint8, device="cuda")
+    stage[:total].copy_(host)
+    heads = [bytes(b[:8192].cpu().numpy()) for b in blobs]
+    width = codecs[0]._projection(D_KV, "cuda").coefficient_width()
+    outs = {}
+    ms = {"copy": timed(lambda: stage[:total].copy_(host, non_blocking=True))}
+    for name, symbol in (("packed", False), ("symbol", True)):
+        coeff = [torch.empty(CHUNK_TOKENS, width, dtype=torch.bfloat16, device="cuda") for _ in blobs]
+        plan = with_lookup(symbol, lambda: StagedDecode(codecs, heads, [b.numel() for b in blobs], offsets, stage,
+                                                        coeff, reconstruct=False))
+        plan.replay()
+        torch.cuda.synchronize()
+        plan.check()
+        outs[name] = coeff
+        ms[name] = timed(plan.replay)
+    if not all(torch.equal(a, b) for a, b in zip(outs["packed"], outs["symbol"])):
+        raise SystemExit(f"{context} tokens: the two lookups decode different rows")
+    return dict(ms, ratio=2 * context * D_KV * 2 / total, containers=len(blobs))
+
+
+def whole(n: int, T: int, D: int, step: float) -> dict:
+    xs = [rows(T, D, SEED + 10 + i) for i in range(n)]
+    codec = TensorCodec(fit_basis_torch(xs[0].float(), D), backend="rans", step=step)
+    codecs = [codec] * n
+    blobs = [b.clone() for b in encode_many(codecs, xs)]
+    outs, ms = {}, {}
+    for name, symbol in (("packed", False), ("symbol", True)):
+        outs[name] = [t.clone() for t in with_lookup(symbol, lambda: decode_many(codecs, blobs, device="cuda"))]
+        ms[name] = with_lookup(symbol, lambda: timed(lambda: decode_many(codecs, blobs, device="cuda")))
+    if not all(torch.equal(a, b) for a, b in zip(outs["packed"], outs["symbol"])):
+        raise SystemExit(f"{n} x [{T}, {D}]: the two lookups decode different tensors")
+    host = torch.empty(sum(b.numel() for b in blobs), dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    ms["copy"] = timed(lambda: dev.copy_(host, non_blocking=True))
+    return dict(ms, ratio=n * T * D * 2 / host.numel(), containers=n)
+
+
+def main() -> None:
+    print(f"{torch.cuda.get_device_name()}: decode time, packed int32 lookup vs one-byte symbol lookup (ms)")
+    print(f"{'case':>34} {'ratio':>6} {'copy':>7} {'packed':>7} {'symbol':>7} {'speed-up':>8}")
+    for context in CHUNKED:
+        r = chunked(context)
+        case = f"KV {context} tok, {r['containers']} x [{CHUNK_TOKENS}, {D_KV}]"
+        print(f"{case:>34} {r['ratio']:>6.2f} {r['copy']:>7.3f} {r['packed']:>7.3f} {r['symbol']:>7.3f} "
+              f"{r['packed'] / r['symbol']:>7.2f}x   outputs equal", flush=True)
+        torch.cuda.empty_cache()
+    for n, T, D, step in WHOLE:
+        r = whole(n, T, D, step)
+        case = f"decode_many {n} x [{T}, {D}]"
+        print(f"{case:>34} {r['ratio']:>6.2f} {r['copy']:>7.3f} {r['packed']:>7.3f} {r['symbol']:>7.3f} "
+              f"{r['packed'] / r['symbol']:>7.2f}x   outputs equal", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("needs an NVIDIA GPU (it times the GPU decoder)")
+    main()
