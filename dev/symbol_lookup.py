@@ -32,6 +32,7 @@ STEP_KV = 0.14                  # quantization step (PoC 17's random model: 0.13
 LANE_TOKENS = 256               # as PoC 17
 WHOLE = [(8, 32768, 1024, 0.14), (8, 8192, 4096, 0.14), (60, 1024, 192, 0.14)]  # (tensors, T, D, step): decode_many
 REPEATS = 20                    # timed runs per variant
+PROFILED = 5                    # replays under torch.profiler (the longest context)
 SEED = 0
 
 
@@ -94,6 +95,19 @@ def chunked(context: int) -> dict:
         ms[name] = timed(plan.replay)
     if not all(torch.equal(a, b) for a, b in zip(outs["packed"], outs["symbol"])):
         raise SystemExit(f"{context} tokens: the two lookups decode different rows")
+    if context == CHUNKED[-1]:  # where the time goes: the same kernels launched eagerly, per kernel
+        for name, symbol in (("packed", False), ("symbol", True)):
+            plan = with_lookup(symbol, lambda: StagedDecode(codecs, heads, [b.numel() for b in blobs], offsets, stage,
+                                                            outs[name], reconstruct=False, graph=False))
+            plan.replay()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(PROFILED):
+                    plan.replay()
+                torch.cuda.synchronize()
+            print(f"{name}: per replay, by kernel (us)")
+            for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+                print(f"    {ev.key[:60]:<60} {ev.device_time_total / PROFILED:>9.1f}")
     return dict(ms, ratio=2 * context * D_KV * 2 / total, containers=len(blobs))
 
 

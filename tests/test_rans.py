@@ -281,14 +281,17 @@ def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
 @needs_triton
 def test_triton_interpreter_writes_the_same_bytes_on_a_small_case():
     """The fast stand-in of the test above (which is marked slow): one small tensor, the GPU
-    encoder's bytes equal the numpy coder's and the GPU decoder gives the tensor back."""
+    encoder's bytes equal the numpy coder's and the GPU decoder gives the tensor back, with either
+    slot lookup (one byte per slot then the symbol's entry, or one packed int32 per slot)."""
     run_interpreted("""
         import torch
         x = pca_like(200, 8)
         payload = rans.encode(x, lane_tokens=64)
         assert bytes(rans_cuda.encode_cuda(torch.from_numpy(x), lane_tokens=64).numpy()) == payload
-        y = rans_cuda.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        np.testing.assert_array_equal(y.numpy(), x)
+        for lookup in (True, False):
+            rans_cuda.SYMBOL_LOOKUP = lookup
+            y = rans_cuda.decode_cuda(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            np.testing.assert_array_equal(y.numpy(), x, err_msg=f"SYMBOL_LOOKUP={lookup}")
     """)
 
 
@@ -843,13 +846,15 @@ def test_cuda_and_cpu_cross_decode(name, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vote", [True, False])
-def test_cuda_large_round_trip(vote, monkeypatch):
-    """Both ways of ranking a group's lanes (warp vote, Triton's scan) write the CPU coder's bytes."""
+@pytest.mark.parametrize("vote,lookup", [(True, True), (False, True), (True, False)])
+def test_cuda_large_round_trip(vote, lookup, monkeypatch):
+    """Both ways of ranking a group's lanes (warp vote, Triton's scan) write the CPU coder's bytes;
+    both slot lookups (SYMBOL_LOOKUP) decode them."""
     import torch
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(rans_cuda, "USE_WARP_VOTE", vote)
+    monkeypatch.setattr(rans_cuda, "SYMBOL_LOOKUP", lookup)
     g = torch.Generator(device="cuda").manual_seed(0)
     sigma = 40 * torch.arange(1, 257, device="cuda", dtype=torch.float32) ** -0.7
     t = torch.round(torch.randn((65536, 256), device="cuda", generator=g) * sigma).to(torch.int32)
