@@ -175,9 +175,9 @@ META_BLOCK = 256  # components a meta kernel sums at a time for the offsets of t
 TABLE_MAXNREG = 80
 TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed at once, symbols per step
 USE_STREAM_PREFETCH = True  # decoder lanes: prefetch each group's stream into L2 a few steps ahead
-SYMBOL_LOOKUP = True  # decoder lanes: slot -> symbol in one byte, then the symbol's (cum, freq) entry, rather than
-# one int32 holding all three: a lane's lookups are a quarter of the bytes (a warp's 32 lanes use 32 different
-# components' rows), which matters where many payloads decode at once and their tables overflow L2
+SYMBOL_LOOKUP = False  # decoder lanes, prob_bits <= 11: True looks the slot's symbol up in one byte, then the
+# symbol's (cum, freq) entry (a quarter of the table bytes, a second dependent load); False reads one packed int32.
+# The packed lookup decodes PoC 17's spilled KV faster (docs/findings.md); dev/symbol_lookup.py times both
 USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with the table's reciprocal (prob_bits <= 14),
 # not a 32-bit division (about 16 instructions, three of them quarter-rate, on the state's dependency chain)
 COPY_OUT_WORDS, COPY_OUT_META = 2048, 1024  # PendingEncode.copy_out: int64 words a program of copy_out_kernel copies; meta words a step
