@@ -25,7 +25,7 @@ from shared.basis import fit_basis_torch  # noqa: E402
 from shared.codecs import rans_cuda  # noqa: E402
 from shared.pipeline import StagedDecode, TensorCodec, decode_many, encode_many  # noqa: E402
 
-CHUNKED = [32768, 65536]        # contexts of one layer spilled in chunks (PoC 17's layout), tokens
+CHUNKED = [65536]               # contexts of one layer spilled in chunks (PoC 17's layout), tokens
 CHUNK_TOKENS = 1024             # tokens per container (PoC 17's CHUNK_TOKENS)
 D_KV = 1024                     # KV channels (8 heads x 128)
 STEP_KV = 0.14                  # quantization step (PoC 17's random model: 0.135-0.141)
