@@ -1,16 +1,19 @@
-"""Does the GPU rANS decoder run faster with a one-byte slot -> symbol table than with one packed int32 per slot?
+"""Does the GPU rANS decoder run faster with a one-byte slot -> symbol table than with one packed int32 per slot,
+and how much does the way a layer's KV is cut into containers cost?
 
-Each decoder lane looks up, every step, the entry of its state's slot in its component's table. A warp's 32
-lanes are 32 components, so a warp touches 32 tables at once; a layer's KV spilled in 1024-token chunks is
-128 payloads of 1024 components each, whose tables (9-bit: 512 slots per component) total 269 MB as packed
-int32 entries, far past the GPU's L2. Two variants of the same decoder, side by side:
+Each decoder lane looks up, every step, the entry of its state's slot in its component's table, and every
+container brings its own tables (one per component, built on the GPU before its lanes run). One layer's K
+and V (64K tokens, 1024 channels, KV-like rows, PoC 17's step and 256-token lanes) is cut into containers of
+1024 and 8192 tokens (the chunks a long generation flushes) and of 64K (one per K and V, as a prompt is
+stored). Two variants of the same decoder, side by side:
 
   packed   lut[slot] = symbol << 2n | freq - 1 << n | slot - cum   (int32; one load a step)
   symbol   lut[slot] = symbol (uint8), then tab[symbol] = cum << 16 | freq   (two loads, a quarter of the bytes)
 
 For each case the containers are decoded both ways (pipeline.StagedDecode, one CUDA graph, coefficient rows as
-PoC 17's fastest mode reads them, or decode_many for single tensors), the outputs must be equal bit for bit,
-then each is timed with CUDA events (median of REPEATS), beside the H2D copy of the same containers.
+PoC 17's fastest mode reads them; decode_many for a KV step's 60 small tensors), the outputs must be equal bit
+for bit, then each is timed with CUDA events (median of REPEATS), beside the H2D copy of the same containers;
+the 1024-token case is also profiled per kernel.
 
 Command:  python3 dev/symbol_lookup.py            (an NVIDIA GPU; about a minute)
 """
@@ -25,8 +28,9 @@ from shared.basis import fit_basis_torch  # noqa: E402
 from shared.codecs import rans_cuda  # noqa: E402
 from shared.pipeline import StagedDecode, TensorCodec, decode_many, encode_many  # noqa: E402
 
-CHUNKED = [65536]               # contexts of one layer spilled in chunks (PoC 17's layout), tokens
-CHUNK_TOKENS = 1024             # tokens per container (PoC 17's CHUNK_TOKENS)
+CONTEXT = 65536                 # tokens of one layer's K and V
+CHUNKS = [1024, 8192, 65536]    # tokens per container: a long generation's flushed chunks (SpillCache's chunk_tokens);
+                                # 65536: one container per K and V, as a prompt is stored
 D_KV = 1024                     # KV channels (8 heads x 128)
 STEP_KV = 0.14                  # quantization step (PoC 17's random model: 0.135-0.141)
 LANE_TOKENS = 256               # as PoC 17
@@ -67,12 +71,12 @@ def with_lookup(symbol: bool, make):
         rans_cuda.SYMBOL_LOOKUP = saved
 
 
-def chunked(context: int) -> dict:
-    """One layer's K and V of `context` tokens as 2 x context / CHUNK_TOKENS containers, one graph."""
+def chunked(context: int, chunk: int) -> dict:
+    """One layer's K and V of `context` tokens as 2 x context / chunk containers, one graph."""
     kv = [rows(context, D_KV, SEED + 1, True), rows(context, D_KV, SEED + 2, True)]
     base = [TensorCodec(fit_basis_torch(t[:8192].float(), D_KV), backend="rans", step=STEP_KV,
                         lane_tokens=LANE_TOKENS) for t in kv]
-    chunks = [(base[i], kv[i][a:a + CHUNK_TOKENS]) for a in range(0, context, CHUNK_TOKENS) for i in range(2)]
+    chunks = [(base[i], kv[i][a:a + chunk]) for a in range(0, context, chunk) for i in range(2)]
     codecs = [c for c, _ in chunks]
     blobs = [b.clone() for b in encode_many(codecs, [x for _, x in chunks])]
     offsets = np.cumsum([0] + [-(-b.numel() // 16) * 16 for b in blobs[:-1]]).tolist()
@@ -87,7 +91,7 @@ def chunked(context: int) -> dict:
     outs = {}
     ms = {"copy": timed(lambda: stage[:total].copy_(host, non_blocking=True))}
     for name, symbol in (("packed", False), ("symbol", True)):
-        coeff = [torch.empty(CHUNK_TOKENS, width, dtype=torch.bfloat16, device="cuda") for _ in blobs]
+        coeff = [torch.empty(chunk, width, dtype=torch.bfloat16, device="cuda") for _ in blobs]
         plan = with_lookup(symbol, lambda: StagedDecode(codecs, heads, [b.numel() for b in blobs], offsets, stage,
                                                         coeff, reconstruct=False))
         plan.replay()
@@ -97,7 +101,7 @@ def chunked(context: int) -> dict:
         ms[name] = timed(plan.replay)
     if not all(torch.equal(a, b) for a, b in zip(outs["packed"], outs["symbol"])):
         raise SystemExit(f"{context} tokens: the two lookups decode different rows")
-    if context == CHUNKED[-1]:  # where the time goes: the same kernels launched eagerly, per kernel
+    if chunk == CHUNKS[0]:  # where the time goes: the same kernels launched eagerly, per kernel
         for name, symbol in (("packed", False), ("symbol", True)):
             def profiled():
                 plan = StagedDecode(codecs, heads, [b.numel() for b in blobs], offsets, stage, outs[name],
@@ -136,9 +140,9 @@ def whole(n: int, T: int, D: int, step: float) -> dict:
 def main() -> None:
     print(f"{torch.cuda.get_device_name()}: decode time, packed int32 lookup vs one-byte symbol lookup (ms)")
     print(f"{'case':>34} {'ratio':>6} {'copy':>7} {'packed':>7} {'symbol':>7} {'speed-up':>8}")
-    for context in CHUNKED:
-        r = chunked(context)
-        case = f"KV {context} tok, {r['containers']} x [{CHUNK_TOKENS}, {D_KV}]"
+    for chunk in CHUNKS:
+        r = chunked(CONTEXT, chunk)
+        case = f"KV {CONTEXT} tok, {r['containers']} x [{chunk}, {D_KV}]"
         print(f"{case:>34} {r['ratio']:>6.2f} {r['copy']:>7.3f} {r['packed']:>7.3f} {r['symbol']:>7.3f} "
               f"{r['packed'] / r['symbol']:>7.2f}x   outputs equal", flush=True)
         torch.cuda.empty_cache()
