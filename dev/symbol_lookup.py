@@ -12,7 +12,7 @@ stored). Two variants of the same decoder, side by side:
 
 For each case the containers are decoded both ways (pipeline.StagedDecode, one CUDA graph, coefficient rows as
 PoC 17's fastest mode reads them; decode_many for a KV step's 60 small tensors), the outputs must be equal bit
-for bit, then each is timed with CUDA events (median of REPEATS), beside the H2D copy of the same containers;
+for bit, then each is timed with CUDA events (median of 20 runs), beside the H2D copy of the same containers;
 the 1024-token case is also profiled per kernel.
 
 Command:  python3 dev/symbol_lookup.py            (an NVIDIA GPU; about a minute)
@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from staged_decode_sizes import timed  # noqa: E402  (CUDA events, median of its REPEATS)
 from shared.basis import fit_basis_torch  # noqa: E402
 from shared.codecs import rans_cuda  # noqa: E402
 from shared.pipeline import StagedDecode, TensorCodec, decode_many, encode_many  # noqa: E402
@@ -35,31 +37,15 @@ D_KV = 1024                     # KV channels (8 heads x 128)
 STEP_KV = 0.14                  # quantization step (PoC 17's random model: 0.135-0.141)
 LANE_TOKENS = 256               # as PoC 17
 WHOLE = [(60, 1024, 192, 0.14)]  # (tensors, T, D, step): decode_many
-REPEATS = 20                    # timed runs per variant
 PROFILED = 5                    # replays under torch.profiler (the longest context)
 SEED = 0
 
 
-def rows(T: int, D: int, seed: int, isotropic: bool = False) -> torch.Tensor:
+def rows(T: int, D: int, seed: int) -> torch.Tensor:
+    """KV-like rows (PoC 17's random model's KV is near isotropic): every component coded, ~60-value
+    alphabets at STEP_KV."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    if isotropic:  # like PoC 17's random model's KV: every component coded, ~60-value alphabets at STEP_KV
-        return torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
-    scale = torch.arange(1, D + 1, device="cuda", dtype=torch.float32) ** -0.8  # heavy-tailed spectrum
-    mix = torch.linalg.qr(torch.randn(D, D, generator=g, device="cuda"))[0]
-    return ((torch.randn(T, D, generator=g, device="cuda") * scale) @ mix * 8).to(torch.bfloat16)
-
-
-def timed(fn) -> float:
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
+    return torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
 
 
 def with_lookup(symbol: bool, make):
@@ -73,7 +59,7 @@ def with_lookup(symbol: bool, make):
 
 def chunked(context: int, chunk: int) -> dict:
     """One layer's K and V of `context` tokens as 2 x context / chunk containers, one graph."""
-    kv = [rows(context, D_KV, SEED + 1, True), rows(context, D_KV, SEED + 2, True)]
+    kv = [rows(context, D_KV, SEED + 1), rows(context, D_KV, SEED + 2)]
     base = [TensorCodec(fit_basis_torch(t[:8192].float(), D_KV), backend="rans", step=STEP_KV,
                         lane_tokens=LANE_TOKENS) for t in kv]
     chunks = [(base[i], kv[i][a:a + chunk]) for a in range(0, context, chunk) for i in range(2)]
