@@ -184,25 +184,17 @@ def _round_up(n: int, step: int = CAPACITY_STEP) -> int:
 
 # ---------------------------------------------------------------- the layer
 
+def _stored_kv(which: int) -> property:
+    """keys (0) or values (1) of a spilled layer: read on demand (_read), never assigned."""
+    return property(lambda self: self._read(which), lambda self, value: self._refuse(value))
+
+
 class _ReadOnlyKV:
     """transformers' layers hold .keys / .values [batch, kv_heads, T, head_dim]; a spilled layer holds its KV
     in the stored form, so it reads them on demand (_read) and refuses to be assigned them."""
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._read(0)
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._refuse(value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._read(1)
-
-    @values.setter
-    def values(self, value) -> None:
-        self._refuse(value)
+    keys = _stored_kv(0)
+    values = _stored_kv(1)
 
     @staticmethod
     def _refuse(value) -> None:

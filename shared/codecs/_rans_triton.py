@@ -1171,8 +1171,8 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
     """Payload s = program_id(1) of a batch (b8/b16/b32: the batch buffer as int8/int16/int32;
     seg_ptr: its segment table row). Program k < K: component k's window and weights (explicit
     codes or its parametric model) -> its rANS table and its slot -> symbol lookup (the symbol, in
-    lut's type; PACKED: symbol << 2n | f - 1 << n | slot - cum, int32); program K: the virtual no-op component (one symbol
-    of frequency 2^n). Anything out of range, and (program K) a checksum or table-size
+    lut's type; PACKED: symbol << 2n | f - 1 << n | slot - cum, int32); program K: the virtual no-op
+    component (one symbol of frequency 2^n). Anything out of range, and (program K) a checksum or table-size
     mismatch, sets the payload's error flag."""
     M: tl.constexpr = 1 << PROB_BITS
     k = tl.program_id(0)
