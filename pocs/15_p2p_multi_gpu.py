@@ -132,18 +132,6 @@ def stream_tensors(torch, base, T: int, n: int, device):
 
 # ---------------------------------------------------------------- the codec calls
 
-def encode_list(codecs, xs):
-    from shared.pipeline import encode_many
-
-    return encode_many(codecs, xs)
-
-
-def decode_list(codecs, blobs, device):
-    from shared.pipeline import decode_many
-
-    return decode_many(codecs, blobs, device=device)
-
-
 def blob_tensor(torch, blob, device, path: str):
     """The codec's blob as a uint8 tensor: on the device for NCCL; where the codec left it for
     host staging (bytes already on the host are copied to the staging buffer from there)."""
@@ -277,6 +265,8 @@ def worker(rank: int, cfg: dict, workloads: list, slots, out_path: str):
 
 def run_case(torch, dist, rank, link, codec, xs, case, cfg, quality, meta) -> list[dict]:
     """Check every tensor of the stream, then time one-at-a-time transfers and the pipelined stream."""
+    from shared.pipeline import decode_many, encode_many
+
     compressed = case["backend"] == "rans"
     orig = xs[0].numel() * 2
 
@@ -287,17 +277,16 @@ def run_case(torch, dist, rank, link, codec, xs, case, cfg, quality, meta) -> li
             x.view(torch.uint8).reshape(-1)
         link.send(payload, t0)
 
-
     def receive():
         buf, t0 = link.recv()
         y = decode_buffer(codec, buf, link.device) if compressed else buf.view(torch.bfloat16).view(xs[0].shape)
         link.sync()
         return y, t0, time.perf_counter(), buf.numel()
 
-    # 1. every tensor checked (the sender's blobs made by the batched call where the API has one)
+    # 1. every tensor checked (the sender's blobs made by one batched call)
     dist.barrier(group=meta)
     if rank == 0:
-        blobs = encode_list([codec] * len(xs), xs) if compressed else None
+        blobs = encode_many([codec] * len(xs), xs) if compressed else None
         for i, x in enumerate(xs):
             link.sync()
             link.send(blob_tensor(torch, blobs[i], link.device, link.path) if compressed else
@@ -310,8 +299,8 @@ def run_case(torch, dist, rank, link, codec, xs, case, cfg, quality, meta) -> li
             got.append((buf.clone(), t0))
         link.settle()
         if compressed:
-            ys = decode_list([codec] * len(xs), [g[0] for g in got], link.device if
-                             link.device.type == "cuda" else None)
+            ys = decode_many([codec] * len(xs), [g[0] for g in got],
+                             device=link.device if link.device.type == "cuda" else None)
             cos = min(quality(x.float(), y.to(x.device).float(), "cos") for x, y in zip(xs, ys))
             ratio = orig / float(np.mean([g[0].numel() for g in got]))
             ok = cos >= TARGET_COS - COS_SLACK
