@@ -539,6 +539,17 @@ def left_padded_batch():
     return ids, mask
 
 
+def prompt_then_step(model, ids, mask, cache, explicit_positions: bool = False):
+    """The batch's prompts into the cache (stored at once), then one step that reads them back: its last
+    logits. explicit_positions: position ids from the mask, as generate() gives a left-padded batch."""
+    step = torch.randint(1, 128, (2, 1), generator=torch.Generator().manual_seed(4)).to(ids.device)
+    positions = ((mask.cumsum(1) - 1).clamp(min=0), mask.sum(1, keepdim=True)) if explicit_positions else (None, None)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=positions[0], **cache_kwarg(model, cache))
+        return model(step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), position_ids=positions[1],
+                     **cache_kwarg(model, cache)).logits[:, -1]
+
+
 def generate_batch(model, ids, mask, cache, **kw):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0,
@@ -569,13 +580,7 @@ def test_sampling_several_sequences_per_prompt_matches_dynamic_cache(llama, prom
 def test_batch_compressed_fetch_stays_close_and_beam_search_is_refused_by_name(llama, codecs):
     ids, mask = left_padded_batch()
     reference, cache = DynamicCache(), BatchSpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
-    step = torch.randint(1, 128, (2, 1), generator=torch.Generator().manual_seed(4))
-    logits = []
-    with torch.no_grad():
-        for c in (reference, cache):  # the prompts stored (coded), then one step that fetches them back
-            llama(ids, attention_mask=mask, **cache_kwarg(llama, c))
-            logits.append(llama(step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1),
-                                **cache_kwarg(llama, c)).logits[:, -1])
+    logits = [prompt_then_step(llama, ids, mask, c) for c in (reference, cache)]  # the prompts stored (coded)
     assert cache.stored_tokens() == PROMPT
     for want, got in zip(*logits):  # each sequence through its own cache, the codec's error only
         assert quality(want[None].double(), got[None].double(), "cos") > 0.999 and not torch.equal(want, got)
@@ -592,17 +597,9 @@ def test_batch_kv_codec_cache_with_left_padding_keeps_positions_right(llama, pro
     at the same index, so the padded one comes back right (its logits at the codec's error, not a shift's)."""
     codec = fit_kv(llama, prefill_kv(llama, prompt))
     ids, mask = left_padded_batch()
-    step = torch.randint(1, 128, (2, 1), generator=torch.Generator().manual_seed(4))
-    position = mask.sum(1, keepdim=True)  # generate()'s position of the next token: the count of real ones
-    logits = []
-    with torch.no_grad():
-        for cache in (DynamicCache(), BatchSpillCache.from_kv_codec(codec, llama, chunk_tokens=CHUNK)):
-            positions = (mask.cumsum(1) - 1).clamp(min=0)
-            llama(ids, attention_mask=mask, position_ids=positions, **cache_kwarg(llama, cache))
-            logits.append(llama(step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), position_ids=position,
-                                **cache_kwarg(llama, cache)).logits[:, -1])
-            if isinstance(cache, BatchSpillCache):
-                assert cache.stored_tokens() == PROMPT and cache.sequences[1].sink == codec.sink
+    cache = BatchSpillCache.from_kv_codec(codec, llama, chunk_tokens=CHUNK)
+    logits = [prompt_then_step(llama, ids, mask, c, explicit_positions=True) for c in (DynamicCache(), cache)]
+    assert cache.stored_tokens() == PROMPT and cache.sequences[1].sink == codec.sink
     for want, got in zip(*logits):
         assert quality(want[None].double(), got[None].double(), "cos") > 0.999, quality(want[None].double(), got[None].double(), "cos")
 
@@ -619,13 +616,7 @@ def test_gpu_batch_with_left_padding(mode):
         reference = generate_batch(model, ids, mask, DynamicCache(), do_sample=False)
         assert torch.equal(generate_batch(model, ids, mask, cache, do_sample=False), reference)
         return
-    step = torch.randint(1, 128, (2, 1), generator=torch.Generator().manual_seed(4)).cuda()
-    logits = []
-    with torch.no_grad():
-        for c in (DynamicCache(), cache):  # the prompts stored (coded), then a step that fetches them back
-            model(ids, attention_mask=mask, **cache_kwarg(model, c))
-            logits.append(model(step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1),
-                                **cache_kwarg(model, c)).logits[:, -1].float().cpu())
+    logits = [prompt_then_step(model, ids, mask, c).float().cpu() for c in (DynamicCache(), cache)]
     for want, got in zip(*logits):
         assert quality(want[None].double(), got[None].double(), "cos") > 0.99
     cache.close()
