@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .container import _host_bytes
 from .errors import BitstreamError, ConfigurationError, InvalidTensorError, TensorCodecError
 from .pipeline import StagedDecode, decode_many, encode_many
 
@@ -79,10 +80,6 @@ def encode_blobs(codecs, tensors) -> list:
 def decode_blobs(codecs, blobs, device=None) -> list:
     """The tensors of containers (device None: the CPU decoder), decoded together (shared.pipeline.decode_many)."""
     return list(decode_many(list(codecs), list(blobs), device=device))
-
-
-def _as_bytes(blob) -> bytes:
-    return bytes(blob.numpy()) if isinstance(blob, torch.Tensor) else bytes(blob)
 
 
 def _align(n: int, step: int) -> int:
@@ -825,7 +822,7 @@ class SpillCache(Cache):
                 if self.on_cuda:
                     self._pack(layer, coded, blob_k, blob_v)
                 else:
-                    layer.blobs.append((coded, _as_bytes(blob_k), _as_bytes(blob_v)))
+                    layer.blobs.append((coded, _host_bytes(blob_k), _host_bytes(blob_v)))
         layer.stored += m
         layer.version += 1
         self.stats.flushes += 1
