@@ -13,7 +13,7 @@ stored). Two variants of the same decoder, side by side:
 For each case the containers are decoded both ways (pipeline.StagedDecode, one CUDA graph, coefficient rows as
 PoC 17's fastest mode reads them; decode_many for a KV step's 60 small tensors), the outputs must be equal bit
 for bit, then each is timed with CUDA events (median of 20 runs), beside the H2D copy of the same containers;
-the 1024-token case is also profiled per kernel.
+the 1024- and 65536-token cases are also profiled per kernel.
 
 Command:  python3 dev/symbol_lookup.py            (an NVIDIA GPU; about a minute)
 """
@@ -87,8 +87,8 @@ def chunked(context: int, chunk: int) -> dict:
         ms[name] = timed(plan.replay)
     if not all(torch.equal(a, b) for a, b in zip(outs["packed"], outs["symbol"])):
         raise SystemExit(f"{context} tokens: the two lookups decode different rows")
-    if chunk == CHUNKS[0]:  # where the time goes: the same kernels launched eagerly, per kernel
-        for name, symbol in (("packed", False), ("symbol", True)):
+    if chunk in (CHUNKS[0], CHUNKS[-1]):  # where the time goes: the same kernels launched eagerly, per kernel
+        for name, symbol in (("packed", False), ("symbol", True))[:2 if chunk == CHUNKS[0] else 1]:
             def profiled():
                 plan = StagedDecode(codecs, heads, [b.numel() for b in blobs], offsets, stage, outs[name],
                                     reconstruct=False, graph=False)
@@ -100,7 +100,7 @@ def chunked(context: int, chunk: int) -> dict:
                     torch.cuda.synchronize()
                 return prof
             prof = with_lookup(symbol, profiled)
-            print(f"{name}: per replay, by kernel (us)")
+            print(f"{name}, {len(blobs)} x [{chunk}, {D_KV}]: per replay, by kernel (us)")
             for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
                 print(f"    {ev.key[:60]:<60} {ev.device_time_total / PROFILED:>9.1f}")
     return dict(ms, ratio=2 * context * D_KV * 2 / total, containers=len(blobs))
