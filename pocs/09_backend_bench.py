@@ -49,7 +49,7 @@ to the synchronous call's bytes first. Every round trip is checked for cos >= 0.
 first, and up to 16 MB the GPU decode is compared with the CPU decoder's. Repeated encodes and decodes of
 up to pipeline.GRAPH_MAX_BYTES (1 GiB) replay a CUDA graph (columns encode_graph, decode_graph; metrics
 encode_graph_held / decode_graph_held: the GPU memory each graph keeps, per input byte).
-Sample output (an NVIDIA H200, code 51596fb; GB/s of bf16):
+Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s  after a copy: enc / dec queued enc
     api S=def       4.00    10417   4.56  0.9990     17.66     17.25     48.38     46.54          13.31 /   13.53     16.81
     api S=def      64.00   166667   4.60  0.9990    168.70    201.22     54.35     54.45         119.25 /  149.94    151.14

@@ -224,12 +224,10 @@ def hist_kernel(sym_ptr, mn_ptr, mx_ptr, sm_ptr, counts_ptr, T, K, n_sampled, R,
     bins around the component's mean (99% of the hits on a real K at cos 0.999, 81% for 8) are 8-bit
     counters packed four to an int32 register (HS <= 255), summed over the program's rows before one
     atomic per bin and component; the other in-window hits get a global atomic each, relaxed (counts
-    need no ordering). NARROW: int16 symbols, whose offsets fit int32. On an NVIDIA H200 (60 x
-    [1024, 192] / 64 MB of the real K): 36 / 38 us on [components, rows] tiles, every 2nd token;
-    78 / 50 us on [rows, components] tiles, every token, where a thread per component with 8 unpacked
-    register bins took 86 / 66 (tiles compared at HIST_TOKENS in rans_cuda). The rows are a loop,
-    not unrolled: 64 unrolled rows took 60-80 s to compile for sm_90, once per specialization at a
-    user's first call, and ran no faster (80 / 48 us unrolled at code b7b3624, as a loop at 3611c08).
+    need no ordering). NARROW: int16 symbols, whose offsets fit int32. [components, rows] tiles keep
+    the loop in one layout (no barriers). The rows are a loop, not unrolled: unrolled rows took over a
+    minute to compile for sm_90, once per specialization at a user's first call, and ran no faster
+    (measurements in docs/findings.md).
     AHEAD (1, 2 or 4; divides HS): a step of the loop loads AHEAD rows before counting any, so that
     their loads are in flight together; with one, each step waits a full memory latency for its row
     (the program's rows are R x K apart: no two share a cache line)."""
@@ -359,10 +357,8 @@ def tables_kernel(counts_ptr, mn_ptr, mx_ptr, sm_ptr, guard_ptr, lo_ptr, w_ptr, 
     component beyond int16 (stored wrapped) sets overflow 3, and the caller codes it again
     from int32 symbols. Bit lengths from float64 exponents, the reciprocals' multipliers from a
     table, one pass per model candidate over a one-chunk alphabet and the normalization's quotients
-    by multiply-high: 60 x [1024, 192] of the real K on an NVIDIA H200, 177 -> 152 us (PoC 09
-    --profile at code b7b3624 and 3611c08); counts, scans and bit costs in int32 where COUNTS32 /
-    COSTS32 say they fit (5128 -> 3336 SASS instructions on sm_90): 128 -> 101 us (code 3f3539c and
-    51596fb)."""
+    by multiply-high; counts, scans and bit costs in int32 where COUNTS32 / COSTS32 say they fit
+    (fewer instructions). Each of these made the kernel faster (measurements in docs/findings.md)."""
     k = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)  # the tensor of a batch of same-shape tensors
     nk = tl.num_programs(0).to(tl.int64)
@@ -555,8 +551,8 @@ def lanes_before(flag, jg, VOTE: tl.constexpr):
     how many in its whole group (in every lane: the kernels keep a group's stream position in
     each of its lanes, so no step reduces across the warp), and 1 where those counts cannot be
     trusted. VOTE (G = 32, one group per warp): one warp vote and two population counts, where
-    Triton's scan and sum take five shuffle rounds each (256 MB on an NVIDIA H200: encoder lanes
-    421 -> 366 us, decoder lanes 550 -> 530); it holds only while element j of the group sits on
+    Triton's scan and sum take five shuffle rounds each (faster lanes kernels: docs/findings.md);
+    it holds only while element j of the group sits on
     lane j of the warp, which every call checks (the third result)."""
     if VOTE:
         rank, count, wrong = tl.inline_asm_elementwise(

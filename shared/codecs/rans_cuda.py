@@ -138,40 +138,28 @@ def _summary_start(torch, dev):
     return _SUMMARY_START[key]
 
 
-GROUPS_PER_PROGRAM = 1  # lane groups per Triton program on a GPU: one warp (with 4, Triton moves each step's values
-# between layouts through shared memory: 195 / 173 instructions a step decoding / encoding instead of 130 / 117)
+GROUPS_PER_PROGRAM = 1  # lane groups per Triton program on a GPU: one warp, so each step's values keep one layout
+# (with more, Triton moves them between layouts through shared memory; instruction counts in docs/findings.md)
 INTERPRETER_GROUPS_PER_PROGRAM = 4  # under Triton's CPU interpreter (tests): the same lanes in a quarter of the programs
 USE_WARP_VOTE = True  # lanes kernels: a lane's rank in its group's stream by warp vote (see _rans_triton.lanes_before)
 # histogram: sampled tokens a thread walks (<= 255: 8-bit packed counters), a program's row chunks and
-# components (its tile, [components, row chunks] in the kernel) and its warps. On an NVIDIA H200 (60 x
-# [1024, 192] / 64 MB), one value a thread a step: 8 x 16 78 / 50 us, 16 x 16 88 / 59, 32 x 16 112 / 74,
-# 8 x 32 95 / 63; 16 tokens a thread 137 / 80 (32 a thread for those); 64 tokens a thread halve the
-# programs, so the atomics that flush their bins: 80 / 48 us. Same run (code 3611c08): 64 x [8 x 16]
-# 80 / 48 us; 16 steps of a [32 x 16] tile (4 values a thread a step, one vector load) 77 / 51; 8 steps
-# of [64 x 16] 153 / 84. So the loads' latency is not what bounds it, but the work per value of its
-# loop: then 92 SASS instructions on sm_90 (int16 symbols), 4 of them block barriers of two layout
-# changes through shared memory; on [components, rows] tiles since, 62 and none
-# (test_histogram_loop_keeps_one_layout_on_hopper), and with every 2nd token sampled (hist_row_stride):
-# 36 / 38 us (code 57a8d0f).
+# components (its tile, [components, row chunks] in the kernel) and its warps. Many tokens a thread halve the
+# programs, so the atomics that flush their bins; the loop's work per value, not its loads' latency, bounds it
+# (measurements in docs/findings.md).
 HIST_TOKENS, HIST_CHUNKS, HIST_COMPONENTS, HIST_WARPS = 64, 8, 16, 4
 HIST_AHEAD = 4  # sampled rows a thread loads before counting them (1, 2 or 4): their loads in flight together.
-# NVIDIA H200, real K, torch.profiler, one process (code cffc1d7): AHEAD 1 / 2 / 4: 4 MB 22 / 15 / 11 us, 64 MB
-# 37 / 27 / 26, 256 MB 38 / 28 / 26, 60 x [1024, 192] 35 / 28 / 25; bytes identical for every setting
-CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 4  # checksum: bytes per step, steps per program (product <= 65521); on an NVIDIA
-# H200, 15 / 8 / 4 / 2 / 1 steps: the 60 x [1024, 192] list 17.9 / 10.2 / 8.4 / 9.7 / 8.6 us encoding, 12.5 / 10.1 / 7.1 / 7.6 / 7.2
-# decoding; one 64 MB tensor 11.8 / 12.2 / 11.7 / 16.3 / 18.7 and 14.6 / 16.5 / 15.3 / 14.7 / 13.1 (code d84fbd3);
-# but 256 MB at 4 steps 53 / 47 us against 43 / 44 at 15 (PoC 09 --profile, codes 51596fb and 3f3539c): payloads of
+# 4, the most, ran fastest at every size measured, with the same bytes (docs/findings.md)
+CHECKSUM_BLOCK, CHECKSUM_ITERS = 4096, 4  # checksum: bytes per step, steps per program (product <= 65521);
+# 4 steps suit short payloads, long ones run faster at 15 (measurements in docs/findings.md); payloads of
 CHECKSUM_LONG_BYTES, CHECKSUM_LONG_ITERS = 32 << 20, 15  # this many bytes or more (the longest one) take 15 steps
 # warps per component of the encoder's and the decoder's table kernels: more for a few components
-# (latency), one where there are many (throughput). On an NVIDIA H200, one 16 MB tensor (192 components):
-# tables 12.9 / 14.3 / 31.7 us at 4 / 2 / 1 warps, meta 7.8 / 8.2 / 10.0; 60 tensors of [1024, 192]
-# (11520): tables 350 / 220 / 184 us, meta 90 / 64 / 47
+# (latency), one where there are many (throughput); measurements in docs/findings.md
 TABLE_WARPS, META_WARPS = 4, 2  # up to MANY_COMPONENTS components in a launch
-MANY_COMPONENTS = 1024  # more in one launch: one warp each (pack_meta too: 22 -> 12 us for the 60 x [1024, 192] list)
+MANY_COMPONENTS = 1024  # more in one launch: one warp each (pack_meta too)
 META_BLOCK = 256  # components a meta kernel sums at a time for the offsets of those before its own
 # registers a thread of the tables kernel may hold with one warp a component: 128 without a bound, so 16
-# warps an SM; the list's tables kernel at 128 / 96 / 80 / 64: 154 / 133 / 128 / 130 us (NVIDIA H200,
-# bytes unchanged), though 80 spills 88 stores
+# warps an SM; at 80 more warps share an SM and the kernel runs faster despite the stores it spills
+# (docs/findings.md)
 TABLE_MAXNREG = 80
 TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed at once, symbols per step
 DECODE_CHAINS = 1  # decoder lanes: sets of lane groups a program decodes side by side (1 or 2; see decode_kernel)
