@@ -282,9 +282,8 @@ def test_triton_interpreter_writes_the_same_bytes(sample_rows, escape_slots):
 def test_triton_interpreter_writes_the_same_bytes_on_a_small_case():
     """The fast stand-in of the test above (which is marked slow): one small tensor, the GPU
     encoder's bytes equal the numpy coder's and the GPU decoder gives the tensor back, with either
-    slot lookup (one byte per slot then the symbol's entry, or one packed int32 per slot), and with
-    one or two sets of lane groups a program (DECODE_CHAINS; 7 groups, so a program's second set
-    runs past the last group), escapes included; a flipped byte is caught with two."""
+    slot lookup (one byte per slot then the symbol's entry, or one packed int32 per slot), on a
+    tensor with escapes in several lane groups too; a flipped byte is caught."""
     run_interpreted("""
         import torch
         x = pca_like(200, 8)
@@ -294,11 +293,11 @@ def test_triton_interpreter_writes_the_same_bytes_on_a_small_case():
         wide[::37, :5] += 5000  # escapes in several groups
         wide_payload = rans.encode(wide, lane_tokens=64)
         assert rans.parse(wide_payload).n_escapes > 0
-        for lookup, chains in ((True, 1), (False, 1), (False, 2)):
-            rans_cuda.SYMBOL_LOOKUP, rans_cuda.DECODE_CHAINS = lookup, chains
+        for lookup in (True, False):
+            rans_cuda.SYMBOL_LOOKUP = lookup
             for data, blob in ((x, payload), (wide, wide_payload)):
                 y = rans_cuda.decode_cuda(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-                np.testing.assert_array_equal(y.numpy(), data, err_msg=f"SYMBOL_LOOKUP={lookup}, {chains} chains")
+                np.testing.assert_array_equal(y.numpy(), data, err_msg=f"SYMBOL_LOOKUP={lookup}")
         bad = bytearray(wide_payload)
         bad[len(bad) // 2] ^= 0x5A
         try:
@@ -306,7 +305,7 @@ def test_triton_interpreter_writes_the_same_bytes_on_a_small_case():
         except BitstreamError:
             pass
         else:
-            raise AssertionError("a flipped byte decoded with two chains")
+            raise AssertionError("a flipped byte decoded")
     """)
 
 
@@ -861,16 +860,15 @@ def test_cuda_and_cpu_cross_decode(name, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vote,lookup,chains", [(True, True, 1), (False, True, 1), (True, False, 1), (True, False, 2)])
-def test_cuda_large_round_trip(vote, lookup, chains, monkeypatch):
+@pytest.mark.parametrize("vote,lookup", [(True, True), (False, True), (True, False)])
+def test_cuda_large_round_trip(vote, lookup, monkeypatch):
     """Both ways of ranking a group's lanes (warp vote, Triton's scan) write the CPU coder's bytes;
-    both slot lookups (SYMBOL_LOOKUP) and one or two lane sets a program (DECODE_CHAINS) decode them."""
+    both slot lookups (SYMBOL_LOOKUP) decode them."""
     import torch
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(rans_cuda, "USE_WARP_VOTE", vote)
     monkeypatch.setattr(rans_cuda, "SYMBOL_LOOKUP", lookup)
-    monkeypatch.setattr(rans_cuda, "DECODE_CHAINS", chains)
     g = torch.Generator(device="cuda").manual_seed(0)
     sigma = 40 * torch.arange(1, 257, device="cuda", dtype=torch.float32) ** -0.7
     t = torch.round(torch.randn((65536, 256), device="cuda", generator=g) * sigma).to(torch.int32)

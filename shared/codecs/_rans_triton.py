@@ -1383,8 +1383,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
                   out_ptr, gesc_ptr, geend_ptr, err_ptr, step_ptr, bound_ptr, T, K, n_lanes, n_groups, S, OUT_W,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr,
-                  NARROW: tl.constexpr = False, SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                  CHAINS: tl.constexpr = 1):
+                  NARROW: tl.constexpr = False, SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
     first to last, reading each group's words from the end of its stream. PACKED: lut holds
     symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol (uint8, or int16 past
@@ -1401,10 +1400,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     caller's GEMM then cannot overflow. The window's ends are checked once per lane, escaped
     values as they are met. PREFETCH (NVIDIA GPUs, not the interpreter): each step asks L2 for the
     words STREAM_PREFETCH_GROUPS windows below the next one, so the next steps' window loads do not
-    wait for memory.
-    CHAINS (1 or 2): sets of GPP lane groups a program decodes side by side, step by step. A lane's
-    steps form one chain of dependent loads (its state picks its table entry, which gives its next
-    state); two independent chains a thread give the GPU a second load to issue while the first waits."""
+    wait for memory."""
     sg = tl.program_id(1)
     seg = seg_ptr + sg * SEG_FIELDS
     words_ptr = b16 + tl.load(seg + SEG_STREAMS)
@@ -1433,7 +1429,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         row_w = K
     err_ptr += sg
     last_esc = tl.maximum(n_esc - 1, 0)
-    grp = (tl.program_id(0) * CHAINS) * GPP + tl.arange(0, GPP)
+    grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     (lane_ok, k, lo32, W, A, x, bad, wide, ptr, base, eptr, ebase, row0, off, last_word, jg, has_words,
      window) = _decode_lanes_start(grp, lo_ptr, w_ptr, a_ptr, rank_ptr, states_in, gend_ptr, glen_ptr, gesc_ptr,
                                    geend_ptr, words_ptr, K, n_lanes, n_groups, S, k_coded, n_words, step, bound,
@@ -1443,29 +1439,9 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     if tl.program_id(0) == 0:  # the groups' counts must add up to the stream's and the escapes'
         bad |= ((tl.load(gend_ptr + n_groups - 1) != n_words) | (tl.load(geend_ptr + n_groups - 1) != n_esc)).to(
             tl.int32)
-    if CHAINS == 1:
-        for i in range(0, S):
-            x, ptr, eptr, window, off, bad, wrong, wide = _decode_lanes_step(
-                i, x, ptr, eptr, window, off, bad, wrong, wide, lane_ok, k, lo32, W, A, row0, base, ebase, jg,
-                has_words, last_word, last_esc, may_escape, words_ptr, lut_ptr, tab_ptr, esc_in, out_ptr, K, T,
-                step, bound, row_w, HCAP, PROB_BITS, G, PACKED, VOTE, NARROW, SCALED, PREFETCH)
-        worst = _decode_lanes_end(x, ptr, eptr, bad, wrong, wide, lane_ok, NARROW)
-    else:
-        (lane_ok2, k2, lo2, W2, A2, x2, bad2, wide2, ptr2, base2, eptr2, ebase2, row02, off2, _, _, has_words2,
-         window2) = _decode_lanes_start(grp + GPP, lo_ptr, w_ptr, a_ptr, rank_ptr, states_in, gend_ptr, glen_ptr,
-                                        gesc_ptr, geend_ptr, words_ptr, K, n_lanes, n_groups, S, k_coded, n_words,
-                                        step, bound, row_w, G, WIDE_INDEX, SCALED)
-        may_escape |= tl.max(tl.max((A2 > W2).to(tl.int32), 1), 0) > 0
-        wrong2 = tl.zeros([GPP, G], tl.int32)
-        for i in range(0, S):
-            x, ptr, eptr, window, off, bad, wrong, wide = _decode_lanes_step(
-                i, x, ptr, eptr, window, off, bad, wrong, wide, lane_ok, k, lo32, W, A, row0, base, ebase, jg,
-                has_words, last_word, last_esc, may_escape, words_ptr, lut_ptr, tab_ptr, esc_in, out_ptr, K, T,
-                step, bound, row_w, HCAP, PROB_BITS, G, PACKED, VOTE, NARROW, SCALED, PREFETCH)
-            x2, ptr2, eptr2, window2, off2, bad2, wrong2, wide2 = _decode_lanes_step(
-                i, x2, ptr2, eptr2, window2, off2, bad2, wrong2, wide2, lane_ok2, k2, lo2, W2, A2, row02, base2,
-                ebase2, jg, has_words2, last_word, last_esc, may_escape, words_ptr, lut_ptr, tab_ptr, esc_in,
-                out_ptr, K, T, step, bound, row_w, HCAP, PROB_BITS, G, PACKED, VOTE, NARROW, SCALED, PREFETCH)
-        worst = tl.maximum(_decode_lanes_end(x, ptr, eptr, bad, wrong, wide, lane_ok, NARROW),
-                           _decode_lanes_end(x2, ptr2, eptr2, bad2, wrong2, wide2, lane_ok2, NARROW))
-    tl.atomic_or(err_ptr, worst)
+    for i in range(0, S):
+        x, ptr, eptr, window, off, bad, wrong, wide = _decode_lanes_step(
+            i, x, ptr, eptr, window, off, bad, wrong, wide, lane_ok, k, lo32, W, A, row0, base, ebase, jg,
+            has_words, last_word, last_esc, may_escape, words_ptr, lut_ptr, tab_ptr, esc_in, out_ptr, K, T,
+            step, bound, row_w, HCAP, PROB_BITS, G, PACKED, VOTE, NARROW, SCALED, PREFETCH)
+    tl.atomic_or(err_ptr, _decode_lanes_end(x, ptr, eptr, bad, wrong, wide, lane_ok, NARROW))

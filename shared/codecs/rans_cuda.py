@@ -162,7 +162,6 @@ META_BLOCK = 256  # components a meta kernel sums at a time for the offsets of t
 # (docs/findings.md)
 TABLE_MAXNREG = 80
 TABLE_TRY_BLOCK, TABLE_CHUNK = 4, 64  # tables' model search: candidates costed at once, symbols per step
-DECODE_CHAINS = 1  # decoder lanes: sets of lane groups a program decodes side by side (1 or 2; see decode_kernel)
 USE_STREAM_PREFETCH = True  # decoder lanes: prefetch each group's stream into L2 a few steps ahead
 SYMBOL_LOOKUP = False  # decoder lanes, prob_bits <= 11: True looks the slot's symbol up in one byte, then the
 # symbol's (cum, freq) entry (a quarter of the table bytes, a second dependent load); False reads one packed int32.
@@ -944,13 +943,11 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
                                           lambda: torch.zeros(N, dtype=torch.float32, device=dev))
         width = K
         out = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
-    chains = DECODE_CHAINS
-    kern["decode"][(triton_cdiv(NG, _groups_per_program() * chains), N)](
+    kern["decode"][(triton_cdiv(NG, _groups_per_program()), N)](
         b16, b32, segs, gend, glen.contiguous(), lo, W, A, rank, lut, tab, out, gesc.contiguous(), geend, err,
         steps, bounds, T, K, NL, NG, S, width, HCAP=HCAP, PROB_BITS=n, G=G, GPP=_groups_per_program(),
         WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields),
-        VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None, PREFETCH=USE_STREAM_PREFETCH and _ptx(),
-        CHAINS=chains)
+        VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None, PREFETCH=USE_STREAM_PREFETCH and _ptx())
     return list(out.unbind(0)), err
 
 
