@@ -545,6 +545,15 @@ def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask):
 
 
 @triton.jit
+def group_lanes(grp, K, n_lanes, G: tl.constexpr):
+    """The lanes of lane groups grp [GPP], as [GPP, G]: their numbers, whether they exist, and each one's
+    token block p and component k (lane = p * K + k: a group's lanes are consecutive components)."""
+    lane = grp[:, None] * G + tl.arange(0, G)[None, :]
+    p = lane // K
+    return lane, lane < n_lanes, p, lane - p * K
+
+
+@triton.jit
 def lanes_before(flag, jg, VOTE: tl.constexpr):
     """For 0/1 int32 flags [GPP, G] of lane groups: how many lanes before each one in its group are
     flagged (an exclusive prefix count, the rank at which a lane writes or reads a shared stream),
@@ -645,10 +654,7 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     ebuf_ptr += s * n_groups * ecap
     scal_ptr += s * SCAL_SLOTS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
-    lane = grp[:, None] * G + tl.arange(0, G)[None, :]
-    lane_ok = lane < n_lanes
-    p = lane // K
-    k = lane - p * K
+    lane, lane_ok, p, k = group_lanes(grp, K, n_lanes, G)
     lo64 = tl.load(lo_ptr + k, mask=lane_ok, other=0)
     W64 = tl.load(w_ptr + k, mask=lane_ok, other=1)
     may_escape = tl.max(tl.max((tl.load(a_ptr + k, mask=lane_ok, other=0) > W64).to(tl.int32), 1), 0) > 0
@@ -1268,10 +1274,7 @@ def _decode_lanes_start(grp, lo_ptr, w_ptr, a_ptr, rank_ptr, states_in, gend_ptr
     window (k, lo, W, A), state x, read positions in the words (ptr, base) and escapes (eptr, ebase),
     first output offset, first word window, and the flags found so far (bad, wide)."""
     grp_ok = grp < n_groups
-    lane = grp[:, None] * G + tl.arange(0, G)[None, :]
-    lane_ok = lane < n_lanes
-    p = lane // K
-    k = lane - p * K
+    _, lane_ok, p, k = group_lanes(grp, K, n_lanes, G)
     lo = tl.load(lo_ptr + k, mask=lane_ok, other=0)
     W = tl.load(w_ptr + k, mask=lane_ok, other=0)
     A = tl.load(a_ptr + k, mask=lane_ok, other=0)
