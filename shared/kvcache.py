@@ -20,7 +20,9 @@ the codec's layout; the tensors handed to attention are views [1, kv_heads, T, h
 (copied to contiguous tensors when `contiguous=True`, the default, so attention sees exactly the tensors a
 DynamicCache would hand it). New tokens go to a recent window kept on the compute device; when it reaches
 `chunk_tokens` tokens it is flushed to the stored form as one piece (one host copy, or one blob per K/V),
-so appending never re-codes stored KV. The first call's tokens (the prompt; `store_prompt=True`, the
+so appending never quantizes stored KV again. With `merge_chunks` (the default) a flushed chunk is then
+joined with the chunk before it while that one is no longer (TensorCodec.join: the symbols are coded again,
+their values unchanged), so a long generation keeps a few large containers per layer, not one per flush. The first call's tokens (the prompt; `store_prompt=True`, the
 default) and any call that brings `chunk_tokens` or more tokens at once are flushed as one piece: the
 prompt becomes one large blob per layer per K/V, and a step decodes few, large blobs. Tokens are attended exactly within the call that produced them and from their stored form in
 every later call once flushed; tokens still in the recent window are exact.
@@ -359,6 +361,7 @@ class _Stats:
     fetched_bytes: int = 0  # bytes that crossed host -> device for fetches
     flushes: int = 0
     flushed_tokens: int = 0
+    merges: int = 0  # stored chunks joined into one (merge_chunks)
 
 
 class SpillCache(Cache):
@@ -368,7 +371,7 @@ class SpillCache(Cache):
     def __init__(self, num_layers: int, mode: str = "raw_fetch", *, codecs=None, chunk_tokens: int = 1024,
                  max_tokens: int | None = None, prefetch: bool = True, keep_decoded: bool | None = None,
                  contiguous: bool = True, coefficients: bool = False, store_prompt: bool = True,
-                 staged: bool = True, sink: int = 0, rope=None):
+                 staged: bool = True, sink: int = 0, rope=None, merge_chunks: bool = True):
         if mode not in MODES:
             import difflib
 
@@ -402,6 +405,7 @@ class SpillCache(Cache):
         self.coefficients, self.store_prompt, self.staged = coefficients, store_prompt, staged
         self.mode, self.codecs = mode, codecs
         self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens
+        self.merge_chunks = bool(merge_chunks)
         self.prefetch_enabled, self.keep_decoded, self.contiguous = prefetch, keep_decoded, contiguous
         self.device = None
         self.stats = _Stats()
@@ -823,10 +827,37 @@ class SpillCache(Cache):
                     self._pack(layer, coded, blob_k, blob_v)
                 else:
                     layer.blobs.append((coded, _host_bytes(blob_k), _host_bytes(blob_v)))
+                if self.merge_chunks:
+                    self._merge_tail(layer_idx)
         layer.stored += m
         layer.version += 1
         self.stats.flushes += 1
         self.stats.flushed_tokens += m
+
+    def _merge_tail(self, layer_idx: int) -> None:
+        """Joins the layer's last two stored chunks into one while the older holds no more tokens than the
+        newer (a binary counter: a layer keeps about log2(stored / chunk_tokens) + 1 chunks, not one per
+        flush), as integer symbols (TensorCodec.join: every decoded value stays what it was). Each chunk's
+        containers bring their own tables, which a step decodes and looks up again: a 64K-token layer kept
+        as 1024-token chunks decodes about 12x slower than as one container (docs/findings.md)."""
+        layer = self.layers[layer_idx]
+        codec_k, codec_v = self.codecs[layer_idx]
+        if not (codec_k.symbols and codec_v.symbols):
+            return
+        while len(layer.blobs) >= 2 and layer.blobs[-2][0] <= layer.blobs[-1][0]:
+            (m1, k1, v1), (m2, k2, v2) = layer.blobs[-2:]
+            device = self.device if self.on_cuda else None  # a GPU's coder joins a long context's chunks in ms
+            blob_k, blob_v = codec_k.join([k1, k2], device), codec_v.join([v1, v2], device)
+            del layer.decoded[len(layer.blobs) - 2:]  # kept rows of the two are decoded again from the joined pair
+            if self.on_cuda:
+                self.drain()  # queued copies may still read the bytes about to be written over
+                cut = layer.places[-4][0]
+                del layer.places[-4:], layer.container_heads[-4:], layer.blobs[-2:]
+                layer.packed_len = cut
+                self._pack(layer, m1 + m2, blob_k, blob_v)
+            else:
+                layer.blobs[-2:] = [(m1 + m2, blob_k, blob_v)]
+            self.stats.merges += 1
 
     def _keep_sink(self, layer: SpillLayer, k_rows, v_rows):
         """The layer's first `sink` tokens go to its raw sink rows; returns the rows left to code."""

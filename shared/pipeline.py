@@ -376,6 +376,52 @@ class TensorCodec:
         as is every other malformed, inconsistent or corrupt one."""
         return decode_many([self], [blob], device=device, max_elements=max_elements)[0]
 
+    def join(self, blobs, device=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> bytes:
+        """Compute-codec containers of this codec ([T_i, D] each, one dtype, one quantization step) -> one
+        container of all their rows, in order. They are joined as integer symbols, so every decoded value is
+        what it was; decoding the rows and coding them again would quantize them a second time (bf16
+        rounding moves values across step boundaries). blobs: bytes-like or uint8 tensors (a CUDA one is
+        read through the host). device None: the CPU coder; a torch device: the GPU coder's kernels there
+        (the same bytes, at GPU speed: a cache joining a long context's chunks wants that). One container
+        comes back coded again."""
+        if not self.symbols:
+            raise ConfigurationError("join takes compute-codec containers (backend 'rans'); the frame path "
+                                     "quantizes each tensor's channels on their own ranges, so its planes do not join")
+        if len(blobs) == 0:
+            raise ConfigurationError("join needs at least one container")
+        from .codecs import rans_cpu
+        from .rdquant import RDQuantizer
+
+        parts, first = [], None
+        for i, blob in enumerate(blobs):
+            header, chunks = unpack(blob, max_elements=max_elements)
+            if header["quant"]["kind"] != "rd_shared_step":
+                raise BitstreamError(f"container {i} is not a compute-codec payload (quantization "
+                                     f"{header['quant']['kind']!r}); join takes containers of backend 'rans'")
+            self._check_basis(header)
+            key = (header["dtype"], header["shape"][1], bytes(chunks["QPAR"]))
+            if first is None:
+                first = key
+            elif key != first:
+                raise BitstreamError(f"container {i} differs from container 0 in dtype, width or quantization "
+                                     f"step ({key[:2]} vs {first[:2]}); only containers of one codec and step join")
+            parts.append((chunks["DATA"], header["shape"][0] * schema.components(header)))
+        if device is None:
+            symbols = np.concatenate([rans_cpu.coder().decode(data, max_elements=n) for data, n in parts])
+            tokens, data = symbols.shape[0], rans_cpu.coder().encode(np.ascontiguousarray(symbols, np.int32),
+                                                                    lane_tokens=self.lane_tokens)
+        else:
+            import torch
+
+            from .codecs import rans_cuda
+
+            payloads = [torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) for data, _ in parts]
+            symbols, _ = rans_cuda.decode_many_cuda(payloads, max_elements=[n for _, n in parts])
+            joined = torch.cat(symbols)
+            tokens, data = joined.shape[0], rans_cuda.encode_cuda(joined, lane_tokens=self.lane_tokens).cpu().numpy().tobytes()
+        header, qpar = self._symbols_header((tokens, first[1]), first[0], RDQuantizer.from_bytes(first[2]))
+        return pack(header, {"QPAR": qpar, "DATA": data})
+
     def measure(self, x) -> dict:
         """Encode and decode x; the ratio vs bf16 and the quality this tensor gets (shared.metrics)."""
         from .metrics import quality

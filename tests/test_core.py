@@ -760,3 +760,25 @@ def test_results_writer_never_replaces_gpu_rows_with_a_cpu_run(tmp_path, monkeyp
     written = cpu.save()
     assert written == tmp_path / "local" / "99_probe.csv"
     assert pd.read_csv(tmp_path / "99_probe.csv").device.tolist() == ["NVIDIA H200"]
+
+
+def test_join_keeps_every_symbol_and_refuses_what_does_not_join():
+    """TensorCodec.join: containers of one codec joined along tokens decode to the rows each decoded to
+    (the symbols are coded again, not the values quantized again), in one container no larger than the
+    parts; the frame path, another step, another basis and an empty list are refused by name."""
+    x = torch.from_numpy(low_rank(tokens=900, dim=48, rank=12)).to(torch.bfloat16)
+    basis = fit_basis([x.float().numpy()], k=48)
+    codec = TensorCodec(basis, backend="rans", step=0.02)
+    parts = [codec.encode(x[a:b]) for a, b in ((0, 500), (500, 520), (520, 900))]
+    joined = codec.join(parts)
+    assert read_header(joined)["shape"] == [900, 48]
+    assert torch.equal(codec.decode(joined), torch.cat([codec.decode(p) for p in parts]))
+    assert len(joined) < sum(len(p) for p in parts)
+    with pytest.raises(ConfigurationError, match="compute-codec"):
+        TensorCodec(basis, backend="zstd").join(parts)
+    with pytest.raises(ConfigurationError, match="at least one"):
+        codec.join([])
+    with pytest.raises(BitstreamError, match="container 1 differs"):
+        codec.join([parts[0], TensorCodec(basis, backend="rans", step=0.03).encode(x[:50])])
+    with pytest.raises(BasisMismatchError):
+        codec.join([TensorCodec(fit_basis([x[:300].float().numpy()], k=48), backend="rans", step=0.02).encode(x[:50])])

@@ -139,6 +139,23 @@ def test_a_prompt_shorter_than_a_chunk_is_stored_at_once(llama, prompt, codecs):
     assert cache.stored_tokens() == PROMPT and cache.layers[0].recent == 19 and cache.stored_bytes() > 0
 
 
+def test_flushed_chunks_are_joined_as_a_binary_counter(llama, prompt, codecs):
+    """merge_chunks (the default): a chunk is joined with the one before it while that one is no longer,
+    so 3 x 8 + 4 tokens flushed after a prompt leave the prompt, 16 and 8 (not four chunks), and attention
+    gets exactly the rows a cache that keeps every chunk apart gives it."""
+    caches = [SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK, merge_chunks=merge)
+              for merge in (True, False)]
+    for cache in caches:
+        generate(llama, prompt, cache, new=3 * CHUNK + 1)
+    merged, apart = caches
+    assert [m for m, _, _ in merged.layers[0].blobs] == [PROMPT, 2 * CHUNK, CHUNK]
+    assert [m for m, _, _ in apart.layers[0].blobs] == [PROMPT, CHUNK, CHUNK, CHUNK]
+    assert merged.stats.merges == 2 and apart.stats.merges == 0  # one a layer
+    for i in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(merged.fetched_kv(i), apart.fetched_kv(i)))
+    assert merged.stored_bytes() < apart.stored_bytes()
+
+
 def test_flush_spills_the_recent_window(llama, prompt):
     cache = SpillCache(2, "raw_fetch", chunk_tokens=1000, store_prompt=False)
     with torch.no_grad():
@@ -430,7 +447,9 @@ def test_kv_codec_cache_decodes_what_the_kv_codec_decodes(llama, prompt, sink):
     for t in [slice(0, PROMPT)] + [slice(t, t + 1) for t in range(PROMPT, ids.shape[1])]:
         for i, (k_rows, v_rows) in enumerate(full):
             cache.update(rows_to_states(k_rows[t], KV_HEADS), rows_to_states(v_rows[t], KV_HEADS), i)
-    assert cache.stored_tokens() == ids.shape[1] and len(cache.layers[0].blobs) == 3  # keys coded at 0.., 40.., 48..
+    # keys coded at 0.. and 40..: the two 8-token chunks flushed at 40 and 48 were joined (merge_chunks)
+    assert cache.stored_tokens() == ids.shape[1] and [m for m, _, _ in cache.layers[0].blobs] == [PROMPT - sink, 2 * CHUNK]
+    assert cache.stats.merges == 2  # one a layer
     assert cache.layers[0].sink == sink and cache.layers[0].chunks()[0] == (sink, PROMPT - sink)
     for i, (k_rows, v_rows) in enumerate(full):
         k, v = cache.fetched_kv(i)

@@ -984,3 +984,18 @@ def test_cuda_scaled_decode_rounds_as_torch_and_reads_payloads_in_place(monkeypa
     _, err = rans_cuda.decode_many_cuda(blobs, scales=[(step, 1e30, width, 40), (step, bound, width, 40)],
                                         check=False)
     assert err.tolist()[0] == 0 and err.tolist()[1] & 1
+
+
+@needs_triton
+def test_triton_interpreter_joins_containers_to_the_cpu_coders_bytes():
+    """TensorCodec.join through the GPU coder's kernels (here under Triton's interpreter, on CPU tensors)
+    writes the container the CPU coder's join writes: the same symbols, coded again to the same bytes."""
+    run_interpreted("""
+        import torch
+        from shared.basis import fit_basis
+        from shared.pipeline import TensorCodec
+        x = torch.from_numpy(pca_like(300, 16)).to(torch.bfloat16)
+        codec = TensorCodec(fit_basis([x.float().numpy()], k=16), backend="rans", step=0.05, lane_tokens=64)
+        parts = [codec.encode(x[:200]), codec.encode(x[200:])]
+        assert codec.join(parts, device="cpu") == codec.join(parts)
+    """)
