@@ -765,7 +765,8 @@ def test_results_writer_never_replaces_gpu_rows_with_a_cpu_run(tmp_path, monkeyp
 def test_join_keeps_every_symbol_and_refuses_what_does_not_join():
     """TensorCodec.join: containers of one codec joined along tokens decode to the rows each decoded to
     (the symbols are coded again, not the values quantized again), in one container no larger than the
-    parts; the frame path, another step, another basis and an empty list are refused by name."""
+    parts; the frame path, another step, another basis and an empty list are refused by name, a
+    damaged part as corrupt."""
     x = torch.from_numpy(low_rank(tokens=900, dim=48, rank=12)).to(torch.bfloat16)
     basis = fit_basis([x.float().numpy()], k=48)
     codec = TensorCodec(basis, backend="rans", step=0.02)
@@ -782,3 +783,7 @@ def test_join_keeps_every_symbol_and_refuses_what_does_not_join():
         codec.join([parts[0], TensorCodec(basis, backend="rans", step=0.03).encode(x[:50])])
     with pytest.raises(BasisMismatchError):
         codec.join([TensorCodec(fit_basis([x[:300].float().numpy()], k=48), backend="rans", step=0.02).encode(x[:50])])
+    damaged = bytearray(parts[2])
+    damaged[len(damaged) // 2] ^= 0x10
+    with pytest.raises(BitstreamError):
+        codec.join([parts[0], bytes(damaged)])
