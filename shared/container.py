@@ -160,6 +160,18 @@ def _parse(blob: bytes, total: int, lazy_last: bool = False,
     return header, spans
 
 
+def parse_resident(blob, head: bytes, total: int, max_elements: int):
+    """Header and chunk spans of a GPU-resident container (a uint8 CUDA tensor of `total` bytes) from
+    `head`, its first bytes already on the host; the whole container is read to the host only where
+    the header runs past them (longer than PREFIX_READ)."""
+    try:
+        return _parse(head, total, lazy_last=True, max_elements=max_elements)
+    except BitstreamError:
+        if len(head) >= total:
+            raise
+        return _parse(bytes(blob.cpu().numpy()), total, lazy_last=True, max_elements=max_elements)
+
+
 def unpack_container(blob) -> tuple[dict, dict[str, bytes]]:
     """(header, chunks) of a container that holds another format than a TensorCodec's (the KV codec of
     shared.kvcodec): magic, version, CRCs and the chunk list checked, the header a bounded JSON

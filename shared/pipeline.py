@@ -26,7 +26,8 @@ from .basis import PCABasis, as_float_matrix
 from .codecs import get_backend, require_cuda
 from .codecs.base import LazyViews
 from .codecs.rans import read_header as read_rans_header
-from .container import PAYLOAD_ALIGN, PREFIX_READ, SELF_CHECKED, _is_tensor, _parse, container_prefix, pack, unpack
+from .container import (PAYLOAD_ALIGN, PREFIX_READ, SELF_CHECKED, _is_tensor, _parse, container_prefix, pack,
+                        parse_resident, unpack)
 from .container import MAGIC, VERSION, read_header, unpack_container  # noqa: F401  re-exported (shared.pipeline's API)
 from .errors import BasisMismatchError, BitstreamError, ConfigurationError, InvalidTensorError
 from .quant import PerChannelQuantizer
@@ -913,7 +914,7 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
     out, jobs = [None] * len(blobs), []  # jobs: (index, header, qpar, payload on the GPU, its first bytes)
     for i, (codec, blob) in enumerate(zip(codecs, blobs)):
         if i in heads:
-            header, spans = _parse_resident(blob, heads[i], blob.numel(), max_elements)
+            header, spans = parse_resident(blob, heads[i], blob.numel(), max_elements)
             (qa, qb), (a, b) = spans.get("QPAR", (0, 0)), spans["DATA"]
             if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(heads[i]) and qb <= len(heads[i]):
                 inner = schema.check_chunks(header, {"QPAR": heads[i][qa:qb], "DATA": heads[i][a:a + 64]},
@@ -1296,14 +1297,3 @@ class StagedDecode:
         first = self.corrupt()
         if first is not None:
             raise BitstreamError(f"{rans_cuda.CORRUPT} (container {first} of the list)")
-
-
-def _parse_resident(blob, head: bytes, total: int, max_elements: int):
-    """Header and chunk spans of a GPU-resident container from its first bytes (more are read when
-    the header is longer than PREFIX_READ)."""
-    try:
-        return _parse(head, total, lazy_last=True, max_elements=max_elements)
-    except BitstreamError:
-        if len(head) >= total:
-            raise
-        return _parse(bytes(blob.cpu().numpy()), total, lazy_last=True, max_elements=max_elements)
