@@ -12,21 +12,24 @@ the next state), in three layouts of the same tables:
             (Triton lowers a gather across lanes through shared memory)
 
 All three compute the same kind of chain; each is checked against a torch reference of its own lanes, then
-timed (CUDA events, median of REPEATS) and reported as lookups per ns.
+timed (CUDA events, median) and reported as lookups per ns.
 
 Command:  python3 dev/lookup_locality.py      (an NVIDIA GPU; a few seconds)
 """
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from staged_decode_sizes import timed  # noqa: E402  (CUDA events, median of its REPEATS)
+
 TABLES = 2050          # tables (a layer's K and V: 2 x 1025 components)
 SLOTS_LOG2 = 10        # slots a table (prob_bits 10: 4 KB of int32)
 STEPS = 256            # dependent lookups a lane (PoC 17's lane length)
 WARPS_TOTAL = 16384    # programs of one warp (a 64K layer's K and V: 2 x 8192 lane groups)
-REPEATS = 20           # timed launches
 
 
 @triton.jit
@@ -91,15 +94,7 @@ def main() -> None:
         got = out[:64 * 32].long() & 0xFFFFFFFF
         if not torch.equal(got, want & 0xFFFFFFFF):
             sys.exit(f"{name}: the kernel's chains differ from torch's")
-        times = []
-        for _ in range(REPEATS):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        ms = sorted(times)[len(times) // 2]
+        ms = timed(run)
         lookups = WARPS_TOTAL * 32 * STEPS
         print(f"  {name:>9}: {ms:7.3f} ms, {lookups / ms / 1e6:6.1f} lookups/ns   (matches torch)", flush=True)
 
