@@ -1267,121 +1267,6 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
 
 
 @triton.jit
-def _decode_lanes_start(grp, lo_ptr, w_ptr, a_ptr, rank_ptr, states_in, gend_ptr, glen_ptr, gesc_ptr, geend_ptr,
-                        words_ptr, K, n_lanes, n_groups, S, k_coded, n_words, step, bound, row_w,
-                        G: tl.constexpr, WIDE_INDEX: tl.constexpr, SCALED: tl.constexpr):
-    """The lanes of lane groups grp [GPP], each as [GPP, G], before their first step: component and
-    window (k, lo, W, A), state x, read positions in the words (ptr, base) and escapes (eptr, ebase),
-    first output offset, first word window, and the flags found so far (bad, wide)."""
-    grp_ok = grp < n_groups
-    _, lane_ok, p, k = group_lanes(grp, K, n_lanes, G)
-    lo = tl.load(lo_ptr + k, mask=lane_ok, other=0)
-    W = tl.load(w_ptr + k, mask=lane_ok, other=0)
-    A = tl.load(a_ptr + k, mask=lane_ok, other=0)
-    rank = tl.load(rank_ptr + k, mask=lane_ok, other=0)
-    coded = lane_ok & (A > 1) & (rank < k_coded)
-    x = tl.load(states_in + p.to(tl.int64) * k_coded + rank, mask=coded, other=65536).to(tl.uint32, bitcast=True)
-    bad = (x < 65536).to(tl.int32)
-    wide = ((lo < -32768) | (lo + tl.maximum(W, 1) - 1 > 32767)) & lane_ok  # NARROW: a window past int16
-    if SCALED:  # the window's ends bound every value that is not escaped
-        reach = tl.maximum(tl.abs(lo.to(tl.float32)), tl.abs((lo + tl.maximum(W, 1) - 1).to(tl.float32))) * step
-        bad |= (lane_ok & ~(reach <= bound)).to(tl.int32)
-    glen = tl.load(glen_ptr + grp, mask=grp_ok, other=0)
-    ptr = glen[:, None] + tl.zeros([grp.shape[0], G], tl.int32)  # each group's read position, in each of its lanes
-    base = tl.load(gend_ptr + grp, mask=grp_ok, other=0) - glen
-    gesc = tl.load(gesc_ptr + grp, mask=grp_ok, other=0)
-    eptr = gesc[:, None] + tl.zeros([grp.shape[0], G], tl.int32)
-    ebase = tl.load(geend_ptr + grp, mask=grp_ok, other=0) - gesc
-    row0 = p * S
-    last_word = tl.maximum(n_words - 1, 0)
-    if WIDE_INDEX:
-        off = row0.to(tl.int64) * row_w + k
-    else:
-        off = row0 * row_w + k
-        # word offsets then fit int32 (a stream holds at most T * K words); a hostile base only wraps,
-        # and the window's clamp to [0, last_word] still bounds every read
-        base = base.to(tl.int32)
-        last_word = tl.minimum(last_word, 2147483647).to(tl.int32)
-    jg = tl.zeros([grp.shape[0], G], tl.int32) + tl.arange(0, G)[None, :]
-    has_words = grp_ok[:, None] & (n_words > 0)
-    window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
-    return (lane_ok, k, lo.to(tl.int32), W, A, x, bad, wide, ptr, base, eptr, ebase, row0, off, last_word, jg,
-            has_words, window)
-
-
-@triton.jit
-def _decode_lanes_step(i, x, ptr, eptr, window, off, bad, wrong, wide, lane_ok, k, lo32, W, A, row0, base, ebase,
-                       jg, has_words, last_word, last_esc, may_escape, words_ptr, lut_ptr, tab_ptr, esc_in, out_ptr,
-                       K, T, step, bound, row_w, HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr,
-                       PACKED: tl.constexpr, VOTE: tl.constexpr, NARROW: tl.constexpr, SCALED: tl.constexpr,
-                       PREFETCH: tl.constexpr):
-    """Step i of a set of lane groups (as _decode_lanes_start gives them): each lane decodes one
-    value, writes it and reads the words and escapes its renormalization needs."""
-    M: tl.constexpr = 1 << PROB_BITS
-    active = lane_ok & (row0 + i < T)
-    comp = tl.where(active, k, K)
-    slot = (x & (M - 1)).to(tl.int32)
-    e = tl.load(lut_ptr + comp * M + slot)
-    if PACKED:
-        s = e >> (2 * PROB_BITS)
-        f = ((e >> PROB_BITS) & (M - 1)).to(tl.uint32) + 1
-        x = f * (x >> PROB_BITS) + (e & (M - 1)).to(tl.uint32)
-    else:
-        s = e.to(tl.int32)
-        t = tl.load(tab_ptr + comp * HCAP + s)
-        f = (t & 0xFFFF).to(tl.uint32)
-        c = (t >> 16).to(tl.uint32)
-        x = f * (x >> PROB_BITS) + (slot.to(tl.uint32) - c)
-    need = x < 65536
-    nd = need.to(tl.int32)
-    rank_w, tot, rwrong = lanes_before(nd, jg, VOTE)
-    wrong |= rwrong
-    ptr -= tot
-    bad |= (ptr < 0).to(tl.int32)
-    # the lane of rank r reads word ptr + r, which is window slot G - tot + r
-    wd = tl.gather(window, tl.minimum(G - tot + rank_w, G - 1), 1)
-    # the next step's window: the G words below the new read position (issued now, so its
-    # latency overlaps the next lookup's)
-    window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
-    if PREFETCH:  # the stream's words a few steps ahead: the window's load then finds them in L2
-        ahead = base[:, None] + (ptr - (STREAM_PREFETCH_GROUPS + 1) * G + jg)
-        prefetch_l2(words_ptr + tl.minimum(tl.maximum(ahead, 0), last_word), has_words & (ahead >= 0))
-    x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
-    val = lo32 + s  # wraps only for an escape symbol, whose value is replaced
-    if may_escape:
-        esc_now = active & (s == W) & (A > W)
-        ee = esc_now.to(tl.int32)
-        erank, ecount, ewrong = lanes_before(ee, jg, VOTE)
-        wrong |= ewrong
-        eptr -= ecount
-        bad |= (eptr < 0).to(tl.int32)
-        ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr + erank), 0), last_esc)
-        val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
-        if NARROW:
-            wide |= esc_now & ((val < -32768) | (val > 32767))
-        if SCALED:
-            bad |= (esc_now & ~(tl.abs(val.to(tl.float32)) * step <= bound)).to(tl.int32)
-    if SCALED:
-        tl.store(out_ptr + off, (val.to(tl.float32) * step).to(tl.bfloat16), mask=active)
-    else:
-        tl.store(out_ptr + off, val, mask=active)
-    off += row_w
-    return x, ptr, eptr, window, off, bad, wrong, wide
-
-
-@triton.jit
-def _decode_lanes_end(x, ptr, eptr, bad, wrong, wide, lane_ok, NARROW: tl.constexpr):
-    """A set of lane groups' flags after their last step (a lane must end in the encoder's first state,
-    every word and escape read): the worst over its lanes."""
-    bad |= ((x != 65536) & lane_ok).to(tl.int32)
-    bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)
-    bad |= 4 * wrong
-    if NARROW:
-        bad |= 8 * wide.to(tl.int32)
-    return tl.max(tl.max(tl.where(lane_ok, bad, 0), 1), 0)
-
-
-@triton.jit
 def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, rank_ptr, lut_ptr, tab_ptr,
                   out_ptr, gesc_ptr, geend_ptr, err_ptr, step_ptr, bound_ptr, T, K, n_lanes, n_groups, S, OUT_W,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
@@ -1426,25 +1311,107 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     bound = tl.load(bound_ptr + sg)
     if SCALED:
         out_ptr += sg.to(tl.int64) * T * OUT_W
-        row_w = OUT_W
     else:
         out_ptr += sg.to(tl.int64) * T * K
-        row_w = K
     err_ptr += sg
-    last_esc = tl.maximum(n_esc - 1, 0)
+    M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
-    (lane_ok, k, lo32, W, A, x, bad, wide, ptr, base, eptr, ebase, row0, off, last_word, jg, has_words,
-     window) = _decode_lanes_start(grp, lo_ptr, w_ptr, a_ptr, rank_ptr, states_in, gend_ptr, glen_ptr, gesc_ptr,
-                                   geend_ptr, words_ptr, K, n_lanes, n_groups, S, k_coded, n_words, step, bound,
-                                   row_w, G, WIDE_INDEX, SCALED)
+    grp_ok = grp < n_groups
+    _, lane_ok, p, k = group_lanes(grp, K, n_lanes, G)
+    lo = tl.load(lo_ptr + k, mask=lane_ok, other=0)
+    W = tl.load(w_ptr + k, mask=lane_ok, other=0)
+    A = tl.load(a_ptr + k, mask=lane_ok, other=0)
+    rank = tl.load(rank_ptr + k, mask=lane_ok, other=0)
+    lo32 = lo.to(tl.int32)
+    coded = lane_ok & (A > 1) & (rank < k_coded)
     may_escape = tl.max(tl.max((A > W).to(tl.int32), 1), 0) > 0
-    wrong = tl.zeros([GPP, G], tl.int32)
+    x = tl.load(states_in + p.to(tl.int64) * k_coded + rank, mask=coded, other=65536).to(tl.uint32, bitcast=True)
+    bad = (x < 65536).to(tl.int32)
+    wide = ((lo < -32768) | (lo + tl.maximum(W, 1) - 1 > 32767)) & lane_ok  # NARROW: a window past int16
+    if SCALED:  # the window's ends bound every value that is not escaped
+        reach = tl.maximum(tl.abs(lo.to(tl.float32)), tl.abs((lo + tl.maximum(W, 1) - 1).to(tl.float32))) * step
+        bad |= (lane_ok & ~(reach <= bound)).to(tl.int32)
+    glen = tl.load(glen_ptr + grp, mask=grp_ok, other=0)
+    ptr = glen[:, None] + tl.zeros([GPP, G], tl.int32)  # each group's read position, in each of its lanes
+    base = tl.load(gend_ptr + grp, mask=grp_ok, other=0) - glen
+    gesc = tl.load(gesc_ptr + grp, mask=grp_ok, other=0)
+    eptr = gesc[:, None] + tl.zeros([GPP, G], tl.int32)
+    ebase = tl.load(geend_ptr + grp, mask=grp_ok, other=0) - gesc
+    last_esc = tl.maximum(n_esc - 1, 0)
     if tl.program_id(0) == 0:  # the groups' counts must add up to the stream's and the escapes'
         bad |= ((tl.load(gend_ptr + n_groups - 1) != n_words) | (tl.load(geend_ptr + n_groups - 1) != n_esc)).to(
             tl.int32)
+    row0 = p * S
+    last_word = tl.maximum(n_words - 1, 0)
+    if SCALED:
+        row_w = OUT_W
+    else:
+        row_w = K
+    if WIDE_INDEX:
+        off = row0.to(tl.int64) * row_w + k
+    else:
+        off = row0 * row_w + k
+        # word offsets then fit int32 (a stream holds at most T * K words); a hostile base only wraps,
+        # and the window's clamp to [0, last_word] still bounds every read
+        base = base.to(tl.int32)
+        last_word = tl.minimum(last_word, 2147483647).to(tl.int32)
+    jg = tl.zeros([GPP, G], tl.int32) + tl.arange(0, G)[None, :]
+    wrong = tl.zeros([GPP, G], tl.int32)
+    has_words = grp_ok[:, None] & (n_words > 0)
+    window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
     for i in range(0, S):
-        x, ptr, eptr, window, off, bad, wrong, wide = _decode_lanes_step(
-            i, x, ptr, eptr, window, off, bad, wrong, wide, lane_ok, k, lo32, W, A, row0, base, ebase, jg,
-            has_words, last_word, last_esc, may_escape, words_ptr, lut_ptr, tab_ptr, esc_in, out_ptr, K, T,
-            step, bound, row_w, HCAP, PROB_BITS, G, PACKED, VOTE, NARROW, SCALED, PREFETCH)
-    tl.atomic_or(err_ptr, _decode_lanes_end(x, ptr, eptr, bad, wrong, wide, lane_ok, NARROW))
+        row = row0 + i
+        active = lane_ok & (row < T)
+        comp = tl.where(active, k, K)
+        slot = (x & (M - 1)).to(tl.int32)
+        e = tl.load(lut_ptr + comp * M + slot)
+        if PACKED:
+            s = e >> (2 * PROB_BITS)
+            f = ((e >> PROB_BITS) & (M - 1)).to(tl.uint32) + 1
+            x = f * (x >> PROB_BITS) + (e & (M - 1)).to(tl.uint32)
+        else:
+            s = e.to(tl.int32)
+            t = tl.load(tab_ptr + comp * HCAP + s)
+            f = (t & 0xFFFF).to(tl.uint32)
+            c = (t >> 16).to(tl.uint32)
+            x = f * (x >> PROB_BITS) + (slot.to(tl.uint32) - c)
+        need = x < 65536
+        nd = need.to(tl.int32)
+        rank_w, tot, rwrong = lanes_before(nd, jg, VOTE)
+        wrong |= rwrong
+        ptr -= tot
+        bad |= (ptr < 0).to(tl.int32)
+        # the lane of rank r reads word ptr + r, which is window slot G - tot + r
+        wd = tl.gather(window, tl.minimum(G - tot + rank_w, G - 1), 1)
+        # the next step's window: the G words below the new read position (issued now, so its
+        # latency overlaps the next lookup's)
+        window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
+        if PREFETCH:  # the stream's words a few steps ahead: the window's load then finds them in L2
+            ahead = base[:, None] + (ptr - (STREAM_PREFETCH_GROUPS + 1) * G + jg)
+            prefetch_l2(words_ptr + tl.minimum(tl.maximum(ahead, 0), last_word), has_words & (ahead >= 0))
+        x = tl.where(need, (x << 16) | wd.to(tl.uint32), x)
+        val = lo32 + s  # wraps only for an escape symbol, whose value is replaced
+        if may_escape:
+            esc_now = active & (s == W) & (A > W)
+            ee = esc_now.to(tl.int32)
+            erank, ecount, ewrong = lanes_before(ee, jg, VOTE)
+            wrong |= ewrong
+            eptr -= ecount
+            bad |= (eptr < 0).to(tl.int32)
+            ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr + erank), 0), last_esc)
+            val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
+            if NARROW:
+                wide |= esc_now & ((val < -32768) | (val > 32767))
+            if SCALED:
+                bad |= (esc_now & ~(tl.abs(val.to(tl.float32)) * step <= bound)).to(tl.int32)
+        if SCALED:
+            tl.store(out_ptr + off, (val.to(tl.float32) * step).to(tl.bfloat16), mask=active)
+        else:
+            tl.store(out_ptr + off, val, mask=active)
+        off += row_w
+    bad |= ((x != 65536) & lane_ok).to(tl.int32)
+    bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)
+    bad |= 4 * wrong
+    if NARROW:
+        bad |= 8 * wide.to(tl.int32)
+    tl.atomic_or(err_ptr, tl.max(tl.max(tl.where(lane_ok, bad, 0), 1), 0))
