@@ -656,12 +656,7 @@ class SpillCache(Cache):
             rows = (k_rows[:n].to(self.device, layer.dtype), v_rows[:n].to(self.device, layer.dtype))
             kept = kept[:-1]
         stored = min(keep, starts[len(kept)] if len(kept) < len(starts) else layer.stored)
-        layer.blobs = layer.blobs[:len(kept)]
-        layer.decoded = layer.decoded[:len(kept)]
-        if layer.places:  # CUDA: the packed buffer keeps the containers of the kept chunks
-            layer.places, layer.container_heads = layer.places[:2 * len(kept)], layer.container_heads[:2 * len(kept)]
-            layer.packed_len = _align(sum(layer.places[-1]), PACK_ALIGN) if layer.places else 0
-            layer.plans.clear()
+        self._keep_chunks(layer, len(kept))
         layer.stored, layer.recent = stored, 0
         layer.version += 1
         if rows is not None:
@@ -822,11 +817,7 @@ class SpillCache(Cache):
                 if self.rope is not None:  # keys coded as they were before RoPE, at their absolute positions
                     k_rows = self.rope.invert(k_rows, layer.stored + m - coded).to(layer.dtype).contiguous()
                 codec_k, codec_v = self.codecs[layer_idx]
-                blob_k, blob_v = encode_blobs([codec_k, codec_v], [k_rows, v_rows])
-                if self.on_cuda:
-                    self._pack(layer, coded, blob_k, blob_v)
-                else:
-                    layer.blobs.append((coded, _host_bytes(blob_k), _host_bytes(blob_v)))
+                self._store_chunk(layer, coded, *encode_blobs([codec_k, codec_v], [k_rows, v_rows]))
                 if self.merge_chunks:
                     self._merge_tail(layer_idx)
         layer.stored += m
@@ -844,20 +835,33 @@ class SpillCache(Cache):
         codec_k, codec_v = self.codecs[layer_idx]
         if not (codec_k.symbols and codec_v.symbols):
             return
+        device = self.device if self.on_cuda else None  # a GPU's coder joins a long context's chunks in ms
         while len(layer.blobs) >= 2 and layer.blobs[-2][0] <= layer.blobs[-1][0]:
             (m1, k1, v1), (m2, k2, v2) = layer.blobs[-2:]
-            device = self.device if self.on_cuda else None  # a GPU's coder joins a long context's chunks in ms
             blob_k, blob_v = codec_k.join([k1, k2], device), codec_v.join([v1, v2], device)
-            del layer.decoded[len(layer.blobs) - 2:]  # kept rows of the two are decoded again from the joined pair
             if self.on_cuda:
                 self.drain()  # queued copies may still read the bytes about to be written over
-                cut = layer.places[-4][0]
-                del layer.places[-4:], layer.container_heads[-4:], layer.blobs[-2:]
-                layer.packed_len = cut
-                self._pack(layer, m1 + m2, blob_k, blob_v)
-            else:
-                layer.blobs[-2:] = [(m1 + m2, blob_k, blob_v)]
+            self._keep_chunks(layer, len(layer.blobs) - 2)
+            self._store_chunk(layer, m1 + m2, blob_k, blob_v)
             self.stats.merges += 1
+
+    def _store_chunk(self, layer: SpillLayer, m: int, blob_k, blob_v) -> None:
+        """A coded chunk of m tokens after the layer's others: packed into its pinned buffer on CUDA, its
+        containers' bytes kept on a CPU."""
+        if self.on_cuda:
+            self._pack(layer, m, blob_k, blob_v)
+        else:
+            layer.blobs.append((m, _host_bytes(blob_k), _host_bytes(blob_v)))
+
+    @staticmethod
+    def _keep_chunks(layer: SpillLayer, n: int) -> None:
+        """Drops the layer's stored chunks past its first n: their blobs, their kept decoded rows and, on CUDA,
+        their bytes in the packed buffer (the next chunk packs where the kept ones end) and every plan."""
+        layer.blobs, layer.decoded = layer.blobs[:n], layer.decoded[:n]
+        if layer.places:
+            layer.places, layer.container_heads = layer.places[:2 * n], layer.container_heads[:2 * n]
+            layer.packed_len = _align(sum(layer.places[-1]), PACK_ALIGN) if layer.places else 0
+            layer.plans.clear()
 
     def _keep_sink(self, layer: SpillLayer, k_rows, v_rows):
         """The layer's first `sink` tokens go to its raw sink rows; returns the rows left to code."""
