@@ -13,42 +13,30 @@ Command:  python3 dev/profile_decode_lanes.py               (an NVIDIA GPU; abou
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from staged_decode_sizes import timed  # noqa: E402  (CUDA events, median of its REPEATS)
-from symbol_lookup import D_KV, LANE_TOKENS, SEED, STEP_KV, rows  # noqa: E402
-from shared.basis import fit_basis_torch  # noqa: E402
-from shared.pipeline import StagedDecode, TensorCodec, encode_many  # noqa: E402
+from symbol_lookup import D_KV, staged_layer  # noqa: E402
+from shared.pipeline import StagedDecode  # noqa: E402
 
 CONTEXT = 65536  # tokens of one layer's K and V
 REPLAYS = 3      # eager replays before timing (a profiler skips the first)
 
 
 def main() -> None:
-    kv = [rows(CONTEXT, D_KV, SEED + 1), rows(CONTEXT, D_KV, SEED + 2)]
-    codecs = [TensorCodec(fit_basis_torch(t[:8192].float(), D_KV), backend="rans", step=STEP_KV,
-                          lane_tokens=LANE_TOKENS) for t in kv]
-    blobs = [b.clone() for b in encode_many(codecs, kv)]
-    offsets = np.cumsum([0] + [-(-b.numel() // 16) * 16 for b in blobs[:-1]]).tolist()
-    total = offsets[-1] + blobs[-1].numel()
-    stage = torch.zeros(-(-total // 16) * 16, dtype=torch.uint8, device="cuda")
-    for b, a in zip(blobs, offsets):
-        stage[a:a + b.numel()].copy_(b)
-    heads = [bytes(b[:8192].cpu().numpy()) for b in blobs]
-    width = codecs[0]._projection(D_KV, "cuda").coefficient_width()
-    coeff = [torch.empty(CONTEXT, width, dtype=torch.bfloat16, device="cuda") for _ in blobs]
-    plan = StagedDecode(codecs, heads, [b.numel() for b in blobs], offsets, stage, coeff, reconstruct=False,
-                        graph=False)
+    layer = staged_layer(CONTEXT, CONTEXT)  # one container per K and V
+    coeff = [torch.empty(CONTEXT, layer.width, dtype=torch.bfloat16, device="cuda") for _ in layer.blobs]
+    plan = StagedDecode(layer.codecs, layer.heads, [b.numel() for b in layer.blobs], layer.offsets, layer.stage,
+                        coeff, reconstruct=False, graph=False)
     for _ in range(REPLAYS):
         plan.replay()
     torch.cuda.synchronize()
     plan.check()
     ms = timed(plan.replay)
     print(f"{torch.cuda.get_device_name()}: 2 x [{CONTEXT}, {D_KV}] decoded to coefficient rows, ratio "
-          f"{2 * CONTEXT * D_KV * 2 / total:.2f}x: {ms:.3f} ms a replay (eager, all kernels)")
+          f"{2 * CONTEXT * D_KV * 2 / layer.total:.2f}x: {ms:.3f} ms a replay (eager, all kernels)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ the 1024- and 65536-token cases are also profiled per kernel.
 Command:  python3 dev/symbol_lookup.py            (an NVIDIA GPU; about a minute)
 """
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +58,22 @@ def with_lookup(symbol: bool, make):
         rans_cuda.SYMBOL_LOOKUP = saved
 
 
-def chunked(context: int, chunk: int) -> dict:
-    """One layer's K and V of `context` tokens as 2 x context / chunk containers, one graph."""
+@dataclass
+class StagedLayer:
+    """One layer's K and V coded as containers, packed (16-byte aligned) in pinned memory and staged on the GPU,
+    as SpillCache lays them out: what StagedDecode takes."""
+    codecs: list
+    blobs: list
+    offsets: list
+    total: int      # bytes packed
+    host: torch.Tensor
+    stage: torch.Tensor
+    heads: list     # each container's first bytes, for the host's checks
+    width: int      # a coefficient row's values
+
+
+def staged_layer(context: int, chunk: int) -> StagedLayer:
+    """KV-like K and V rows of `context` tokens, cut into 2 x context / chunk containers."""
     kv = [rows(context, D_KV, SEED + 1), rows(context, D_KV, SEED + 2)]
     base = [TensorCodec(fit_basis_torch(t[:8192].float(), D_KV), backend="rans", step=STEP_KV,
                         lane_tokens=LANE_TOKENS) for t in kv]
@@ -72,8 +87,15 @@ def chunked(context: int, chunk: int) -> dict:
         host[a:a + b.numel()].copy_(b)
     stage = torch.empty(-(-total // 16) * 16, dtype=torch.uint8, device="cuda")
     stage[:total].copy_(host)
-    heads = [bytes(b[:8192].cpu().numpy()) for b in blobs]
-    width = codecs[0]._projection(D_KV, "cuda").coefficient_width()
+    return StagedLayer(codecs, blobs, offsets, total, host, stage, [bytes(b[:8192].cpu().numpy()) for b in blobs],
+                       codecs[0]._projection(D_KV, "cuda").coefficient_width())
+
+
+def chunked(context: int, chunk: int) -> dict:
+    """One layer's K and V of `context` tokens as 2 x context / chunk containers, one graph."""
+    layer = staged_layer(context, chunk)
+    codecs, blobs, offsets, total = layer.codecs, layer.blobs, layer.offsets, layer.total
+    host, stage, heads, width = layer.host, layer.stage, layer.heads, layer.width
     outs = {}
     ms = {"copy": timed(lambda: stage[:total].copy_(host, non_blocking=True))}
     for name, symbol in (("packed", False), ("symbol", True)):
