@@ -689,7 +689,7 @@ def _graph_key(codecs, xs):
 
     from .codecs import rans_cuda
 
-    if GRAPH_MAX_BYTES <= 0 or rans_cuda._interpreting():
+    if GRAPH_MAX_BYTES <= 0 or rans_cuda.interpreting():
         return None
     try:
         devices = tuple(map(torch.Tensor.get_device, xs))
@@ -999,7 +999,7 @@ def _decode_graph_key(codecs, blobs, device, max_elements):
 
     from .codecs import rans_cuda
 
-    if rans_cuda._interpreting() or not blobs or GRAPH_MAX_BYTES <= 0:
+    if rans_cuda.interpreting() or not blobs or GRAPH_MAX_BYTES <= 0:
         return None
     try:
         gpus = {blobs.buffer.get_device()} if isinstance(blobs, rans_cuda.Containers) \
@@ -1237,7 +1237,7 @@ class StagedDecode:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             self._launch()  # compiles the kernels and fills the caches a capture reads
-            if graph and not rans_cuda._interpreting():
+            if graph and not rans_cuda.interpreting():
                 self.graph = torch.cuda.CUDAGraph()
 
                 def capture():

@@ -408,12 +408,6 @@ def calibrate_step(basis, captures, target_cos: float, water_fill: bool = False)
     return PCABasis(basis.mean, basis.components, basis.eigenvalues, meta, basis.synthesis)
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(dev) -> int:
     import torch
@@ -555,7 +549,7 @@ class CudaProjection:
         import torch
 
         from . import _rdquant_triton as kt
-        from .codecs.rans_cuda import floats_on
+        from .codecs.rans_cuda import floats_on, interpreting
 
         N, T = xs.shape[0], xs.shape[1]
         if xs.dim() != 3 or xs.shape[2] != self.D or (self.components.dim() == 3 and self.components.shape[0] != N):
@@ -579,7 +573,7 @@ class CudaProjection:
         args = (x, self.components, self.bias, sym, mn, mx, sm, amax, T, self.D, K, inv, T.bit_length())
         # int16 symbols: int32 running sums, while no program can walk 2^16 row tiles (tiles >= 32 rows)
         sum32 = narrow and T < SUM32_MAX_TOKENS
-        if _interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
+        if interpreting():  # Triton's CPU interpreter (tests): one fixed tile shape
             b = self.BLOCK
             if not kt.hoists(self.D, b["BD"]):
                 kt.project_quantize_wide_kernel[kt.wide_grid(T, K, N)(b)](*args, UPCAST=True, SUM32=sum32,
@@ -606,7 +600,7 @@ class CudaProjection:
         import torch
 
         from . import _rdquant_triton as kt
-        from .codecs.rans_cuda import floats_on
+        from .codecs.rans_cuda import floats_on, interpreting
 
         N, T, K = symbols.shape
         if K != self.K:
@@ -618,7 +612,7 @@ class CudaProjection:
         if bad is None:
             bad = torch.zeros(N, dtype=torch.int32, device=dev)
         args = (symbols.contiguous(), self.components_t, self.mean, out, T, self.D, K, st, bad, T.bit_length())
-        if _interpreting():
+        if interpreting():
             b = self.BLOCK
             kt.reconstruct_kernel[kt.reconstruct_grid(T, self.D, N)(b)](
                 *args, BM=b["BM"], BN=b["BN"], BK=b["BD"], UPCAST=True)

@@ -31,7 +31,8 @@ _DTYPE = operator.attrgetter("dtype")
 _KERNELS = None
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """True where Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1: the tests on a machine without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -65,7 +66,7 @@ def _torch():
 
 
 def _check_device(t, what: str):
-    if t.device.type != "cuda" and not _interpreting():
+    if t.device.type != "cuda" and not interpreting():
         raise BackendUnavailable(
             f"{what} needs a CUDA tensor (got one on {t.device}); move it with .cuda(), or use the CPU coder "
             "(rans.encode/rans.decode), or set TRITON_INTERPRET=1 to run the kernels on the CPU for tests")
@@ -693,7 +694,7 @@ def _pow2(n: int) -> int:
 
 
 def _groups_per_program() -> int:
-    return INTERPRETER_GROUPS_PER_PROGRAM if _interpreting() else GROUPS_PER_PROGRAM
+    return INTERPRETER_GROUPS_PER_PROGRAM if interpreting() else GROUPS_PER_PROGRAM
 
 
 def _warps(G: int) -> int:
@@ -702,13 +703,13 @@ def _warps(G: int) -> int:
 
 def _ptx() -> bool:
     """Whether kernels may use inline PTX: an NVIDIA build of torch, not Triton's interpreter."""
-    return not _interpreting() and not getattr(_torch().version, "hip", None)
+    return not interpreting() and not getattr(_torch().version, "hip", None)
 
 
 def _vote(G: int) -> bool:
     """Whether the lanes kernels count ranks by warp vote (inline PTX): one group of 32 lanes per
     warp, on an NVIDIA GPU (not under the interpreter, not on ROCm, whose warps are 64 wide)."""
-    return USE_WARP_VOTE and G == 32 and _groups_per_program() == 1 and not _interpreting() \
+    return USE_WARP_VOTE and G == 32 and _groups_per_program() == 1 and not interpreting() \
         and not getattr(_torch().version, "hip", None)
 
 
