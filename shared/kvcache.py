@@ -45,7 +45,8 @@ default there, decodes each blob once and keeps the result, which gives attentio
 decoding at every step).
 
 Limits: a SpillCache holds one sequence; BatchSpillCache holds a batch (one SpillCache per sequence:
-left-padded batches, num_return_sequences; beam search that would copy a sequence is refused by name). `crop` (assisted and
+left-padded batches, num_return_sequences, beam search: a beam that survives twice gets a fork of its
+sequence's cache, the stored form copied as it is). `crop` (assisted and
 prompt-lookup decoding) removes recent-window tokens at once and cuts stored chunks: the kept part of
 a compressed chunk the cut falls in is decoded back into the recent window and coded again at the next flush.
 `cache.layers[i].keys` / `.values` read a layer as transformers' layers hold it ([1, kv_heads, T, head_dim]),
@@ -274,8 +275,8 @@ class SpillLayer(_ReadOnlyKV, DynamicLayer):
     def reorder_cache(self, beam_idx) -> None:
         if len(beam_idx) == 1 and int(beam_idx[0]) == 0:  # the one sequence stays where it is
             return
-        raise TensorCodecError("SpillCache holds one sequence: beam search is not supported. Fix: num_beams=1, "
-                               "or DynamicCache for beam search")
+        raise TensorCodecError("SpillCache holds one sequence; beam search reorders a batch of them. Fix: "
+                               "BatchSpillCache (same arguments) for beam search")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
@@ -301,6 +302,37 @@ class SpillLayer(_ReadOnlyKV, DynamicLayer):
         if self.blobs or self.sink:
             return sum(_nbytes(k) + _nbytes(v) for _, k, v in self.blobs) + 2 * self.sink * self.dim * size
         return 2 * self.stored * (self.dim or 0) * size
+
+
+def _copied(t: torch.Tensor | None, rows: int | None = None) -> torch.Tensor | None:
+    """A tensor of t's shape, dtype, device and pinning holding t's first `rows` rows (all of them by default)."""
+    if t is None:
+        return None
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device, pin_memory=t.device.type == "cpu" and t.is_pinned())
+    n = t.shape[0] if rows is None else rows
+    out[:n].copy_(t[:n])
+    return out
+
+
+def _copy_layer(src: SpillLayer, dst: SpillLayer) -> None:
+    """dst (a new layer of another cache) holds what src holds: SpillCache.fork."""
+    if not src.is_initialized:
+        return
+    for name in ("device", "dtype", "heads", "head_dim", "dim", "length", "stored", "version", "recent", "sink",
+                 "packed_len", "is_initialized"):
+        setattr(dst, name, getattr(src, name))
+    dst.recent_k, dst.recent_v = _copied(src.recent_k, src.recent), _copied(src.recent_v, src.recent)
+    dst.sink_k, dst.sink_v = _copied(src.sink_k, src.sink), _copied(src.sink_v, src.sink)
+    stored_rows = src.length if src.store_k is not None and src.store_k.device.type != "cpu" else src.stored
+    dst.store_k, dst.store_v = _copied(src.store_k, stored_rows), _copied(src.store_v, stored_rows)
+    dst.decoded = list(src.decoded)  # decoded rows are never written in place
+    dst.places, dst.container_heads = list(src.places), list(src.container_heads)
+    if src.packed is None:
+        dst.blobs = list(src.blobs)  # containers as host bytes: never written in place
+        return
+    dst.packed = _copied(src.packed, src.packed_len)  # the containers' pinned buffer: the twin's own
+    views = [dst.packed[a:a + n] for a, n in dst.places]
+    dst.blobs = [(m, k, v) for (m, _, _), k, v in zip(src.blobs, views[0::2], views[1::2])]
 
 
 def _nbytes(blob) -> int:
@@ -398,6 +430,10 @@ class SpillCache(Cache):
             raise ConfigurationError("coefficients=True hands attention one basis' rows for every stored token; raw sink "
                                      "rows and keys coded before RoPE (sink, rope) do not fit that. Fix: coefficients=False")
         super().__init__(layers=[SpillLayer(self, i) for i in range(num_layers)])  # each knows its cache (.keys)
+        self._settings = dict(mode=mode, codecs=codecs, chunk_tokens=chunk_tokens, max_tokens=max_tokens,
+                              prefetch=prefetch, keep_decoded=keep_decoded, contiguous=contiguous,
+                              coefficients=coefficients, store_prompt=store_prompt, staged=staged, sink=sink,
+                              rope=rope, merge_chunks=merge_chunks)  # what fork() makes its twin with
         if coefficients and not staged:
             raise ConfigurationError("coefficients=True needs the staged decode (staged=True)")
         self.sink, self.rope = int(sink), rope
@@ -500,6 +536,20 @@ class SpillCache(Cache):
         k, v = self._assemble(layer, fetch, None, None)
         self._in_use = fetch.slot
         return k.clone(), v.clone()
+
+    def fork(self) -> "SpillCache":
+        """A new cache, made with this one's settings, holding a copy of its KV: what beam search needs when a
+        beam survives twice. The stored form is copied as it is (coded chunks are not decoded and coded
+        again, so the twin's values are this cache's exactly); host copies cost the stored bytes, a coded
+        cache's a fraction of its raw size. The twin makes its own staging buffers and decode plans."""
+        self.drain()  # queued copies and decodes finish before their buffers are read
+        twin = SpillCache(len(self.layers), **self._settings)
+        for mine, theirs in zip(self.layers, twin.layers):
+            _copy_layer(mine, theirs)
+        started = [layer for layer in twin.layers if layer.is_initialized]
+        if started:
+            twin._setup(started[0])  # the device, the copy and decode streams, as the first update would
+        return twin
 
     def flush(self) -> None:
         """Move every layer's recent window to the stored form now (e.g. right after a prompt)."""
@@ -1221,8 +1271,8 @@ class BatchSpillCache(Cache):
     """SpillCache for a batch of sequences: one SpillCache per sequence (each its own stored form, fetch
     pipeline and staging), the batch split on the way in and joined on the way out. generate() drives it
     as it drives DynamicCache: batches with left padding, sampling with num_return_sequences, assisted
-    decoding (crop). Beam search is refused when it would copy a sequence (a beam that survives twice):
-    that copies a spilled cache, which this cache does not do.
+    decoding (crop), beam search (a beam that survives twice gets a fork of its sequence's cache: the
+    stored form copied as it is, coded chunks not coded again).
 
     Keys coded before RoPE (from_kv_codec of a codec fitted so): a sequence's stored keys are un-rotated at
     their index in the cache and rotated back at the same index, so a left-padded sequence comes back
@@ -1266,23 +1316,28 @@ class BatchSpillCache(Cache):
             return outs[0]
         return torch.cat([k for k, _ in outs]), torch.cat([v for _, v in outs])
 
-    def _reordered(self, order: list[int], what: str) -> None:
+    def _reordered(self, order: list[int]) -> None:
+        """The batch becomes sequences[order[0]], sequences[order[1]], ...: a sequence named once keeps its
+        cache, one named again gets a fork of it."""
         if not self._started:  # nothing stored yet: the first update makes one cache per sequence it brings
             return
-        if len(set(order)) != len(order):
-            raise TensorCodecError(f"{what} would copy a spilled sequence ({order}); BatchSpillCache does not copy "
-                                   "them. Fix: num_beams=1 (sampling or greedy; num_return_sequences works), or "
-                                   "DynamicCache for beam search")
-        self.sequences = [self.sequences[i] for i in order]
+        if any(not 0 <= i < len(self.sequences) for i in order):
+            raise InvalidTensorError(f"this cache holds {len(self.sequences)} sequences; asked for {order}")
+        taken: set[int] = set()
+        sequences = []
+        for i in order:
+            sequences.append(self.sequences[i].fork() if i in taken else self.sequences[i])
+            taken.add(i)
+        self.sequences = sequences
 
     def reorder_cache(self, beam_idx) -> None:
-        self._reordered([int(i) for i in beam_idx], "beam search")
+        self._reordered([int(i) for i in beam_idx])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._reordered([i for i in range(len(self.sequences)) for _ in range(int(repeats))], "repeating the batch")
+        self._reordered([i for i in range(len(self.sequences)) for _ in range(int(repeats))])
 
     def batch_select_indices(self, indices) -> None:
-        self._reordered([int(i) for i in indices], "selecting from the batch")
+        self._reordered([int(i) for i in indices])
 
     def crop(self, tokens_to_remove: int) -> None:
         for seq in self.sequences:

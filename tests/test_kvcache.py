@@ -596,7 +596,56 @@ def test_sampling_several_sequences_per_prompt_matches_dynamic_cache(llama, prom
     assert outputs[0].shape[0] == 3 and torch.equal(*outputs)
 
 
-def test_batch_compressed_fetch_stays_close_and_beam_search_is_refused_by_name(llama, codecs):
+@pytest.mark.parametrize("mode", ["raw_fetch", "compressed_fetch"])
+def test_a_fork_holds_the_same_kv_and_goes_its_own_way(llama, prompt, codecs, mode):
+    cache = SpillCache(2, mode, chunk_tokens=CHUNK, codecs=codecs if mode == "compressed_fetch" else None)
+    generate(llama, prompt, cache, new=CHUNK + 3)  # a stored prompt, a flushed chunk, a recent window
+    assert 0 < cache.layers[0].recent and cache.stored_tokens() > PROMPT
+    twin = cache.fork()
+    for i in range(2):  # the stored form copied as it is: the values attention reads are the same
+        for a, b in zip(cache.fetched_kv(i), twin.fetched_kv(i)):
+            assert torch.equal(a, b)
+    assert twin.stored_bytes() == cache.stored_bytes() and twin.get_seq_length() == cache.get_seq_length()
+    before = [t.clone() for t in cache.fetched_kv(1)]
+    step = torch.tensor([[5]])
+    with torch.no_grad():
+        for _ in range(CHUNK):  # the twin flushes (and joins chunks) into buffers of its own
+            llama(step, **cache_kwarg(llama, twin))
+    assert twin.get_seq_length() == cache.get_seq_length() + CHUNK
+    assert twin.stats.merges == (2 if mode == "compressed_fetch" else 0)  # its two 8-token chunks joined, a layer
+    for a, b in zip(before, cache.fetched_kv(1)):
+        assert torch.equal(a, b)
+
+
+def counting_forks(monkeypatch) -> list:
+    forks, fork = [], SpillCache.fork
+    monkeypatch.setattr(SpillCache, "fork", lambda self: forks.append(self) or fork(self))
+    return forks
+
+
+def test_beam_search_matches_dynamic_cache_exactly_in_raw_fetch(llama, prompt, monkeypatch):
+    forks = counting_forks(monkeypatch)
+    reference = generate_batch(llama, prompt, torch.ones_like(prompt), DynamicCache(), do_sample=False, num_beams=3,
+                               num_return_sequences=2)
+    cache = BatchSpillCache(2, "raw_fetch", chunk_tokens=CHUNK)
+    got = generate_batch(llama, prompt, torch.ones_like(prompt), cache, do_sample=False, num_beams=3,
+                         num_return_sequences=2)
+    assert got.shape[0] == 2 and torch.equal(got, reference) and forks  # beams survived twice, forked
+    assert len(cache.sequences) == 3 and len({id(s) for s in cache.sequences}) == 3
+
+
+def test_beam_search_runs_compressed_with_forked_coded_chunks(llama, prompt, codecs, monkeypatch):
+    forks = counting_forks(monkeypatch)
+    ids, mask = left_padded_batch()
+    cache = BatchSpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
+    out = generate_batch(llama, ids, mask, cache, do_sample=False, num_beams=2)
+    assert out.shape == (2, PROMPT + NEW) and len(cache.sequences) == 4 and forks
+    assert cache.stored_tokens() >= PROMPT and cache.stored_bytes() > 0
+    with pytest.raises(InvalidTensorError, match="holds 4 sequences"):
+        cache.reorder_cache(torch.tensor([0, 4]))
+
+
+def test_batch_compressed_fetch_stays_close(llama, codecs):
     ids, mask = left_padded_batch()
     reference, cache = DynamicCache(), BatchSpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
     logits = [prompt_then_step(llama, ids, mask, c) for c in (reference, cache)]  # the prompts stored (coded)
@@ -604,9 +653,6 @@ def test_batch_compressed_fetch_stays_close_and_beam_search_is_refused_by_name(l
     for want, got in zip(*logits):  # each sequence through its own cache, the codec's error only
         assert quality(want[None].double(), got[None].double(), "cos") > 0.999 and not torch.equal(want, got)
     assert cache.stored_bytes(value_bytes=2) < 2 * 2 * 2 * cache.stored_tokens() * KV_HEADS * (HIDDEN // HEADS) * 2
-    with pytest.raises(TensorCodecError, match="beam search"):
-        generate_batch(llama, ids, mask, BatchSpillCache(2, "raw_fetch", chunk_tokens=CHUNK), do_sample=False,
-                       num_beams=2)
     with pytest.raises(ConfigurationError, match="mode"):  # settings are checked when the cache is made
         BatchSpillCache(2, "raw_fetc")
 
@@ -639,3 +685,21 @@ def test_gpu_batch_with_left_padding(mode):
     for want, got in zip(*logits):
         assert quality(want[None].double(), got[None].double(), "cos") > 0.99
     cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["raw_fetch", "compressed_fetch"])
+def test_gpu_beam_search_forks_pinned_and_packed_stores(mode):
+    model = tiny_llama("cuda").to(torch.bfloat16)
+    ids, mask = (t.cuda() for t in left_padded_batch())
+    codecs = make_codecs([(k.float().cpu(), v.float().cpu()) for k, v in prefill_kv(model, ids[:1])])
+    kwargs = dict(chunk_tokens=CHUNK, codecs=codecs if mode == "compressed_fetch" else None)
+    reference = generate_batch(model, ids, mask, DynamicCache(), do_sample=False, num_beams=2)
+    cache = BatchSpillCache(2, mode, **kwargs)
+    got = generate_batch(model, ids, mask, cache, do_sample=False, num_beams=2)
+    if mode == "raw_fetch":
+        assert torch.equal(got, reference)
+    twin = cache.sequences[0].fork()  # the packed containers and pinned rows copied: the same values back
+    for i in range(2):
+        for a, b in zip(cache.sequences[0].fetched_kv(i), twin.fetched_kv(i)):
+            assert torch.equal(a, b)
