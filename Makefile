@@ -17,7 +17,7 @@ endif
 POCS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14 15 16 17 18 19
 RESULTS := $(wildcard results/[0-9][0-9]_*.csv)
 
-.PHONY: help test test-all fuzz pocs figures readme planes kv-codec clean setup lock lock-cpu lock-cuda models $(addprefix poc-,$(POCS))
+.PHONY: help test test-all test-gpu fuzz pocs figures readme planes kv-codec clean setup lock lock-cpu lock-cuda models $(addprefix poc-,$(POCS))
 
 help:
 	@echo "make poc-01 .. poc-19   run one PoC (writes results/NN_*.csv and figures/NN_*.png); ARGS=--quick for a small run"
@@ -30,6 +30,7 @@ help:
 	@echo "make kv-codec           rebuild the shipped SmolLM2 KV codec files (artifacts/kv_codec/) through PoC 05, 43 min on 2 CPU cores"
 	@echo "make test               the fast tests, about 1-2.5 min on 2 CPU cores (not the ones marked slow)"
 	@echo "make test-all           every test, the slow ones too, about 15 min (what CI runs; GPU tests skip without a GPU)"
+	@echo "make test-gpu           the tests marked gpu alone, on a machine with a CUDA GPU (PYTHON=python3 without a virtualenv)"
 	@echo "make fuzz               20,000 mutated bitstreams over every CPU backend (writes results/fuzz_summary.csv)"
 	@echo "make models             retrain the embedded diffusion model"
 	@echo "make clean              remove caches and captured activations (keeps results/ and figures/)"
@@ -151,6 +152,10 @@ test: $(SETUP)
 
 test-all: $(SETUP)
 	$(PYTHON) -m pytest
+
+# The tests marked gpu alone (they skip without a CUDA GPU): on the GPU machine, make test-gpu PYTHON=python3.
+test-gpu: $(SETUP)
+	$(PYTHON) -m pytest -m gpu -p no:cacheprovider
 
 # The decoder against hostile bitstreams; FUZZ_CASES mutants per backend (5 backends).
 FUZZ_CASES ?= 4000

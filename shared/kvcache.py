@@ -929,11 +929,23 @@ class SpillCache(Cache):
     def _decode_rows(self, layer_idx: int, containers, chunks, device=None) -> list:
         """The rows [k0, v0, k1, v1, ...] of a layer's containers (K and V of each chunk of `chunks`, in its
         order; device None: the CPU decoder), keys rotated forward again where the codec coded them before
-        RoPE (the graph-replayed decode does that in _after_decode)."""
+        RoPE (the graph-replayed decode does that in _after_decode). A corrupt container raises
+        BitstreamError naming the layer, K or V, and the chunk's tokens."""
         if not containers:
             return []
         codec_k, codec_v = self.codecs[layer_idx]
-        outs = decode_blobs([codec_k, codec_v] * (len(containers) // 2), containers, device)
+        pairs = [codec_k, codec_v] * (len(containers) // 2)
+        try:
+            outs = decode_blobs(pairs, containers, device)
+        except BitstreamError as error:  # which one: decoded alone, in order (a rare path)
+            for c, (codec, blob) in enumerate(zip(pairs, containers)):
+                try:
+                    decode_blobs([codec], [blob], device)
+                except BitstreamError as alone:
+                    first, tokens = chunks[c // 2]
+                    raise BitstreamError(f"layer {layer_idx}: the {'KV'[c % 2]} container of tokens {first}.."
+                                         f"{first + tokens - 1} is corrupt ({alone})") from None
+            raise BitstreamError(f"layer {layer_idx}: {error}") from None
         if self.rope is not None:
             outs[0::2] = [self.rope.apply(k, first).to(k.dtype) for (first, _), k in zip(chunks, outs[0::2])]
         return outs
@@ -1029,10 +1041,7 @@ class SpillCache(Cache):
             with torch.cuda.stream(decode):  # (and staged=False) take decode_many, which reads the headers and
                 # checks the payloads on the host
                 views = [self._stage[s][a:a + n] for a, n in layer.places]
-                try:
-                    outs = self._decode_rows(fetch.layer, views, layer.chunks(), self.device)
-                except BitstreamError as error:
-                    raise BitstreamError(f"layer {fetch.layer}: {error}") from None
+                outs = self._decode_rows(fetch.layer, views, layer.chunks(), self.device)
                 self._place(slot, layer, blobs, outs)
                 self._stage_free[s].record(decode)
                 fetch.ready.record(decode)

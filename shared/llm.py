@@ -223,8 +223,8 @@ def chunks_digest(chunks: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------- KV cache access
-# transformers has exposed the cache as DynamicCache.layers[i].keys/.values (>= 4.56),
-# DynamicCache.key_cache/.value_cache lists (4.36-4.55) and tuples of (k, v) (older).
+# transformers exposes the cache as DynamicCache.layers[i].keys/.values (every release since 4.56; the
+# SpillCache needs that layer API too).
 
 def _forward(model, input_ids: torch.Tensor, cache=None, use_cache: bool = True):
     kwargs = {"input_ids": input_ids, "use_cache": use_cache}
@@ -241,23 +241,13 @@ def _output_cache(output):
 
 def cache_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(K, V)] per layer, each [batch, kv_heads, T, head_dim], as the cache holds them."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    if hasattr(cache, "key_cache"):
-        return list(zip(cache.key_cache, cache.value_cache))
-    return [(entry[0], entry[1]) for entry in cache]
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def _replace_cache_kv(cache, new_kv: list[tuple[torch.Tensor, torch.Tensor]]):
-    if hasattr(cache, "layers"):
-        for layer, (k, v) in zip(cache.layers, new_kv):
-            layer.keys, layer.values = k, v
-        return cache
-    if hasattr(cache, "key_cache"):
-        for i, (k, v) in enumerate(new_kv):
-            cache.key_cache[i], cache.value_cache[i] = k, v
-        return cache
-    return tuple((k, v) for k, v in new_kv)
+    for layer, (k, v) in zip(cache.layers, new_kv):
+        layer.keys, layer.values = k, v
+    return cache
 
 
 def kv_to_rows(entry: torch.Tensor) -> torch.Tensor:

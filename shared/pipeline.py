@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,6 +37,33 @@ SYMBOL_CODER = "rans"  # the compute codec: integer symbols, not frames
 FLOAT32_HEADROOM = 1e37  # |coefficient| x basis gain the coder accepts (float32 max is 3.4e38)
 DTYPES = set(schema.FLOAT_DTYPES)
 FRAME_MIN_COS = 0.95  # the frame path refuses a tensor its 8-bit planes alone code below this mean cosine
+
+
+class Prepared(NamedTuple):
+    """A CUDA tensor checked and its codec readied for encode_many (TensorCodec._cuda_prepare)."""
+    projection: object  # rdquant.CudaProjection of the codec's basis on the tensor's GPU
+    quantizer: object  # the codec's rdquant.RDQuantizer (its step)
+    front: bytes  # the container's bytes before its payload, for a payload of length 0
+
+
+class DecodeJob(NamedTuple):
+    """A compute-codec container decode_many decodes on the GPU."""
+    index: int  # its place in the caller's list
+    header: dict  # the container's header
+    qpar: bytes  # its QPAR chunk (the quantizer)
+    payload: object  # its DATA chunk, a uint8 CUDA tensor
+    payload_head: bytes  # the payload's first 64 bytes (its own header)
+    inner: object  # the payload's parsed header (rans_cuda), or None where the container came from the host
+    front: bytes | None  # the container's bytes before its payload (GPU-resident containers), else None
+
+
+class StagedJob(NamedTuple):
+    """A container of a StagedDecode, checked on the host."""
+    index: int
+    inner: object  # the payload's parsed header
+    offset: int  # where its payload starts in the staging buffer
+    step: float  # its quantizer's step
+    projection: object  # rdquant.CudaProjection of its codec's basis
 
 
 def _dtype_name(x) -> str:
@@ -316,9 +344,8 @@ class TensorCodec:
             raise BasisMismatchError(f"this codec's basis is for D={self._proj[1].D}, tensor has D={D}")
         return self._proj[1]
 
-    def _cuda_prepare(self, x):
-        """Checks a CUDA tensor and readies this codec for it: (projection, quantizer, the container's
-        bytes before its payload for a payload of length 0)."""
+    def _cuda_prepare(self, x) -> Prepared:
+        """Checks a CUDA tensor and readies this codec for it."""
         dtype = _dtype_name(x)
         if x.dim() != 2 or x.numel() == 0:
             raise InvalidTensorError(f"tensor must be a non-empty 2-D [tokens, channels] tensor, got {tuple(x.shape)}")
@@ -330,7 +357,7 @@ class TensorCodec:
         if getattr(self, "_front", (None,))[0] != key:  # the same header for every tensor of this shape
             header, qpar = self._symbols_header(x.shape, dtype, self.quantizer)
             self._front = (key, container_prefix(header, {"QPAR": qpar}, "DATA", 0))
-        return proj, self.quantizer, self._front[1]
+        return Prepared(proj, self.quantizer, self._front[1])
 
     # -- whole tensor --------------------------------------------------------------------------
     def encode(self, x):
@@ -618,7 +645,7 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
 
 def _encode_groups(xs, prepared):
     """Tensors that share launches: one input shape and dtype, one device, one basis shape."""
-    return _same_shape_groups([(tuple(x.shape), x.dtype, str(x.device), p[0].K) for x, p in zip(xs, prepared)])
+    return _same_shape_groups([(tuple(x.shape), x.dtype, str(x.device), p.projection.K) for x, p in zip(xs, prepared)])
 
 
 def _encode_launch(codecs, xs, prepared, sync: bool, addresses=None, retry=None, narrow: bool = True):
@@ -635,26 +662,26 @@ def _encode_launch(codecs, xs, prepared, sync: bool, addresses=None, retry=None,
     n = len(xs)
     symbols, stats, guards = [None] * n, [None] * n, [None] * n
     for g, idx in enumerate(_encode_groups(xs, prepared)):
-        projs = [prepared[i][0] for i in idx]
+        projs = [prepared[i].projection for i in idx]
         # int32 where water-filling drops components: their statistics are then taken from the
         # symbols, which would hide a value wrapped in int16
-        group_narrow = narrow and not any(codecs[i]._wide_symbols or _drops_components(prepared[i][1]) for i in idx)
+        group_narrow = narrow and not any(codecs[i]._wide_symbols or _drops_components(prepared[i].quantizer) for i in idx)
         proj = projs[0] if len(idx) == 1 else _stacked_projection(projs)
         if addresses is not None:  # the shape alone: the kernel reads each input at its address
             stack = xs[idx[0]].unsqueeze(0).expand(len(idx), -1, -1)
         else:
             stack = xs[idx[0]].unsqueeze(0) if len(idx) == 1 else torch.stack([xs[i] for i in idx])
         # amax is inf where a tensor holds NaN/Inf: the coder's guard refuses it in its one sync
-        sym, (mn, mx, sm), amax = proj.quantize_many(stack, [prepared[i][1].step for i in idx], narrow=group_narrow,
+        sym, (mn, mx, sm), amax = proj.quantize_many(stack, [prepared[i].quantizer.step for i in idx], narrow=group_narrow,
                                                      addresses=None if addresses is None else addresses[g])
         for j, i in enumerate(idx):
             symbols[i], stats[i], guards[i] = sym[j], (mn[j], mx[j], sm[j]), amax[j:j + 1]
-            keep = prepared[i][1].keep
-            if _drops_components(prepared[i][1]):  # water-filling dropped components
+            keep = prepared[i].quantizer.keep
+            if _drops_components(prepared[i].quantizer):  # water-filling dropped components
                 symbols[i] = sym[j].clone()
                 symbols[i][:, torch.as_tensor(~keep, device=sym.device)] = 0
                 stats[i] = None
-    fronts = [p[2] for p in prepared]  # each container's bytes before its payload, for payload length 0
+    fronts = [p.front for p in prepared]
     pending = rans_cuda.encode_many_cuda(
         symbols, stats=stats, guards=guards, fronts=fronts, backs=[4] * n,  # a self-checked chunk's trailer: 0
         length_field=True,  # the DATA length ends the prefix
@@ -731,7 +758,7 @@ def _graph_plan(key, codecs, xs, prepared):
     while it runs eagerly (first call, no key, water-filled)."""
     from .rdquant import IN_PLACE_DTYPES
 
-    if key is None or sum(map(_NBYTES, xs)) > GRAPH_MAX_BYTES or any(_drops_components(p[1]) for p in prepared) \
+    if key is None or sum(map(_NBYTES, xs)) > GRAPH_MAX_BYTES or any(_drops_components(p.quantizer) for p in prepared) \
             or any(_dtype_name(x) not in IN_PLACE_DTYPES for x in xs):
         return None
     return _second_call_graph(_GRAPHS, key, lambda: _EncodeGraph(codecs, xs, prepared, key))
@@ -782,7 +809,8 @@ class _EncodeGraph:
         self.addr = torch.zeros(len(xs) + 3, dtype=torch.int64, device=dev)
         at = np.cumsum([0] + [len(idx) for idx in self.groups])
         self.addresses = [self.addr[a:b] for a, b in zip(at[:-1], at[1:])]
-        self.held = (codecs, prepared, [c._proj for c in codecs])  # keeps the key's ids unique
+        self.codecs, self.prepared = codecs, prepared
+        self.held = [c._proj for c in codecs]  # with codecs: keeps the key's ids unique
         self.in_order = self.order == list(range(len(xs)))
         self.staging, self._last = {}, None
         self.place(xs, (0, 0, 0))
@@ -857,7 +885,7 @@ class _EncodeGraph:
         self.graph.replay()
         queued = self.pending.copied(buffer, meta)
         queued.queue_summary_read(event=True)  # result() waits for this call's work alone
-        queued.recode = _recode_wide(self.held[0], xs, self.held[1])  # this call's tensors
+        queued.recode = _recode_wide(self.codecs, xs, self.prepared)  # this call's tensors
         return queued
 
     def run(self, xs) -> list:
@@ -866,7 +894,7 @@ class _EncodeGraph:
         out = torch.empty(self.room, dtype=torch.uint8, device=self.dev) if self.room else None
         self.place(xs, (0 if out is None else out.data_ptr(), self.room // 8, 0))
         self.graph.replay()
-        self.pending.recode = _recode_wide(self.held[0], xs, self.held[1])  # this call's tensors
+        self.pending.recode = _recode_wide(self.codecs, xs, self.prepared)  # this call's tensors
         # copied out: the next replay rewrites the graph's buffer
         blobs = self.pending.result(copy=True, out=None if out is None else (out, self.room))
         if self.pending.retried:  # coded again outside the graph: capture afresh later
@@ -911,7 +939,7 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
         host = torch.cat([blobs[i][:n] for i, n in zip(resident, lens)]).cpu().numpy().tobytes()
         starts = np.cumsum([0] + lens)
         heads = {i: host[starts[j]:starts[j + 1]] for j, i in enumerate(resident)}
-    out, jobs = [None] * len(blobs), []  # jobs: (index, header, qpar, payload on the GPU, its first bytes)
+    out, jobs = [None] * len(blobs), []  # DecodeJob of each container decoded on the GPU
     for i, (codec, blob) in enumerate(zip(codecs, blobs)):
         if i in heads:
             header, spans = parse_resident(blob, heads[i], blob.numel(), max_elements)
@@ -919,15 +947,15 @@ def decode_many(codecs, blobs, device=None, max_elements: int = schema.DEFAULT_M
             if header["quant"]["kind"] == "rd_shared_step" and a + 64 <= len(heads[i]) and qb <= len(heads[i]):
                 inner = schema.check_chunks(header, {"QPAR": heads[i][qa:qb], "DATA": heads[i][a:a + 64]},
                                             data_len=b - a, read_inner=read_rans_header)  # as its decoder checks it
-                jobs.append((i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64], inner, heads[i][:a]))
+                jobs.append(DecodeJob(i, header, heads[i][qa:qb], blob[a:b], heads[i][a:a + 64], inner, heads[i][:a]))
                 continue
         header, chunks = unpack(blob, max_elements)
         if on_gpu and header["quant"]["kind"] == "rd_shared_step":
             from .codecs import rans_cuda
 
             data = chunks["DATA"]
-            jobs.append((i, header, chunks["QPAR"], rans_cuda.pinned(data).to(device, non_blocking=True), data[:64],
-                         None, None))
+            jobs.append(DecodeJob(i, header, chunks["QPAR"], rans_cuda.pinned(data).to(device, non_blocking=True),
+                                  data[:64], None, None))
         else:
             values = codec._decode_symbols_bf16(header, chunks)
             values = _to_output(codec.decode_values(header, chunks), header) if values is None else values
@@ -955,9 +983,10 @@ def _decode_symbols_cuda(codecs, jobs, out):
         # bf16 output: the decoder writes scaled coefficient rows and one GEMM reconstructs them
         scales.append((quantizers[-1].step, proj.coefficient_bound(), proj.coefficient_width(), proj.K)
                       if header["dtype"] == "bfloat16" else None)
-    symbols, err = rans_cuda.decode_many_cuda([j[3] for j in jobs], [j[4] for j in jobs], check=False,
-                                              max_elements=[j[1]["shape"][0] * schema.components(j[1]) for j in jobs],
-                                              parsed=[j[5] for j in jobs], scales=scales)
+    symbols, err = rans_cuda.decode_many_cuda([j.payload for j in jobs], [j.payload_head for j in jobs], check=False,
+                                              max_elements=[j.header["shape"][0] * schema.components(j.header)
+                                                            for j in jobs],
+                                              parsed=[j.inner for j in jobs], scales=scales)
     for (i, header, *_), sym, proj, scale in zip(jobs, symbols, projs, scales):
         K = sym.shape[1] if scale is None else proj.K  # a scaled decode has checked its K against the basis
         if K != proj.K or [sym.shape[0], proj.D] != header["shape"]:
@@ -966,24 +995,24 @@ def _decode_symbols_cuda(codecs, jobs, out):
     # every output bf16: the error flags are final before the reconstruction, so their copy to the
     # host is queued first and the host waits for it alone while the GEMMs run
     early = rans_cuda.EarlyRead().start(err) if all(s is not None for s in scales) else None
-    keys = [(tuple(s.shape), projs[j].D, str(s.device), jobs[j][1]["dtype"]) for j, s in enumerate(symbols)]
+    keys = [(tuple(s.shape), projs[j].D, str(s.device), jobs[j].header["dtype"]) for j, s in enumerate(symbols)]
     for group in _same_shape_groups(keys):
         steps = [quantizers[j].step for j in group]
-        if jobs[group[0]][1]["dtype"] == "bfloat16":
+        if jobs[group[0]].header["dtype"] == "bfloat16":
             proj = projs[group[0]] if len(group) == 1 else _stacked_projection([projs[j] for j in group])
             # finite by construction: the decoder flagged every value past the projection's bound
             values = proj.reconstruct_coefficients(rans_cuda._stacked(torch, [symbols[j] for j in group])).unbind(0)
         else:
             values = [((symbols[j].float() * quantizers[j].step) @ projs[j].components_t.float() + projs[j].mean).to(
-                getattr(torch, jobs[j][1]["dtype"])) for j in group]
+                getattr(torch, jobs[j].header["dtype"])) for j in group]
             nonfinite = torch.stack([~torch.isfinite(v).all() for v in values]).to(err.dtype)
             err[group] |= nonfinite  # non-finite output (out-of-range parameters) is corruption too
         for j, v in zip(group, values):
-            out[jobs[j][0]] = v
+            out[jobs[j].index] = v
     bad = rans_cuda.read_on_host(err) if early is None else early.wait()  # the one host synchronization
     if bool(bad.any()):
         rans_cuda.check_lane_map(bad)
-        raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])][0]} of the list)")
+        raise BitstreamError(f"{rans_cuda.CORRUPT} (blob {jobs[int(bad.nonzero()[0])].index} of the list)")
 
 
 _DECODE_GRAPHS = {}  # key -> _DecodeGraph, or the number of eager calls seen with that key so far
@@ -1017,10 +1046,10 @@ def _decode_graph_plan(key, codecs, blobs, jobs):
     """After an eager decode_many that checked every container on the host: count the call, and on
     the second one with this key make its CUDA graph (GPU-resident compute-codec containers of one
     shape, bf16 output of up to GRAPH_MAX_BYTES)."""
-    if key is None or len(jobs) != len(blobs) or any(j[6] is None or j[1]["dtype"] != "bfloat16" for j in jobs):
+    if key is None or len(jobs) != len(blobs) or any(j.front is None or j.header["dtype"] != "bfloat16" for j in jobs):
         return
-    shapes = {(tuple(j[1]["shape"]), j[5].T, j[5].K, j[5].S, j[5].G, j[5].prob_bits) for j in jobs}
-    if len(shapes) != 1 or any(len(j[6]) % 16 for j in jobs):
+    shapes = {(tuple(j.header["shape"]), j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits) for j in jobs}
+    if len(shapes) != 1 or any(len(j.front) % 16 for j in jobs):
         return
     T, D = next(iter(shapes))[0]
     if len(jobs) * T * D * 2 > GRAPH_MAX_BYTES:
@@ -1043,19 +1072,19 @@ class _DecodeGraph:
         from .rdquant import RDQuantizer
 
         dev = blobs[0].device
-        inner, D = jobs[0][5], jobs[0][1]["shape"][1]
-        fronts = [j[6] for j in jobs]
+        inner, D = jobs[0].inner, jobs[0].header["shape"][1]
+        fronts = [j.front for j in jobs]
         self.held = codecs  # keeps the key's ids unique
         cap = rans_cuda.slot_bytes(fronts, inner, max(b.numel() for b in blobs))
-        self.projs = [codecs[j[0]]._projection(D, dev) for j in jobs]
-        self.steps = [RDQuantizer.from_bytes(j[2]).step for j in jobs]
+        self.projs = [codecs[j.index]._projection(D, dev) for j in jobs]
+        self.steps = [RDQuantizer.from_bytes(j.qpar).step for j in jobs]
         self.proj = self.projs[0] if len(self.projs) == 1 else _stacked_projection(self.projs)
         # the decoder writes scaled bf16 coefficient rows into the slot decoder's own buffer; the
         # reconstruction GEMM runs after the replay, into new tensors
         scaled = (rans_cuda.floats_on([float(s) for s in self.steps], dev),
                   rans_cuda.floats_on([p.coefficient_bound() for p in self.projs], dev),
                   self.proj.coefficient_width())
-        self.dec = rans_cuda.SlotDecoder(fronts, [j[4] for j in jobs], inner, cap, dev, scaled=scaled)
+        self.dec = rans_cuda.SlotDecoder(fronts, [j.payload_head for j in jobs], inner, cap, dev, scaled=scaled)
         self.dec.set_sources(blobs)
         self.dec.launch()  # outside the capture: compiles and fills the caches the graph reads
         self.graph = torch.cuda.CUDAGraph()
@@ -1173,7 +1202,7 @@ class StagedDecode:
                                      f"{PAYLOAD_ALIGN} bytes (the kernels read it as 4- and 8-byte words); it holds "
                                      f"{buffer.numel()}. Fix: allocate it rounded up")
         dev = buffer.device
-        jobs = []  # (index, parsed payload header, payload offset in buffer, step, projection)
+        jobs = []
         for i, (codec, head, total, offset, out) in enumerate(zip(codecs, heads, totals, offsets, outs)):
             head = bytes(head)
             header, spans = _parse(head, int(total), lazy_last=True, max_elements=max_elements)
@@ -1200,23 +1229,24 @@ class StagedDecode:
             if offset % PAYLOAD_ALIGN or offset < 0 or offset + int(total) > buffer.numel():
                 raise ConfigurationError(f"container {i} at byte {offset} ({total} bytes) must start 16-byte aligned "
                                          f"inside the buffer of {buffer.numel()} bytes")
-            jobs.append((i, inner, offset + a, RDQuantizer.from_bytes(head[qa:qb]).step, proj))
+            jobs.append(StagedJob(i, inner, offset + a, RDQuantizer.from_bytes(head[qa:qb]).step, proj))
         self.outs, self.buffer, self.n, self.reconstruct, self.after = list(outs), buffer, n, reconstruct, after
         self.groups = []
         # without the GEMM each container decodes straight into its output (a group of one)
-        keys = [(j[1].T, j[1].K, j[1].S, j[1].G, j[1].prob_bits, j[4].coefficient_width(), reconstruct or j[0])
-                for j in jobs]
+        keys = [(j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits, j.projection.coefficient_width(),
+                 reconstruct or j.index) for j in jobs]
         cursor = 0
         for members in _same_shape_groups(keys):
             T, K, width = keys[members[0]][0], keys[members[0]][1], keys[members[0]][5]
-            hdrs = [jobs[m][1] for m in members]
+            hdrs = [jobs[m].inner for m in members]
             pad = torch.zeros(width - K, dtype=torch.bfloat16)
             pad[:2] = 1  # the mean's two columns (coefficient_rows)
             group = dict(members=members, hdrs=hdrs, K=K, rows_at=cursor, shape=(len(members), T, width),
-                         segs=rans_cuda.segment_table(hdrs, [jobs[m][2] for m in members], dev),
-                         scaled=(rans_cuda.floats_on([float(jobs[m][3]) for m in members], dev),
-                                 rans_cuda.floats_on([jobs[m][4].coefficient_bound() for m in members], dev), width),
-                         weights=[jobs[m][4].coefficient_weights() for m in members],
+                         segs=rans_cuda.segment_table(hdrs, [jobs[m].offset for m in members], dev),
+                         scaled=(rans_cuda.floats_on([float(jobs[m].step) for m in members], dev),
+                                 rans_cuda.floats_on([jobs[m].projection.coefficient_bound() for m in members], dev),
+                                 width),
+                         weights=[jobs[m].projection.coefficient_weights() for m in members],
                          pad=pad.pin_memory().to(dev, non_blocking=True),  # no host wait on a busy stream
                          err=torch.zeros(len(members), dtype=torch.int32, device=dev),
                          err_host=torch.zeros(len(members), dtype=torch.int32, pin_memory=True))

@@ -156,6 +156,18 @@ def test_flushed_chunks_are_joined_as_a_binary_counter(llama, prompt, codecs):
     assert merged.stored_bytes() < apart.stored_bytes()
 
 
+def test_a_corrupt_stored_container_is_named_by_layer_kind_and_tokens(llama, prompt, codecs):
+    cache = SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK)
+    with torch.no_grad():
+        llama(prompt, **cache_kwarg(llama, cache))  # the prompt stored as one chunk a layer
+        tokens, k, v = cache.layers[1].blobs[0]
+        bad = bytearray(v)
+        bad[len(bad) // 2] ^= 0x10
+        cache.layers[1].blobs[0] = (tokens, k, bytes(bad))
+        with pytest.raises(BitstreamError, match=rf"layer 1: the V container of tokens 0\.\.{PROMPT - 1} is corrupt"):
+            llama(torch.tensor([[3]]), **cache_kwarg(llama, cache))
+
+
 def test_flush_spills_the_recent_window(llama, prompt):
     cache = SpillCache(2, "raw_fetch", chunk_tokens=1000, store_prompt=False)
     with torch.no_grad():

@@ -927,8 +927,9 @@ def test_triton_interpreter_scaled_decode_and_gemm_match_the_cpu_decoder():
             for i, b in enumerate(blobs):
                 header, chunks = unpack(b)
                 data = chunks["DATA"]
-                jobs.append((i, header, chunks["QPAR"], torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                             data[:64], None, None))
+                jobs.append(pipeline.DecodeJob(i, header, chunks["QPAR"],
+                                               torch.frombuffer(bytearray(data), dtype=torch.uint8), data[:64], None,
+                                               None))
             return jobs
 
         out = [None] * 3
@@ -953,7 +954,7 @@ def test_triton_interpreter_scaled_decode_and_gemm_match_the_cpu_decoder():
             assert "blob 1" in str(e), e
         # K of the payload (24) against rows made for a basis of 12 components
         try:
-            rans_cuda.decode_many_cuda([jobs_of(blobs[:1])[0][3]], scales=[(0.05, 1e30, 16, 12)])
+            rans_cuda.decode_many_cuda([jobs_of(blobs[:1])[0].payload], scales=[(0.05, 1e30, 16, 12)])
             raise SystemExit("a payload with another K decoded")
         except BitstreamError as e:
             assert "holds 24 components" in str(e), e
