@@ -4,6 +4,12 @@
     blob = codec.encode(x)                                 # bytes
     x_hat = codec.decode(blob)                             # torch tensor, x's dtype and shape
 
+TensorCodec(...) makes one of two codecs, chosen once by `backend`: FrameCodec (per-channel uint8 planes
+tiled into frames for a video codec or a byte coder) or ComputeCodec (backend "rans": one shared step,
+rANS-coded integer symbols, on the CPU or the GPU). Below them: encode_many / decode_many code a list of
+tensors in one call (on a GPU, replayed as CUDA graphs where a list repeats); StagedDecode replays a
+decode of containers at fixed places with no host work.
+
 The container's byte layout (magic, version, header JSON, CRC-checked chunks): shared/container.py.
 
 The header names everything the receiver needs: shape, dtype, basis content hash and K,
@@ -125,14 +131,25 @@ def _check_basis(basis) -> None:
 class TensorCodec:
     """basis (or None for the raw channels) -> quantizer -> codec -> a self-describing bitstream.
 
-    Two paths behind one interface, chosen by `backend` when the codec is made:
-      frame path ("x265", "ffv1", "zstd", "nvdec-hevc", ...): per-channel uint8 planes tiled into
-        YUV 4:4:4 frames for a video codec or a byte coder;
-      compute codec ("rans"): one quantization step shared by every component (shared.rdquant),
-        integer symbols coded by shared.codecs.rans on the CPU, or on the GPU for CUDA tensors.
+    Two paths behind one interface; `TensorCodec(...)` makes the one `backend` names, once:
+      FrameCodec, the frame path ("x265", "ffv1", "zstd", "nvdec-hevc", ...): per-channel uint8 planes
+        tiled into YUV 4:4:4 frames for a video codec or a byte coder;
+      ComputeCodec, the compute codec ("rans"): one quantization step shared by every component
+        (shared.rdquant), integer symbols coded by shared.codecs.rans on the CPU, or on the GPU for
+        CUDA tensors (and the batched calls encode_many / decode_many).
+    Both are TensorCodecs. Decoding reads the container, so either decodes any container its basis
+    fits (a blob says how it was coded).
     """
 
-    def __init__(self, basis: PCABasis | None = None, backend: str = "x265", frame_size: int = framing.DEFAULT_FRAME,
+    symbols = False  # whether this codec codes integer symbols (the compute codec)
+    DEFAULT_BACKEND = "x265"
+
+    def __new__(cls, basis: PCABasis | None = None, backend: str | None = None, *args, **kwargs):
+        if cls is TensorCodec:
+            cls = ComputeCodec if backend == SYMBOL_CODER else FrameCodec
+        return object.__new__(cls)
+
+    def __init__(self, basis: PCABasis | None = None, backend: str | None = None, frame_size: int = framing.DEFAULT_FRAME,
                  bits: int = 8, decoder: str | None = None, target_cos: float | None = None,
                  step: float | None = None, water_fill: bool = False, lane_tokens: int | None = None,
                  min_cos: float | None = FRAME_MIN_COS, **codec_settings):
@@ -151,38 +168,16 @@ class TensorCodec:
 
         min_cos: the frame path refuses (InvalidTensorError) a tensor whose 8-bit planes alone
         reach a mean cosine below this in coefficient space (an outlier that stretches a channel's
-        range); None turns the check off."""
+        range); None turns the check off. backend None: "x265" (FrameCodec), "rans" (ComputeCodec)."""
+        backend = self.DEFAULT_BACKEND if backend is None else backend
         self.basis = basis
-        self.symbols = backend == SYMBOL_CODER
         get_backend(backend)  # an unknown name is a ConfigurationError listing the known ones
-        if self.symbols:
-            if codec_settings:
-                raise ConfigurationError(f"backend 'rans' does not know the setting(s) {', '.join(sorted(codec_settings))}; "
-                                         "it takes step=, target_cos=, water_fill= and lane_tokens=")
-            if lane_tokens is not None and not (isinstance(lane_tokens, int) and lane_tokens >= 1):
-                raise ConfigurationError(f"lane_tokens must be a positive int, got {lane_tokens!r}")
-            if step is not None and target_cos is not None:
-                raise ConfigurationError("backend 'rans' takes exactly one of step= or target_cos=")
-            calibrated = None if basis is None else basis.meta.get("rans_step")
-            if step is None and target_cos is None and calibrated is None:
-                raise ConfigurationError("backend 'rans' needs exactly one of step= or target_cos=, or a basis calibrated "
-                                         "with shared.rdquant.calibrate_step (which stores the step in the basis)")
-            if target_cos is not None and not (isinstance(target_cos, (int, float)) and 0 < target_cos <= 1):
-                raise ConfigurationError(f"target_cos={target_cos!r}: use a cosine in (0, 1]")
-            from .rdquant import RDQuantizer
-
-            step = float(calibrated) if step is None and target_cos is None else step
-            self.quantizer = None if step is None else RDQuantizer(step)
-            self.target_cos, self.water_fill, self.lane_tokens = target_cos, water_fill, lane_tokens
-            self.backend = None
-        else:
-            self.backend = get_backend(backend)
-            self.backend.check_settings(codec_settings)  # a typo (QP=18) is an error here, not a silent default
+        self._configure(backend, step=step, target_cos=target_cos, water_fill=water_fill, lane_tokens=lane_tokens,
+                        codec_settings=codec_settings)
         self.decoder = get_backend(decoder) if decoder else None
         if bits != 8:
             raise ConfigurationError(f"the frame path carries 8-bit planes; got bits={bits}")
-        if not self.symbols:
-            schema.check_frame_side("frame_size", frame_size)
+        self._check_frame_size(frame_size)
         if min_cos is not None and not (isinstance(min_cos, (int, float)) and -1 <= min_cos <= 1):
             raise ConfigurationError(f"min_cos={min_cos!r}: use a cosine in [-1, 1], or None to turn the check off")
         self.min_cos = min_cos
@@ -222,52 +217,12 @@ class TensorCodec:
                                      "scale the tensor down before coding it")
         return coeffs
 
-    def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
-        coeffs = self._project(as_float_matrix(x))
-        quantizer = PerChannelQuantizer.fit(coeffs, self.bits)
-        planes = quantizer.quantize(coeffs)
-        if self.min_cos is not None:
-            from .rdquant import quality
-
-            cos = quality(coeffs.astype(np.float64), quantizer.dequantize(planes).astype(np.float64), "cos")
-            if cos < self.min_cos:
-                worst = int(np.argmax(quantizer.step))
-                raise InvalidTensorError(
-                    f"the 8-bit frame path cannot represent this tensor: its planes alone reach cos {cos:.4f} "
-                    f"< min_cos={self.min_cos} (component {worst} spans {float(quantizer.step[worst]) * 255:.3g}: "
-                    "an outlier stretches its range); use backend='rans', clip the outlier, or pass min_cos=None")
-        return planes, quantizer
-
     def from_planes(self, planes: np.ndarray, quantizer: PerChannelQuantizer) -> np.ndarray:
         coeffs = quantizer.dequantize(planes)
         return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
 
     def _reconstruct(self, coeffs):
         return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
-
-    # -- the compute codec's step ---------------------------------------------------------------
-    def _step_quantizer(self, values, coeffs, reconstruct):
-        """The codec's quantizer; with target_cos, found once on a row sample of the first tensor."""
-        if self.quantizer is None:
-            from .rdquant import find_step
-
-            rows = slice(None, None, max(1, -(-values.shape[0] // SAMPLE_TOKENS)))
-            self.quantizer = find_step(coeffs[rows], self.target_cos, "cos", reconstruct=reconstruct,
-                                       reference=values[rows], water_fill=self.water_fill)
-        return self.quantizer
-
-    def _encode_symbols(self, x, dtype: str) -> bytes:
-        from .codecs import rans_cpu
-
-        proj = self._cpu_projection(x, dtype)
-        if proj is not None:
-            return self._encode_symbols_bf16(x, proj)
-        values = as_float_matrix(x)
-        coeffs = self._project(values)
-        quantizer = self._step_quantizer(values, coeffs, self._reconstruct)
-        symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
-        header, qpar = self._symbols_header(values.shape, dtype, quantizer)
-        return pack(header, {"QPAR": qpar, "DATA": rans_cpu.coder().encode(symbols, lane_tokens=self.lane_tokens)})
 
     def _cpu_projection(self, x, dtype: str, dim: int | None = None):
         """The bf16 CPU path's projection (shared.rdquant.CpuProjection), made once; None where it
@@ -289,44 +244,6 @@ class TensorCodec:
                               else CpuProjection(self.basis.mean, self.basis.components, synthesis=self.basis.synthesis))
         return self._cpu_proj
 
-    def _encode_symbols_bf16(self, x, proj) -> bytes:
-        """The compute codec's CPU path for a bf16 tensor: bf16 GEMM, then one compiled pass that
-        quantizes and gathers the coder's column statistics (CpuProjection); the general path's
-        checks (finite values, float32 headroom) are read off the symbols, and where one fails
-        the general path runs to name the cause."""
-        from .codecs import rans_cpu
-
-        if self.quantizer is None:  # target_cos: the step from a row sample, once
-            values = as_float_matrix(x)
-            rows = slice(None, None, max(1, -(-values.shape[0] // SAMPLE_TOKENS)))
-            self._step_quantizer(values[rows], self._project(values[rows]), self._reconstruct)
-        try:
-            symbols, stats = proj.quantize(x, self.quantizer)
-            amax = max(-int(stats[0].min()), int(stats[1].max()))
-            if not (amax + 0.5) * self.quantizer.step * proj.gain + proj.offset < FLOAT32_HEADROOM:
-                raise InvalidTensorError("values overflow float32 in the projection or its reconstruction")
-        except InvalidTensorError:
-            self._project(as_float_matrix(x))  # raises with the cause named
-            raise
-        header, qpar = self._symbols_header(x.shape, "bfloat16", self.quantizer)
-        return pack(header, {"QPAR": qpar, "DATA": rans_cpu.encode(symbols, lane_tokens=self.lane_tokens,
-                                                                   stats=stats)})
-
-    def _symbols_header(self, shape, dtype: str, quantizer) -> tuple[dict, bytes]:
-        """The container header of a compute-codec payload and its QPAR chunk (the CPU and GPU
-        encoders write the same container)."""
-        header = {
-            "shape": [int(shape[0]), int(shape[1])],
-            "dtype": dtype,
-            "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
-            "quant": {"kind": "rd_shared_step", "step": quantizer.step},
-            "codec": {"id": SYMBOL_CODER, "settings": {}},
-            "frames": None,
-            "fallback": None,
-            "checks": {"DATA": SELF_CHECKED},
-        }
-        return header, quantizer.to_bytes()
-
     def _projection(self, D: int, device):
         """The fused GPU projection/quantizer/reconstruction of this codec's basis (the identity
         without one), made once per device."""
@@ -344,55 +261,7 @@ class TensorCodec:
             raise BasisMismatchError(f"this codec's basis is for D={self._proj[1].D}, tensor has D={D}")
         return self._proj[1]
 
-    def _cuda_prepare(self, x) -> Prepared:
-        """Checks a CUDA tensor and readies this codec for it."""
-        dtype = _dtype_name(x)
-        if x.dim() != 2 or x.numel() == 0:
-            raise InvalidTensorError(f"tensor must be a non-empty 2-D [tokens, channels] tensor, got {tuple(x.shape)}")
-        proj = self._projection(x.shape[1], x.device)
-        if self.quantizer is None:
-            mean, comps, back = proj.mean, proj.components.float(), proj.components_t.float()
-            self._step_quantizer(x.float(), (x.float() - mean) @ comps, lambda c: c @ back + mean)
-        key = (tuple(x.shape), dtype, self.quantizer.step)
-        if getattr(self, "_front", (None,))[0] != key:  # the same header for every tensor of this shape
-            header, qpar = self._symbols_header(x.shape, dtype, self.quantizer)
-            self._front = (key, container_prefix(header, {"QPAR": qpar}, "DATA", 0))
-        return Prepared(proj, self.quantizer, self._front[1])
-
     # -- whole tensor --------------------------------------------------------------------------
-    def encode(self, x):
-        """x: [T, D] float tensor (numpy or torch) -> the container: bytes, or for a CUDA tensor
-        with backend "rans" a uint8 CUDA tensor holding the same container bytes, coded on its GPU
-        with one host synchronization (the GPU quantizer multiplies in bf16, so its symbols can
-        differ from the CPU's in the last bit of a few values)."""
-        if self.symbols and getattr(x, "is_cuda", False):
-            return encode_many([self], [x])[0]
-        dtype = _dtype_name(x)
-        if self.symbols:
-            return self._encode_symbols(x, dtype)
-        planes, quantizer = self.to_planes(x)
-        layout = framing.layout_for(*planes.shape, height=self.frame_size)
-        frames = framing.to_frames(planes, layout)
-        with self.backend.encoder(layout.width, layout.height, **self.codec_settings) as enc:
-            enc.submit(frames)
-            payload = enc.flush()
-        codec_id, fallback = self.backend.name, None
-        if len(payload) >= frames.nbytes:
-            fallback = f"{codec_id} produced {len(payload)} bytes >= {frames.nbytes} raw bytes; stored raw"
-            codec_id, payload = "raw", frames.tobytes()
-        header = {
-            "shape": list(planes.shape[:1]) + [self.basis.dim if self.basis is not None else planes.shape[1]],
-            "dtype": dtype,
-            "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
-            "quant": {"kind": "per_channel", "bits": self.bits},
-            # where the session ran (threads, gpu, stream) is not part of the stream
-            "codec": {"id": codec_id, "settings": {k: v for k, v in self.codec_settings.items()
-                                                   if k not in schema.RESERVED_SETTINGS}},
-            "frames": layout.to_dict(),
-            "fallback": fallback,
-        }
-        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
-
     def decode(self, blob, device=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS):
         """The tensor, as a torch tensor of the encoded dtype. blob: bytes-like, or a uint8 tensor
         (CPU or CUDA) holding a container. device="cuda": a compute-codec payload is decoded and
@@ -405,50 +274,9 @@ class TensorCodec:
         return decode_many([self], [blob], device=device, max_elements=max_elements)[0]
 
     def join(self, blobs, device=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> bytes:
-        """Compute-codec containers of this codec ([T_i, D] each, one dtype, one quantization step) -> one
-        container of all their rows, in order. They are joined as integer symbols, so every decoded value is
-        what it was; decoding the rows and coding them again would quantize them a second time (bf16
-        rounding moves values across step boundaries). blobs: bytes-like or uint8 tensors (a CUDA one is
-        read through the host). device None: the CPU coder; a torch device: the GPU coder's kernels there
-        (the same bytes, at GPU speed: a cache joining a long context's chunks wants that). One container
-        comes back coded again."""
-        if not self.symbols:
-            raise ConfigurationError("join takes compute-codec containers (backend 'rans'); the frame path "
-                                     "quantizes each tensor's channels on their own ranges, so its planes do not join")
-        if len(blobs) == 0:
-            raise ConfigurationError("join needs at least one container")
-        from .codecs import rans_cpu
-        from .rdquant import RDQuantizer
-
-        parts, first = [], None
-        for i, blob in enumerate(blobs):
-            header, chunks = unpack(blob, max_elements=max_elements)
-            if header["quant"]["kind"] != "rd_shared_step":
-                raise BitstreamError(f"container {i} is not a compute-codec payload (quantization "
-                                     f"{header['quant']['kind']!r}); join takes containers of backend 'rans'")
-            self._check_basis(header)
-            key = (header["dtype"], header["shape"][1], bytes(chunks["QPAR"]))
-            if first is None:
-                first = key
-            elif key != first:
-                raise BitstreamError(f"container {i} differs from container 0 in dtype, width or quantization "
-                                     f"step ({key[:2]} vs {first[:2]}); only containers of one codec and step join")
-            parts.append((chunks["DATA"], header["shape"][0] * schema.components(header)))
-        if device is None:
-            symbols = np.concatenate([rans_cpu.coder().decode(data, max_elements=n) for data, n in parts])
-            tokens, data = symbols.shape[0], rans_cpu.coder().encode(np.ascontiguousarray(symbols, np.int32),
-                                                                    lane_tokens=self.lane_tokens)
-        else:
-            import torch
-
-            from .codecs import rans_cuda
-
-            payloads = [torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) for data, _ in parts]
-            symbols, _ = rans_cuda.decode_many_cuda(payloads, max_elements=[n for _, n in parts])
-            joined = torch.cat(symbols)
-            tokens, data = joined.shape[0], rans_cuda.encode_cuda(joined, lane_tokens=self.lane_tokens).cpu().numpy().tobytes()
-        header, qpar = self._symbols_header((tokens, first[1]), first[0], RDQuantizer.from_bytes(first[2]))
-        return pack(header, {"QPAR": qpar, "DATA": data})
+        """Compute-codec containers joined into one: ComputeCodec.join."""
+        raise ConfigurationError("join takes compute-codec containers (backend 'rans'); the frame path "
+                                 "quantizes each tensor's channels on their own ranges, so its planes do not join")
 
     def measure(self, x) -> dict:
         """Encode and decode x; the ratio vs bf16 and the quality this tensor gets (shared.metrics)."""
@@ -520,6 +348,231 @@ class TensorCodec:
         if list(values.shape) != header["shape"]:
             raise BitstreamError(f"decoded shape {values.shape} differs from header shape {header['shape']}")
         return values
+
+
+class FrameCodec(TensorCodec):
+    """The frame path: per-channel uint8 planes of the coefficients, tiled into YUV 4:4:4 frames, coded by a
+    video codec or a byte coder (backend "x265", "ffv1", "zstd", ...). Made by TensorCodec(...)."""
+
+    DEFAULT_BACKEND = "x265"
+
+    def _configure(self, backend: str, *, step, target_cos, water_fill, lane_tokens, codec_settings) -> None:
+        if backend == SYMBOL_CODER:
+            raise ConfigurationError(f"backend {SYMBOL_CODER!r} is the compute codec. Fix: ComputeCodec (or "
+                                     f"TensorCodec) with backend={SYMBOL_CODER!r}")
+        self.backend = get_backend(backend)
+        self.backend.check_settings(codec_settings)  # a typo (QP=18) is an error here, not a silent default
+
+    def _check_frame_size(self, frame_size) -> None:
+        schema.check_frame_side("frame_size", frame_size)
+
+    def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
+        coeffs = self._project(as_float_matrix(x))
+        quantizer = PerChannelQuantizer.fit(coeffs, self.bits)
+        planes = quantizer.quantize(coeffs)
+        if self.min_cos is not None:
+            from .rdquant import quality
+
+            cos = quality(coeffs.astype(np.float64), quantizer.dequantize(planes).astype(np.float64), "cos")
+            if cos < self.min_cos:
+                worst = int(np.argmax(quantizer.step))
+                raise InvalidTensorError(
+                    f"the 8-bit frame path cannot represent this tensor: its planes alone reach cos {cos:.4f} "
+                    f"< min_cos={self.min_cos} (component {worst} spans {float(quantizer.step[worst]) * 255:.3g}: "
+                    "an outlier stretches its range); use backend='rans', clip the outlier, or pass min_cos=None")
+        return planes, quantizer
+
+    def encode(self, x):
+        """x: [T, D] float tensor (numpy or torch) -> the container (bytes): per-channel uint8 planes
+        tiled into frames for the backend; stored raw where the backend's output would be larger."""
+        dtype = _dtype_name(x)
+        planes, quantizer = self.to_planes(x)
+        layout = framing.layout_for(*planes.shape, height=self.frame_size)
+        frames = framing.to_frames(planes, layout)
+        with self.backend.encoder(layout.width, layout.height, **self.codec_settings) as enc:
+            enc.submit(frames)
+            payload = enc.flush()
+        codec_id, fallback = self.backend.name, None
+        if len(payload) >= frames.nbytes:
+            fallback = f"{codec_id} produced {len(payload)} bytes >= {frames.nbytes} raw bytes; stored raw"
+            codec_id, payload = "raw", frames.tobytes()
+        header = {
+            "shape": list(planes.shape[:1]) + [self.basis.dim if self.basis is not None else planes.shape[1]],
+            "dtype": dtype,
+            "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
+            "quant": {"kind": "per_channel", "bits": self.bits},
+            # where the session ran (threads, gpu, stream) is not part of the stream
+            "codec": {"id": codec_id, "settings": {k: v for k, v in self.codec_settings.items()
+                                                   if k not in schema.RESERVED_SETTINGS}},
+            "frames": layout.to_dict(),
+            "fallback": fallback,
+        }
+        return pack(header, {"QPAR": quantizer.to_bytes(), "DATA": payload})
+
+
+class ComputeCodec(TensorCodec):
+    """The compute codec: one quantization step shared by every component, integer symbols coded by rANS on
+    the CPU or on the GPU (backend "rans"). Made by TensorCodec(..., backend="rans")."""
+
+    DEFAULT_BACKEND = SYMBOL_CODER
+    symbols = True
+
+    def _configure(self, backend: str, *, step, target_cos, water_fill, lane_tokens, codec_settings) -> None:
+        if backend != SYMBOL_CODER:
+            raise ConfigurationError(f"ComputeCodec codes with backend {SYMBOL_CODER!r}, got {backend!r}. Fix: "
+                                     f"FrameCodec (or TensorCodec) for backend {backend!r}")
+        if codec_settings:
+            raise ConfigurationError(f"backend 'rans' does not know the setting(s) {', '.join(sorted(codec_settings))}; "
+                                     "it takes step=, target_cos=, water_fill= and lane_tokens=")
+        if lane_tokens is not None and not (isinstance(lane_tokens, int) and lane_tokens >= 1):
+            raise ConfigurationError(f"lane_tokens must be a positive int, got {lane_tokens!r}")
+        if step is not None and target_cos is not None:
+            raise ConfigurationError("backend 'rans' takes exactly one of step= or target_cos=")
+        calibrated = None if self.basis is None else self.basis.meta.get("rans_step")
+        if step is None and target_cos is None and calibrated is None:
+            raise ConfigurationError("backend 'rans' needs exactly one of step= or target_cos=, or a basis calibrated "
+                                     "with shared.rdquant.calibrate_step (which stores the step in the basis)")
+        if target_cos is not None and not (isinstance(target_cos, (int, float)) and 0 < target_cos <= 1):
+            raise ConfigurationError(f"target_cos={target_cos!r}: use a cosine in (0, 1]")
+        from .rdquant import RDQuantizer
+
+        step = float(calibrated) if step is None and target_cos is None else step
+        self.quantizer = None if step is None else RDQuantizer(step)
+        self.target_cos, self.water_fill, self.lane_tokens = target_cos, water_fill, lane_tokens
+        self.backend = None
+
+    def _check_frame_size(self, frame_size) -> None:
+        pass  # no frames on this path
+
+    # -- the compute codec's step ---------------------------------------------------------------
+    def _step_quantizer(self, values, coeffs, reconstruct):
+        """The codec's quantizer; with target_cos, found once on a row sample of the first tensor."""
+        if self.quantizer is None:
+            from .rdquant import find_step
+
+            rows = slice(None, None, max(1, -(-values.shape[0] // SAMPLE_TOKENS)))
+            self.quantizer = find_step(coeffs[rows], self.target_cos, "cos", reconstruct=reconstruct,
+                                       reference=values[rows], water_fill=self.water_fill)
+        return self.quantizer
+
+    def _encode_symbols(self, x, dtype: str) -> bytes:
+        from .codecs import rans_cpu
+
+        proj = self._cpu_projection(x, dtype)
+        if proj is not None:
+            return self._encode_symbols_bf16(x, proj)
+        values = as_float_matrix(x)
+        coeffs = self._project(values)
+        quantizer = self._step_quantizer(values, coeffs, self._reconstruct)
+        symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
+        header, qpar = self._symbols_header(values.shape, dtype, quantizer)
+        return pack(header, {"QPAR": qpar, "DATA": rans_cpu.coder().encode(symbols, lane_tokens=self.lane_tokens)})
+
+    def _encode_symbols_bf16(self, x, proj) -> bytes:
+        """The compute codec's CPU path for a bf16 tensor: bf16 GEMM, then one compiled pass that
+        quantizes and gathers the coder's column statistics (CpuProjection); the general path's
+        checks (finite values, float32 headroom) are read off the symbols, and where one fails
+        the general path runs to name the cause."""
+        from .codecs import rans_cpu
+
+        if self.quantizer is None:  # target_cos: the step from a row sample, once
+            values = as_float_matrix(x)
+            rows = slice(None, None, max(1, -(-values.shape[0] // SAMPLE_TOKENS)))
+            self._step_quantizer(values[rows], self._project(values[rows]), self._reconstruct)
+        try:
+            symbols, stats = proj.quantize(x, self.quantizer)
+            amax = max(-int(stats[0].min()), int(stats[1].max()))
+            if not (amax + 0.5) * self.quantizer.step * proj.gain + proj.offset < FLOAT32_HEADROOM:
+                raise InvalidTensorError("values overflow float32 in the projection or its reconstruction")
+        except InvalidTensorError:
+            self._project(as_float_matrix(x))  # raises with the cause named
+            raise
+        header, qpar = self._symbols_header(x.shape, "bfloat16", self.quantizer)
+        return pack(header, {"QPAR": qpar, "DATA": rans_cpu.encode(symbols, lane_tokens=self.lane_tokens,
+                                                                   stats=stats)})
+
+    def _symbols_header(self, shape, dtype: str, quantizer) -> tuple[dict, bytes]:
+        """The container header of a compute-codec payload and its QPAR chunk (the CPU and GPU
+        encoders write the same container)."""
+        header = {
+            "shape": [int(shape[0]), int(shape[1])],
+            "dtype": dtype,
+            "basis": None if self.basis is None else {"hash": self.basis.content_hash, "k": self.basis.k},
+            "quant": {"kind": "rd_shared_step", "step": quantizer.step},
+            "codec": {"id": SYMBOL_CODER, "settings": {}},
+            "frames": None,
+            "fallback": None,
+            "checks": {"DATA": SELF_CHECKED},
+        }
+        return header, quantizer.to_bytes()
+
+    def _cuda_prepare(self, x) -> Prepared:
+        """Checks a CUDA tensor and readies this codec for it."""
+        dtype = _dtype_name(x)
+        if x.dim() != 2 or x.numel() == 0:
+            raise InvalidTensorError(f"tensor must be a non-empty 2-D [tokens, channels] tensor, got {tuple(x.shape)}")
+        proj = self._projection(x.shape[1], x.device)
+        if self.quantizer is None:
+            mean, comps, back = proj.mean, proj.components.float(), proj.components_t.float()
+            self._step_quantizer(x.float(), (x.float() - mean) @ comps, lambda c: c @ back + mean)
+        key = (tuple(x.shape), dtype, self.quantizer.step)
+        if getattr(self, "_front", (None,))[0] != key:  # the same header for every tensor of this shape
+            header, qpar = self._symbols_header(x.shape, dtype, self.quantizer)
+            self._front = (key, container_prefix(header, {"QPAR": qpar}, "DATA", 0))
+        return Prepared(proj, self.quantizer, self._front[1])
+
+    def encode(self, x):
+        """x: [T, D] float tensor (numpy or torch) -> the container: bytes, or for a CUDA tensor a uint8
+        CUDA tensor holding the same container bytes, coded on its GPU with one host synchronization
+        (the GPU quantizer multiplies in bf16, so its symbols can differ from the CPU's in the last bit
+        of a few values)."""
+        if getattr(x, "is_cuda", False):
+            return encode_many([self], [x])[0]
+        return self._encode_symbols(x, _dtype_name(x))
+
+    def join(self, blobs, device=None, max_elements: int = schema.DEFAULT_MAX_ELEMENTS) -> bytes:
+        """Compute-codec containers of this codec ([T_i, D] each, one dtype, one quantization step) -> one
+        container of all their rows, in order. They are joined as integer symbols, so every decoded value is
+        what it was; decoding the rows and coding them again would quantize them a second time (bf16
+        rounding moves values across step boundaries). blobs: bytes-like or uint8 tensors (a CUDA one is
+        read through the host). device None: the CPU coder; a torch device: the GPU coder's kernels there
+        (the same bytes, at GPU speed: a cache joining a long context's chunks wants that). One container
+        comes back coded again."""
+        if len(blobs) == 0:
+            raise ConfigurationError("join needs at least one container")
+        from .codecs import rans_cpu
+        from .rdquant import RDQuantizer
+
+        parts, first = [], None
+        for i, blob in enumerate(blobs):
+            header, chunks = unpack(blob, max_elements=max_elements)
+            if header["quant"]["kind"] != "rd_shared_step":
+                raise BitstreamError(f"container {i} is not a compute-codec payload (quantization "
+                                     f"{header['quant']['kind']!r}); join takes containers of backend 'rans'")
+            self._check_basis(header)
+            key = (header["dtype"], header["shape"][1], bytes(chunks["QPAR"]))
+            if first is None:
+                first = key
+            elif key != first:
+                raise BitstreamError(f"container {i} differs from container 0 in dtype, width or quantization "
+                                     f"step ({key[:2]} vs {first[:2]}); only containers of one codec and step join")
+            parts.append((chunks["DATA"], header["shape"][0] * schema.components(header)))
+        if device is None:
+            symbols = np.concatenate([rans_cpu.coder().decode(data, max_elements=n) for data, n in parts])
+            tokens, data = symbols.shape[0], rans_cpu.coder().encode(np.ascontiguousarray(symbols, np.int32),
+                                                                    lane_tokens=self.lane_tokens)
+        else:
+            import torch
+
+            from .codecs import rans_cuda
+
+            payloads = [torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) for data, _ in parts]
+            symbols, _ = rans_cuda.decode_many_cuda(payloads, max_elements=[n for _, n in parts])
+            joined = torch.cat(symbols)
+            tokens, data = joined.shape[0], rans_cuda.encode_cuda(joined, lane_tokens=self.lane_tokens).cpu().numpy().tobytes()
+        header, qpar = self._symbols_header((tokens, first[1]), first[0], RDQuantizer.from_bytes(first[2]))
+        return pack(header, {"QPAR": qpar, "DATA": data})
+
 
 
 _STACKED = {}  # stacked projections of codec lists coded together (a model's layers), by the codecs' identity
