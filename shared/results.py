@@ -239,12 +239,12 @@ def diff_summary(old, new, show: int = 5) -> list[str]:
 
 # How long each CPU PoC takes on a 2-core CPU machine from a clean state (captures included), in
 # minutes: (full run, --quick run). CPU time (user + system) measured with /usr/bin/time on
-# 2026-12-01, which is about the wall time of an idle machine (that day's machine was busy); PoC 07's
-# full run: its wall time on a fresh clone before its study was made cheaper. None: not measured.
+# 2026-12-01 (PoC 07's full run: 2026-12-07, captures included), which is about the wall time of an idle
+# machine (those days' machines were busy). None: not measured.
 # The "Run times" table of docs/hardware.md gives the same numbers with the wall times.
 RUN_MINUTES = {
     "01": (1.5, 0.05), "02": (3.2, 0.63), "03": (7.6, 0.27), "04": (1.5, 0.4), "05": (None, None),
-    "06": (2.1, 0.73), "07": (36, 0.52), "08": (0.23, 0.05), "13": (7.2, 0.75), "14": (3.5, 0.23),
+    "06": (2.1, 0.73), "07": (1.9, 0.52), "08": (0.23, 0.05), "13": (7.2, 0.75), "14": (3.5, 0.23),
     "15": (None, 0.29), "16": (20, 0.77), "17": (None, 0.72), "18": (1.3, 0.37),
 }
 
