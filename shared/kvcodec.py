@@ -5,7 +5,7 @@ what attention cares about built into its transform, its step per tensor and its
                          sink=4, recent=0, pre_rope=True, per_head=False)
     codec.set_scale(0.8)                        # or calibrate_scale(...) for a perplexity target
     blob = codec.encode(k_rows, layer=3, kind="k", start=0)      # bytes, the TNSC container
-    k_hat = codec.decode(blob)                  # float32 [T, C]
+    k_hat = codec.decode(blob)                  # float32 [T, C]; decode(blob, device="cuda") on a GPU
     codec.save("kv_codec.safetensors"); KVCodec.load(...)
     codec = load_shipped("smollm2", target_pct=0.3)   # the calibrated SmolLM2-135M codec in artifacts/kv_codec/
 
@@ -42,6 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .codecs.rans import HEADER as RANS_HEADER
 from .container import pack, unpack_container
 from .errors import BitstreamError, CodecError, CodecFileMissing, ConfigurationError, InvalidTensorError
 
@@ -495,11 +496,14 @@ class KVCodec:
         parts = [raw.float(), body] + ([] if recent_raw is None else [recent_raw.to(symbols.device).float()])
         return torch.cat(parts, 0)
 
-    def decode(self, blob: bytes) -> torch.Tensor:
+    def decode(self, blob: bytes, device=None) -> torch.Tensor:
         """The float32 rows [T, C] of a container made by encode (raw sink rows, the dequantized body,
         raw recent rows; keys rotated forward again when coded pre-RoPE). Raises BitstreamError for a
-        blob of another codec or one fitted with other transforms (the header's hash differs)."""
-        from .codecs import rans_cpu
+        blob of another codec or one fitted with other transforms (the header's hash differs).
+        device None: the CPU coder, rows on the CPU; a torch device ("cuda"): the payload goes there and
+        the GPU coder's kernels decode it (shared.codecs.rans_cuda, the same symbols), the rows are
+        reconstructed and rotated there."""
+        from .codecs import rans_cpu, rans_cuda
 
         header, chunks = unpack_container(blob)
         if header.get("codec", {}).get("id") != CODEC_ID:
@@ -521,7 +525,12 @@ class KVCodec:
             return torch.frombuffer(bytearray(chunks[tag]), dtype=torch.int16).view(torch.bfloat16).reshape(n, C)
 
         recent = int(header.get("recent", 0))
-        out = self.reconstruct(rans_cpu.coder().decode(chunks["DATA"]), rows("RAWS", header["sink"]),
+        if device is None:
+            symbols = rans_cpu.coder().decode(chunks["DATA"])
+        else:
+            payload = torch.frombuffer(bytearray(chunks["DATA"]), dtype=torch.uint8).to(device)
+            symbols = rans_cuda.decode_cuda(payload, head=bytes(chunks["DATA"][:RANS_HEADER.size]))
+        out = self.reconstruct(symbols, rows("RAWS", header["sink"]),
                                header["layer"], header["kind"], header["start"], header["step"], header["pre_rope"],
                                rows("RCNT", recent) if recent else None)
         if list(out.shape) != [T, C]:

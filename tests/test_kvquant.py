@@ -247,6 +247,9 @@ def test_codec_on_cuda_codes_the_same_bytes_and_rows_as_on_the_cpu(calib, rope):
         rt, n = codec.roundtrip(x.cuda(), 1, kind)
         assert rt.is_cuda and n == len(cpu_blob)
         torch.testing.assert_close(rt.cpu(), codec.decode(cpu_blob), rtol=0, atol=1e-4)
+        on_gpu = codec.decode(cpu_blob, device="cuda")  # the GPU coder decodes the CPU coder's bytes
+        assert on_gpu.is_cuda
+        torch.testing.assert_close(on_gpu.cpu(), codec.decode(cpu_blob), rtol=0, atol=1e-4)
 
 
 def test_calibration_closes_in_on_a_cost_the_power_law_does_not_fit():

@@ -1000,3 +1000,27 @@ def test_triton_interpreter_joins_containers_to_the_cpu_coders_bytes():
         parts = [codec.encode(x[:200]), codec.encode(x[200:])]
         assert codec.join(parts, device="cpu") == codec.join(parts)
     """)
+
+
+@pytest.mark.slow
+@needs_triton
+def test_triton_interpreter_decodes_kv_codec_blobs_as_the_cpu_coder_does():
+    """KVCodec.decode(blob, device): the payload decoded by the GPU coder's kernels (here under Triton's
+    interpreter, on CPU tensors) gives the CPU coder's symbols, so the same rows (raw sink rows, keys
+    rotated forward again)."""
+    run_interpreted("""
+        import numpy as np
+        import torch
+        from shared.kvcodec import Rope, fit_kv_codec
+        g = torch.Generator().manual_seed(3)
+        calib = [[(torch.randn(96, 32, generator=g) * torch.linspace(3, 0.1, 32),
+                   torch.randn(96, 32, generator=g) * torch.linspace(2, 0.2, 32))] for _ in range(2)]
+        rope = Rope(1.0 / 10000 ** (np.arange(0, 16, 2) / 16))
+        codec = fit_kv_codec(calib, 2, sink=4, pre_rope=True, rope=rope).set_scale(0.3)
+        x = torch.randn(80, 32, generator=g) * torch.linspace(3, 0.1, 32)
+        for kind in "kv":
+            blob = codec.encode(x, 0, kind, start=7)
+            on_cpu, by_kernels = codec.decode(blob), codec.decode(blob, device="cpu")
+            torch.testing.assert_close(by_kernels, on_cpu, rtol=0, atol=1e-5)
+            assert torch.equal(by_kernels[:4], x[:4].bfloat16().float())
+    """)
