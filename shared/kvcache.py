@@ -1365,13 +1365,16 @@ class BatchSpillCache(Cache):
         return self.sequences[0].stored_tokens()
 
     def flush(self) -> None:
+        """SpillCache.flush of every sequence."""
         for seq in self.sequences:
             seq.flush()
 
     def drain(self) -> None:
+        """SpillCache.drain of every sequence."""
         for seq in self.sequences:
             seq.drain()
 
     def close(self) -> None:
+        """SpillCache.close of every sequence."""
         for seq in self.sequences:
             seq.close()

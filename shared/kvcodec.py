@@ -371,6 +371,7 @@ class KVCodec:
         self._torch: dict = {}
 
     def set_scale(self, scale: float) -> "KVCodec":
+        """Set the global scale (every tensor's step is scale x its unit) in place; returns the codec."""
         if not (math.isfinite(scale) and scale > 0):
             raise InvalidTensorError(f"scale must be a positive finite number, got {scale}")
         self.scale = float(scale)
@@ -404,6 +405,7 @@ class KVCodec:
                                  "fit it on that model")
 
     def step(self, layer: int, kind: str) -> float:
+        """The quantization step of (layer, kind "k" or "v"): scale x that tensor's unit."""
         return self.scale * self.transform(layer, kind).unit
 
     def tensor_codec(self, layer: int, kind: str, lane_tokens: int | None = None):

@@ -218,6 +218,7 @@ class TensorCodec:
         return coeffs
 
     def from_planes(self, planes: np.ndarray, quantizer: PerChannelQuantizer) -> np.ndarray:
+        """The frame path's inverse of FrameCodec.to_planes: uint8 planes -> float32 values [T, D]."""
         coeffs = quantizer.dequantize(planes)
         return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
 
@@ -318,6 +319,8 @@ class TensorCodec:
         return proj.reconstruct(symbols, quantizer.step)
 
     def decode_values(self, header: dict, chunks: dict[str, bytes]) -> np.ndarray:
+        """A parsed container (header, chunks: shared.container.unpack) -> float32 values [T, D] on the
+        CPU, whichever path coded it; BitstreamError where its payload does not decode to the header's shape."""
         self._check_basis(header)
         if header["quant"]["kind"] == "rd_shared_step":
             from .codecs import rans_cpu
@@ -367,6 +370,8 @@ class FrameCodec(TensorCodec):
         schema.check_frame_side("frame_size", frame_size)
 
     def to_planes(self, x) -> tuple[np.ndarray, PerChannelQuantizer]:
+        """x [T, D] -> (uint8 planes [T, K] of its coefficients, the per-channel quantizer that made them);
+        InvalidTensorError where the planes alone fall below min_cos."""
         coeffs = self._project(as_float_matrix(x))
         quantizer = PerChannelQuantizer.fit(coeffs, self.bits)
         planes = quantizer.quantize(coeffs)
