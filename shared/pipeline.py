@@ -219,8 +219,7 @@ class TensorCodec:
 
     def from_planes(self, planes: np.ndarray, quantizer: PerChannelQuantizer) -> np.ndarray:
         """The frame path's inverse of FrameCodec.to_planes: uint8 planes -> float32 values [T, D]."""
-        coeffs = quantizer.dequantize(planes)
-        return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
+        return self._reconstruct(quantizer.dequantize(planes))
 
     def _reconstruct(self, coeffs):
         return self.basis.reconstruct(coeffs) if self.basis is not None else coeffs
@@ -356,8 +355,6 @@ class TensorCodec:
 class FrameCodec(TensorCodec):
     """The frame path: per-channel uint8 planes of the coefficients, tiled into YUV 4:4:4 frames, coded by a
     video codec or a byte coder (backend "x265", "ffv1", "zstd", ...). Made by TensorCodec(...)."""
-
-    DEFAULT_BACKEND = "x265"
 
     def _configure(self, backend: str, *, step, target_cos, water_fill, lane_tokens, codec_settings) -> None:
         if backend == SYMBOL_CODER:
