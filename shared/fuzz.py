@@ -214,7 +214,7 @@ def _rans_fix(payload: bytes) -> bytes:
 
 
 RANS_FIELDS = ("magic", "version", "prob_bits", "G", "T", "K", "S", "n_table", "n_escapes", "k_coded", "n_param",
-               "lo_bytes", "w_bytes", "reserved", "stream_words")
+               "lo_bytes", "w_bytes", "flags", "stream_words")
 
 
 def mut_rans_field(rng, head, chunks):

@@ -309,6 +309,31 @@ def test_triton_interpreter_writes_the_same_bytes_on_a_small_case():
     """)
 
 
+@needs_triton
+def test_triton_interpreter_lanes_by_component_write_the_same_bytes():
+    """The GPU coder's other lane order (a lane group walks one component's token chunks): its bytes
+    equal the numpy coder's, which differ from the default order's; it decodes them to the tensor,
+    as symbols and as scaled coefficient rows, in a list beside a default-order payload."""
+    run_interpreted("""
+        import torch
+        x = pca_like(320, 40)
+        x[::37, :5] += 5000  # escapes in several groups
+        payload = rans.encode(x, lane_tokens=16, lanes_by_component=True)
+        assert payload != rans.encode(x, lane_tokens=16)
+        assert bytes(rans_cuda.encode_cuda(torch.from_numpy(x), lane_tokens=16, lanes_by_component=True).numpy()) \
+            == payload
+        other = rans.encode(x[:, :8], lane_tokens=64)
+        blobs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (payload, other)]
+        ys, _ = rans_cuda.decode_many_cuda(blobs)
+        np.testing.assert_array_equal(ys[0].numpy(), x)
+        np.testing.assert_array_equal(ys[1].numpy(), x[:, :8])
+        by_token = torch.frombuffer(bytearray(rans.encode(x, lane_tokens=16)), dtype=torch.uint8)
+        rows, _ = rans_cuda.decode_many_cuda([blobs[0], by_token], scales=[(0.5, 1e9, 44, 40)] * 2)
+        want = torch.from_numpy(x * 0.5).float()
+        assert torch.equal(rows[0], rows[1]) and bool(((rows[0][:, :40].float() - want).abs() <= want.abs() / 256).all())
+    """)
+
+
 @pytest.mark.slow
 @needs_triton
 def test_triton_interpreter_tables_int64_fallbacks_write_the_same_bytes():

@@ -56,6 +56,31 @@ def test_lane_layouts_identical(settings):
     assert_same_coder(x, **settings)
 
 
+@pytest.mark.parametrize("settings", [dict(lane_tokens=64), dict(lane_tokens=7), dict(lane_tokens=100, group_lanes=8),
+                                      dict(lane_tokens=5000), dict(lane_tokens=16, group_lanes=1024)])
+def test_lanes_by_component_identical(settings):
+    """Lane groups walking one component's token chunks (flag LANES_BY_COMPONENT): both coders write
+    the same bytes, of the same size as the default order's but not the same, and decode each other's;
+    groups straddle components where the chunks do not fill them."""
+    x = np.concatenate([pca_like(1000, 40, seed=3), wide_windows(1000)], 1)
+    x[::97, 3] += 9000  # escapes
+    by_component = assert_same_coder(x, lanes_by_component=True, **settings)
+    by_token = rans.encode(x, **settings)
+    assert rans.parse(by_component).layout.by_component and not rans.parse(by_token).layout.by_component
+    assert len(by_component) == len(by_token) and by_component != by_token
+
+
+def test_unknown_header_flags_are_refused():
+    payload = bytearray(rans.encode(pca_like(100, 4), lanes_by_component=True))
+    at = rans.HEADER.size - 18  # the u16 flags field
+    payload[at] |= 2
+    c0, c1 = rans.checksum(payload[:rans.CHECKED_HEADER_BYTES], payload[rans.HEADER.size:])
+    payload[rans.CHECKED_HEADER_BYTES:rans.HEADER.size] = np.array([c0, c1], "<u4").tobytes()
+    for decode in (rans.decode, rans_cpu.decode):
+        with pytest.raises(BitstreamError, match="flags=3"):
+            decode(bytes(payload))
+
+
 def test_escapes_and_single_symbol_components_identical():
     x = wide_windows(2048, 6)
     x[:, 5] = 7  # one symbol: codes nothing

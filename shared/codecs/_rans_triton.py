@@ -545,12 +545,18 @@ def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask):
 
 
 @triton.jit
-def group_lanes(grp, K, n_lanes, G: tl.constexpr):
+def group_lanes(grp, K, P, n_lanes, G: tl.constexpr, BY_COMPONENT: tl.constexpr):
     """The lanes of lane groups grp [GPP], as [GPP, G]: their numbers, whether they exist, and each one's
-    token block p and component k (lane = p * K + k: a group's lanes are consecutive components)."""
+    token block p and component k (lane = p * K + k: a group's lanes are consecutive components; or
+    BY_COMPONENT, lane = k * P + p: consecutive token blocks of one component, whose one table a warp
+    then reads from L1)."""
     lane = grp[:, None] * G + tl.arange(0, G)[None, :]
-    p = lane // K
-    return lane, lane < n_lanes, p, lane - p * K
+    if BY_COMPONENT:
+        k = lane // P
+        return lane, lane < n_lanes, lane - k * P, k
+    else:
+        p = lane // K
+        return lane, lane < n_lanes, p, lane - p * K
 
 
 @triton.jit
@@ -631,7 +637,8 @@ def _encode_step(x, ptr, eptr, wrong, v, e, v_ahead, j, sym_ptr, off, tab_row, l
 def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, glen_ptr, ebuf_ptr, gesc_ptr,
                   scal_ptr, T, K, n_lanes, n_groups, S, cap, ecap,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
-                  WIDE_INDEX: tl.constexpr, VOTE: tl.constexpr, RECIP: tl.constexpr = False):
+                  WIDE_INDEX: tl.constexpr, VOTE: tl.constexpr, RECIP: tl.constexpr = False,
+                  BY_COMPONENT: tl.constexpr = False):
     """One thread per lane, G lanes per shared word stream, GPP streams per program. Walks its
     tokens last to first. Escaped values go to their group's escape buffer (ecap slots) in the
     order the stored format wants. A group that escapes more stores ecap as its count, so that
@@ -654,7 +661,7 @@ def encode_kernel(sym_ptr, lo_ptr, w_ptr, a_ptr, tab_ptr, buf_ptr, state_ptr, gl
     ebuf_ptr += s * n_groups * ecap
     scal_ptr += s * SCAL_SLOTS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
-    lane, lane_ok, p, k = group_lanes(grp, K, n_lanes, G)
+    lane, lane_ok, p, k = group_lanes(grp, K, n_lanes // K, n_lanes, G, BY_COMPONENT)
     lo64 = tl.load(lo_ptr + k, mask=lane_ok, other=0)
     W64 = tl.load(w_ptr + k, mask=lane_ok, other=1)
     may_escape = tl.max(tl.max((tl.load(a_ptr + k, mask=lane_ok, other=0) > W64).to(tl.int32), 1), 0) > 0
@@ -734,7 +741,7 @@ def _store_width(p8, p16, p32, el, v, width, mask):
 @triton.jit
 def pack_meta_kernel(lo_ptr, w_ptr, a_ptr, codes_ptr, states_ptr, model_ptr, scale_ptr, mu16_ptr,
                      b8, b16, b32, seg_ptr, K, P, HCAP: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_P: tl.constexpr, SEG_FIELDS: tl.constexpr):
+                     BLOCK_P: tl.constexpr, SEG_FIELDS: tl.constexpr, BY_COMPONENT: tl.constexpr = False):
     """One component's meta into payload s = program_id(1) of a batch (b8/b16/b32: the batch buffer
     as int8/int16/int32; seg_ptr: its segment table row): lo, W | escape flag, its model, then
     its parameters (after those of the parametric components before it) or its A weight codes
@@ -784,8 +791,12 @@ def pack_meta_kernel(lo_ptr, w_ptr, a_ptr, codes_ptr, states_ptr, model_ptr, sca
         for p0 in range(0, P, BLOCK_P):
             pp = (p0 + tl.arange(0, BLOCK_P)).to(tl.int64)
             m = pp < P
-            st = tl.load(states_ptr + pp * K + k, mask=m)
-            tl.store(states_out + pp * k_coded + rank, st, mask=m)
+            if BY_COMPONENT:  # the states of coded lanes, in lane order
+                st = tl.load(states_ptr + k * P + pp, mask=m)
+                tl.store(states_out + rank * P + pp, st, mask=m)
+            else:
+                st = tl.load(states_ptr + pp * K + k, mask=m)
+                tl.store(states_out + pp * k_coded + rank, st, mask=m)
 
 
 @triton.jit
@@ -1012,7 +1023,7 @@ def _u32(v):
 def fronts_kernel(src_ptr, src_off_ptr, front_ptr, back_ptr, seg_ptr, span_ptr, b8, b32, T, K, S,
                   MAGIC_WORD: tl.constexpr, VERSION: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr,
                   LENGTH_FIELD: tl.constexpr, HEADER_BYTES: tl.constexpr, BLOCK: tl.constexpr,
-                  SEG_FIELDS: tl.constexpr):
+                  SEG_FIELDS: tl.constexpr, FLAGS: tl.constexpr = 0):
     """Container s = program_id(0) of a batch, all but what pack_meta, gather and the checksum
     write: its front bytes (with the payload length, u64, in their last 8 bytes when LENGTH_FIELD),
     the payload header's first 48 bytes, zeros in the alignment gaps between sections, and its back
@@ -1043,7 +1054,7 @@ def fronts_kernel(src_ptr, src_off_ptr, front_ptr, back_ptr, seg_ptr, span_ptr, 
     field = tl.where(j == 6, tl.load(seg + SEG_N_ESC), field)
     field = tl.where(j == 7, tl.load(seg + SEG_K_CODED), field)
     field = tl.where(j == 8, tl.load(seg + SEG_N_PARAM), field)
-    field = tl.where(j == 9, lob | (wb << 8), field)
+    field = tl.where(j == 9, lob | (wb << 8) | (FLAGS << 16), field)
     words = tl.load(seg + SEG_N_WORDS)
     field = tl.where(j == 10, words, field)
     field = tl.where(j == 11, words >> 32, field)
@@ -1105,7 +1116,7 @@ def _le(p, NB: tl.constexpr):
 @triton.jit
 def check_fronts_kernel(buf, src_ptr, ref_ptr, ref_len_ptr, seg_ptr, err_ptr, cap, T, K, P, n_groups,
                         BLOCK: tl.constexpr, SEG_FIELDS: tl.constexpr, HEADER_BYTES: tl.constexpr,
-                        CHECK_AT: tl.constexpr):
+                        CHECK_AT: tl.constexpr, FLAGS: tl.constexpr = 0):
     """Container i = program_id(0), staged at byte i cap of buf (its length: src_ptr[2 i + 1]), held
     against the container the host last parsed and checked for that place of the list: ref_ptr row
     i holds its ref_len_ptr[i] bytes before the payload (whose last 8, the payload's length, are
@@ -1135,7 +1146,7 @@ def check_fronts_kernel(buf, src_ptr, ref_ptr, ref_len_ptr, seg_ptr, err_ptr, ca
     wb = _le(h + 37, 1)
     words = _le(h + 40, 8)
     bad = bad | (n_esc > T * K) | (k_coded > K) | (n_param > K) | ((lob != 1) & (lob != 2) & (lob != 4)) \
-        | ((wb != 1) & (wb != 2)) | (_le(h + 38, 2) != 0) | (words < 0) | (words >= (1 << 32))
+        | ((wb != 1) & (wb != 2)) | (_le(h + 38, 2) != FLAGS) | (words < 0) | (words >= (1 << 32))
     total = _payload_bytes(K, P, n_groups, tl.where(bad, 4, lob), tl.where(bad, 2, wb), n_table, k_coded, n_param,
                            words, n_esc, HEADER_BYTES)
     bad = bad | (total != data_len)
@@ -1271,7 +1282,8 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
                   out_ptr, gesc_ptr, geend_ptr, err_ptr, step_ptr, bound_ptr, T, K, n_lanes, n_groups, S, OUT_W,
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr,
-                  NARROW: tl.constexpr = False, SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                  NARROW: tl.constexpr = False, SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                  BY_COMPONENT: tl.constexpr = False):
     """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
     first to last, reading each group's words from the end of its stream. PACKED: lut holds
     symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol (uint8, or int16 past
@@ -1317,7 +1329,8 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     M: tl.constexpr = 1 << PROB_BITS
     grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
     grp_ok = grp < n_groups
-    _, lane_ok, p, k = group_lanes(grp, K, n_lanes, G)
+    P = n_lanes // K
+    _, lane_ok, p, k = group_lanes(grp, K, P, n_lanes, G, BY_COMPONENT)
     lo = tl.load(lo_ptr + k, mask=lane_ok, other=0)
     W = tl.load(w_ptr + k, mask=lane_ok, other=0)
     A = tl.load(a_ptr + k, mask=lane_ok, other=0)
@@ -1325,7 +1338,11 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     lo32 = lo.to(tl.int32)
     coded = lane_ok & (A > 1) & (rank < k_coded)
     may_escape = tl.max(tl.max((A > W).to(tl.int32), 1), 0) > 0
-    x = tl.load(states_in + p.to(tl.int64) * k_coded + rank, mask=coded, other=65536).to(tl.uint32, bitcast=True)
+    if BY_COMPONENT:  # coded lanes' states in lane order
+        state_at = rank.to(tl.int64) * P + p
+    else:
+        state_at = p.to(tl.int64) * k_coded + rank
+    x = tl.load(states_in + state_at, mask=coded, other=65536).to(tl.uint32, bitcast=True)
     bad = (x < 65536).to(tl.int32)
     wide = ((lo < -32768) | (lo + tl.maximum(W, 1) - 1 > 32767)) & lane_ok  # NARROW: a window past int16
     if SCALED:  # the window's ends bound every value that is not escaped

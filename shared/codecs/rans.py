@@ -22,7 +22,8 @@ Bitstream (all little-endian; offsets follow from the header):
 
     header, 56 bytes: magic b"TRNS", u8 version=3, u8 prob_bits n (9..15), u16 group_lanes G,
         u32 T, u32 K, u32 lane_tokens S, u32 n_table, u32 n_escapes, u32 k_coded, u32 n_param,
-        u8 lo_bytes, u8 w_bytes, u16 reserved=0, u64 stream_words, u32 check0, u32 check1
+        u8 lo_bytes, u8 w_bytes, u16 flags, u64 stream_words, u32 check0, u32 check1
+        (flags: bit 0 LANES_BY_COMPONENT, see lanes below; the other bits 0)
     lo        int{8,16,32}[K]  first symbol value of each component's window (lo_bytes wide)
     wflag     uint{8,16}[K]    window width W | escape flag in the top bit (w_bytes wide);
                                alphabet A = W + flag
@@ -38,12 +39,15 @@ Bitstream (all little-endian; offsets follow from the header):
     escapes   int32[n_escapes]     values outside their component's window, group after group; within
                                    a group in the order the encoder meets them (tokens last to first,
                                    lanes in order), so the decoder reads them from the group's end
-    states    uint32[P * k_coded]  final rANS state of each lane of a component with A > 1
+    states    uint32[P * k_coded]  final rANS state of each lane of a component with A > 1, in lane order
                                    (a component of one symbol codes nothing: its state stays 2^16)
     streams   uint16[stream_words] the groups' word streams, group after group
 
-    lanes: P = ceil(T / S) token chunks; lane g = p * K + k codes tokens [p*S, min(T, (p+1)*S))
-    of component k; n_lanes = P * K; group = g // G; n_groups = ceil(n_lanes / G).
+    lanes: P = ceil(T / S) token chunks; lane g codes tokens [p*S, min(T, (p+1)*S)) of component k,
+    where g = p * K + k (a group's lanes are consecutive components of one chunk), or with flag
+    LANES_BY_COMPONENT g = k * P + p (a group's lanes are consecutive chunks of one component: a GPU
+    warp then reads one component's table, which stays in L1, where 32 components' tables do not);
+    n_lanes = P * K; group = g // G; n_groups = ceil(n_lanes / G).
 
 check0/check1 are a Fletcher-like checksum of the whole payload except these 8 bytes (sum of
 bytes, and sum of bytes times (position mod 65521 + 1), both mod 2^32; positions count the bytes
@@ -93,6 +97,7 @@ DEFAULT_PROB_BITS = 10  # frequency precision n: tables sum to 2^n (<= 11: one-l
 MIN_PROB_BITS, MAX_PROB_BITS = 9, 15  # the precisions the format allows (both coders' checks read these)
 SHORT_TOKENS, SHORT_PROB_BITS = 2048, 9  # and for tensors of at most SHORT_TOKENS tokens (see default_prob_bits)
 DEFAULT_GROUP_LANES = 32  # lanes sharing one word stream (a GPU warp)
+LANES_BY_COMPONENT = 1  # header flag: lane g = k * P + p (see the bitstream above)
 
 
 def default_prob_bits(T: int) -> int:
@@ -139,8 +144,10 @@ def _pad4(n: int) -> int:
 class Layout:
     """Byte offsets of every section, computed from the header fields alone."""
 
-    def __init__(self, T, K, S, G, n_table, n_escapes, stream_words, k_coded=0, lo_bytes=4, w_bytes=2, n_param=0):
-        self.T, self.K, self.S, self.G = T, K, S, G
+    def __init__(self, T, K, S, G, n_table, n_escapes, stream_words, k_coded=0, lo_bytes=4, w_bytes=2, n_param=0,
+                 flags=0):
+        self.T, self.K, self.S, self.G, self.flags = T, K, S, G, flags
+        self.by_component = bool(flags & LANES_BY_COMPONENT)
         self.lo_bytes, self.w_bytes, self.k_coded, self.n_param = lo_bytes, w_bytes, k_coded, n_param
         self.n_table, self.n_escapes, self.stream_words = n_table, n_escapes, stream_words
         self.P = -(-T // S)
@@ -158,6 +165,11 @@ class Layout:
         self.states = self.escapes + 4 * n_escapes
         self.streams = self.states + 4 * self.P * k_coded
         self.total = self.streams + 2 * stream_words
+
+    def lane_cells(self) -> np.ndarray:
+        """Each lane's cell p * K + k (its token chunk p and component k), lanes in order."""
+        g = np.arange(self.n_lanes, dtype=np.int64)
+        return (g % self.P) * self.K + g // self.P if self.by_component else g
 
 
 def _widths(lo_min: int, lo_max: int, w_max: int) -> tuple[int, int]:
@@ -231,9 +243,12 @@ def _tables_cpu(sym: np.ndarray, prob_bits: int):
 
 
 def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int = DEFAULT_GROUP_LANES,
-           lane_tokens: int | None = None) -> bytes:
+           lane_tokens: int | None = None, lanes_by_component: bool = False) -> bytes:
     """Code an integer matrix [T tokens, K components] (int32 range) into a self-contained payload.
-    prob_bits: default_prob_bits(T) unless given."""
+    prob_bits: default_prob_bits(T) unless given. lanes_by_component: a lane group walks one
+    component's token chunks rather than one chunk's components (flag LANES_BY_COMPONENT: the same
+    size, the lanes in another order; for payloads decoded many times on a GPU, whose warps then
+    each read one table)."""
     sym = _validate_symbols(symbols)
     T, K = sym.shape
     prob_bits = default_prob_bits(T) if prob_bits is None else prob_bits
@@ -250,8 +265,9 @@ def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int =
     idx = sym.astype(np.int64) - lo
     outside = (idx < 0) | (idx >= W)
     idx = np.where(outside, W, idx)
-    lay = Layout(T, K, S, G, 0, int(outside.sum()), 0)
+    lay = Layout(T, K, S, G, 0, int(outside.sum()), 0, flags=LANES_BY_COMPONENT if lanes_by_component else 0)
     P, NL, NG = lay.P, lay.n_lanes, lay.n_groups
+    cells = lay.lane_cells()
 
     # Per-step, per-lane (f, c): rows [P*S] padded with the no-op symbol (f = M, c = 0).
     rows_k = np.arange(K)[None, :]
@@ -259,11 +275,12 @@ def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int =
     C = np.zeros((P * S, K), np.int64)
     F[:T] = freq[rows_k, idx]
     C[:T] = cum[rows_k, idx]
-    F = _steps_by_lane(F, P, S, K, NG * G, M)
-    C = _steps_by_lane(C, P, S, K, NG * G, 0)
+    F = _steps_by_lane(F, cells, P, S, K, NG * G, M)
+    C = _steps_by_lane(C, cells, P, S, K, NG * G, 0)
     # escaped values, group after group, each group's in coding order (tokens last to first)
-    esc_flag = _in_coding_order(_steps_by_lane(_pad_rows(outside, P * S, False), P, S, K, NG * G, False), NG, G)
-    esc_vals = _in_coding_order(_steps_by_lane(_pad_rows(sym, P * S, 0), P, S, K, NG * G, 0), NG, G)
+    esc_flag = _in_coding_order(_steps_by_lane(_pad_rows(outside, P * S, False), cells, P, S, K, NG * G, False),
+                                NG, G)
+    esc_vals = _in_coding_order(_steps_by_lane(_pad_rows(sym, P * S, 0), cells, P, S, K, NG * G, 0), NG, G)
     escapes = esc_vals[esc_flag]
     group_escapes = esc_flag.sum((1, 2))
 
@@ -288,7 +305,7 @@ def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int =
 
     words = buf.reshape(NG, cap)
     streams = np.concatenate([words[g, :ptr[g]] for g in range(NG)]) if NG else np.zeros(0, np.uint16)
-    coded = np.tile(A > 1, P)  # lanes of components with more than one symbol
+    coded = np.tile(A > 1, P)[cells]  # lanes of components with more than one symbol
     return _assemble(lay, n, lo, W, esc, codes, model, scale, mu16, ptr.astype(np.uint32), group_escapes, escapes,
                      x[:NL][coded].astype(np.uint32), streams)
 
@@ -312,10 +329,10 @@ def _in_coding_order(a: np.ndarray, NG: int, G: int) -> np.ndarray:
     return a[::-1].reshape(S, NG, G).transpose(1, 0, 2)
 
 
-def _steps_by_lane(a: np.ndarray, P, S, K, n_lanes_padded, fill) -> np.ndarray:
-    """[P*S, K] per-token values -> [S, lanes] with lane g = p*K + k, padded lanes filled."""
+def _steps_by_lane(a: np.ndarray, cells, P, S, K, n_lanes_padded, fill) -> np.ndarray:
+    """[P*S, K] per-token values -> [S, lanes] (lane g holds cell cells[g] = p*K + k), padded lanes filled."""
     out = np.full((S, n_lanes_padded), fill, a.dtype)
-    out[:, :P * K] = a.reshape(P, S, K).transpose(1, 0, 2).reshape(S, P * K)
+    out[:, :P * K] = a.reshape(P, S, K).transpose(1, 0, 2).reshape(S, P * K)[:, cells]
     return out
 
 
@@ -328,7 +345,7 @@ def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, model, scale, mu16, gro
     explicit = model == 0
     n_table, n_param = int(A[explicit].sum()), int((~explicit).sum())
     lay = Layout(lay.T, lay.K, lay.S, lay.G, n_table, len(escapes), stream_words, k_coded, lo_bytes, w_bytes,
-                 n_param)
+                 n_param, lay.flags)
     meta = bytearray(lay.states - HEADER.size)
 
     def put(offset, arr):
@@ -345,7 +362,7 @@ def _assemble(lay: Layout, prob_bits, lo, W, esc, codes, model, scale, mu16, gro
     put(lay.group_escapes, np.asarray(group_escapes, np.uint32))
     put(lay.escapes, np.asarray(escapes, np.int32))
     head = HEADER.pack(MAGIC, VERSION, prob_bits, lay.G, lay.T, lay.K, lay.S, n_table, len(escapes),
-                       k_coded, n_param, lo_bytes, w_bytes, 0, stream_words, 0, 0)
+                       k_coded, n_param, lo_bytes, w_bytes, lay.flags, stream_words, 0, 0)
     tail = [bytes(meta), memoryview(np.ascontiguousarray(states, "<u4")).cast("B"),
             memoryview(np.ascontiguousarray(streams, "<u2")).cast("B")]  # views: join copies once
     c0, c1 = (checksum_fn or checksum)(head[:CHECKED_HEADER_BYTES], *tail)
@@ -426,9 +443,10 @@ def decode(payload, max_elements: int | None = None) -> np.ndarray:
     lut = np.repeat(np.tile(np.arange(A1, dtype=np.int16), K + 1), freq.ravel())  # [(K+1) * M], A1 <= 2^13
     freq, cum = freq.ravel(), cum.ravel()
 
+    cells = lay.lane_cells()
     mv = memoryview(payload)
     states = np.full(NL, STATE_LOW, np.int64)
-    states[np.tile(hdr.A > 1, P)] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
+    states[np.tile(hdr.A > 1, P)[cells]] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
     if (states < STATE_LOW).any():
         raise BitstreamError("rANS payload lane states are corrupt")
     words = np.frombuffer(mv[lay.streams:lay.total], "<u2").astype(np.int64)
@@ -437,10 +455,10 @@ def decode(payload, max_elements: int | None = None) -> np.ndarray:
     group_start = np.concatenate([[0], np.cumsum(hdr.group_words)[:-1]]).astype(np.int64)
     ptr = hdr.group_words.copy()
     lane_k = np.full(NG * G, K, np.int64)
-    lane_k[:NL] = np.tile(np.arange(K), P)
+    lane_k[:NL] = cells % K
     last_len = T - (P - 1) * S
     lane_k_last = lane_k.copy()
-    lane_k_last[(P - 1) * K:NL] = K  # lanes of the last chunk, past its end
+    lane_k_last[:NL][cells >= (P - 1) * K] = K  # lanes of the last chunk, past its end
     out = np.empty((S, NG * G), np.int64)
     bad = False
     n_words = max(len(words), 1)
@@ -476,7 +494,9 @@ def decode(payload, max_elements: int | None = None) -> np.ndarray:
     vals[flags] = hdr.escapes
     vals = vals.transpose(1, 0, 2).reshape(S, NG * G)[::-1]
     vals = np.where(is_esc, vals, out + lo_ext[comp])
-    return vals[:, :NL].reshape(S, P, K).transpose(1, 0, 2).reshape(P * S, K)[:T].astype(np.int32)
+    by_cell = np.empty((S, NL), np.int64)
+    by_cell[:, cells] = vals[:, :NL]
+    return by_cell.reshape(S, P, K).transpose(1, 0, 2).reshape(P * S, K)[:T].astype(np.int32)
 
 
 def entropy_bound_bytes(symbols) -> float:
@@ -515,7 +535,7 @@ def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int, max_elements:
     max_elements = DEFAULT_MAX_ELEMENTS if max_elements is None else max_elements
     if len(head) < HEADER.size:
         raise BitstreamError(f"rANS payload truncated: {len(head)} bytes, the header alone is {HEADER.size}")
-    (magic, version, n, G, T, K, S, n_table, n_esc, k_coded, n_param, lo_bytes, w_bytes, reserved, stream_words,
+    (magic, version, n, G, T, K, S, n_table, n_esc, k_coded, n_param, lo_bytes, w_bytes, flags, stream_words,
      c0, c1) = HEADER.unpack(head)
     if magic != MAGIC:
         raise BitstreamError(f"not an rANS payload (magic {magic!r}, expected {MAGIC!r}): corrupt or not ours")
@@ -525,7 +545,7 @@ def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int, max_elements:
                              + (": written by a newer build, upgrade the reader" if newer
                                 else ": the payload is corrupt or not ours"))
     fields = dict(prob_bits=(n, MIN_PROB_BITS <= n <= MAX_PROB_BITS), group_lanes=(G, 1 <= G <= 1024 and G & (G - 1) == 0),
-                  T=(T, T >= 1), K=(K, K >= 1), lane_tokens=(S, 1 <= S <= min(T, MAX_LANE_TOKENS)), reserved=(reserved, reserved == 0),
+                  T=(T, T >= 1), K=(K, K >= 1), lane_tokens=(S, 1 <= S <= min(T, MAX_LANE_TOKENS)), flags=(flags, flags & ~LANES_BY_COMPONENT == 0),
                   n_escapes=(n_esc, n_esc <= T * K), k_coded=(k_coded, k_coded <= K), n_param=(n_param, n_param <= K),
                   lo_bytes=(lo_bytes, lo_bytes in (1, 2, 4)), w_bytes=(w_bytes, w_bytes in (1, 2)))
     bad = [f"{name}={value}" for name, (value, ok) in fields.items() if not ok]
@@ -537,10 +557,10 @@ def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int, max_elements:
     if not table_budget_ok(T, K, n):
         raise BitstreamError(f"rANS payload header is corrupt: K={K} tables of 2^{n} entries for T={T} tokens "
                              f"exceed {TABLE_ENTRIES_PER_VALUE} entries per value and {MAX_TABLE_ENTRIES} in all")
-    hdr.prob_bits, hdr.G, hdr.T, hdr.K, hdr.S = n, G, T, K, S
+    hdr.prob_bits, hdr.G, hdr.T, hdr.K, hdr.S, hdr.flags = n, G, T, K, S, flags
     hdr.n_table, hdr.n_escapes, hdr.stream_words = n_table, n_esc, stream_words
     hdr.check0, hdr.check1 = c0, c1
-    hdr.layout = Layout(T, K, S, G, n_table, n_esc, stream_words, k_coded, lo_bytes, w_bytes, n_param)
+    hdr.layout = Layout(T, K, S, G, n_table, n_esc, stream_words, k_coded, lo_bytes, w_bytes, n_param, flags)
     if hdr.layout.total != total_len:
         raise BitstreamError(f"rANS payload truncated or its header is corrupt (its sections add up to "
                              f"{hdr.layout.total} bytes, the payload has {total_len})")

@@ -369,14 +369,20 @@ def _tables(counts, h0, lo0, mn, mx, n_sampled, stride, prob_bits, shapes, inv_s
 
 
 @njit(**_JIT)
-def _lane_layout(g0, G, K, S):
-    """First token and component of each lane of the group starting at lane g0 (lane g = p * K + k)."""
+def _lane_layout(g0, G, K, S, P, by_component):
+    """First token and component of each lane of the group starting at lane g0 (lane g = p * K + k,
+    or k * P + p by_component)."""
     row0 = np.empty(G, np.int64)
     comp = np.empty(G, np.int64)
     for l in range(G):
-        p = (g0 + l) // K
-        comp[l] = g0 + l - p * K
-        row0[l] = p * S
+        if by_component:
+            k = (g0 + l) // P
+            row0[l] = (g0 + l - k * P) * S
+            comp[l] = k
+        else:
+            p = (g0 + l) // K
+            comp[l] = g0 + l - p * K
+            row0[l] = p * S
     return row0, comp
 
 
@@ -463,7 +469,7 @@ def _encode_table(freq, cum):
 
 
 @njit(parallel=True, **_JIT)
-def _encode_lanes(sym, lo, W, fc, rcp, S, G, NG, prob_bits):
+def _encode_lanes(sym, lo, W, fc, rcp, S, G, NG, prob_bits, by_component):
     """The coding pass. Per group: words [cap] and escapes [cap] in its slice of the buffers,
     counts in group_words / group_escapes; final states per lane. fc, rcp: _encode_table."""
     T, K = sym.shape
@@ -479,11 +485,11 @@ def _encode_lanes(sym, lo, W, fc, rcp, S, G, NG, prob_bits):
         g0 = gi * G
         n_lane = min(G, NL - g0)
         x = np.full(G, L, np.uint32)
-        row0, comp = _lane_layout(g0, G, K, S)
+        row0, comp = _lane_layout(g0, G, K, S, (T + S - 1) // S, by_component)
         ptr = 0
         ne = 0
         base = gi * cap
-        if n_lane == G and comp[0] + G <= K and row0[0] + S <= T:
+        if not by_component and n_lane == G and comp[0] + G <= K and row0[0] + S <= T:
             ptr, ne = _encode_group_fast(sym, row0[0], comp[0], lo, W, fc, rcp, S, G, prob_bits, x, words, base,
                                          escv)
             n_lane = 0  # done
@@ -583,7 +589,7 @@ def checksum(*parts) -> tuple[int, int]:
 
 
 def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int = rans.DEFAULT_GROUP_LANES,
-           lane_tokens: int | None = None, stats=None) -> bytes:
+           lane_tokens: int | None = None, stats=None, lanes_by_component: bool = False) -> bytes:
     """rans.encode, compiled: the identical payload. stats: each column's (min, max, sum) of the
     symbols, when the caller has them (RDQuantizer.quantize_with_stats makes them in its pass)."""
     _require()
@@ -610,15 +616,15 @@ def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int =
         rans_tables.MODEL_MIN_SHARE, rans_tables.MODEL_SEARCH)
     if not ok.all():
         raise BitstreamError("a component's frequency table cannot be normalized")
-    lay = rans.Layout(T, K, S, G, 0, 0, 0)
+    lay = rans.Layout(T, K, S, G, 0, 0, 0, flags=rans.LANES_BY_COMPONENT if lanes_by_component else 0)
     words, escv, group_words, group_escapes, states = _encode_lanes(sym, lo, W, *_encode_table(freq, cum), S, G,
-                                                                    lay.n_groups, prob_bits)
+                                                                    lay.n_groups, prob_bits, lay.by_component)
     cap = G * S
     streams = np.empty(int(group_words.sum()), np.uint16)
     _gather(words, group_words, cap, streams)
     escapes = np.empty(int(group_escapes.sum()), np.int32)
     _gather(escv, group_escapes, cap, escapes)
-    coded = np.tile(W + esc > 1, lay.P)
+    coded = np.tile(W + esc > 1, lay.P)[lay.lane_cells()]
     return rans._assemble(lay, prob_bits, lo, W, esc, codes, model, scale, mu16, group_words.astype(np.uint32),
                           group_escapes, escapes, states[:lay.n_lanes][coded], streams, checksum_fn=checksum)
 
@@ -733,7 +739,8 @@ def _decode_group_fast(words, wb, ptr, states, g0, escapes, eb, eptr, fc, lut, l
 
 
 @njit(parallel=True, **_JIT)
-def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, lo, W, esc, T, K, S, G, prob_bits):
+def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, lo, W, esc, T, K, S, G, prob_bits,
+                  by_component):
     """The decoding pass; out int32 [T, K] and an error code per group (0 ok, 1 streams, 2 escapes)."""
     NG = group_words.shape[0]
     NL = states.shape[0]
@@ -751,7 +758,7 @@ def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, l
         g0 = gi * G
         n_lane = min(G, NL - g0)
         x = np.empty(G, np.int64)
-        row0, comp = _lane_layout(g0, G, K, S)
+        row0, comp = _lane_layout(g0, G, K, S, (T + S - 1) // S, by_component)
         sy = np.empty(G, np.int64)
         for l in range(n_lane):
             x[l] = states[g0 + l]
@@ -760,7 +767,7 @@ def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, l
         wb = wstart[gi]
         eb = estart[gi]
         bad = False
-        if n_lane == G and comp[0] + G <= K and row0[0] + S <= T:
+        if not by_component and n_lane == G and comp[0] + G <= K and row0[0] + S <= T:
             ptr, eptr, err[gi] = _decode_group_fast(words, wb, ptr, states, g0, escapes, eb, eptr, fc, lut, lo,
                                                     esc_sym, row0[0], comp[0], S, G, prob_bits, out)
             if ptr != 0:
@@ -847,12 +854,12 @@ def decode(payload, max_elements: int | None = None) -> np.ndarray:
         raise BitstreamError("a component's frequency table cannot be normalized; the payload is corrupt")
     mv = memoryview(payload)
     states = np.full(lay.n_lanes, L, np.uint32)
-    states[np.tile(hdr.A > 1, lay.P)] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
+    states[np.tile(hdr.A > 1, lay.P)[lay.lane_cells()]] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
     if (states < L).any():
         raise BitstreamError("rANS payload lane states are corrupt")
     words = np.frombuffer(mv[lay.streams:lay.total], "<u2")
     out, err = _decode_lanes(words, hdr.group_words, states, np.asarray(hdr.escapes), hdr.group_escapes, fc, lut,
-                             hdr.lo, hdr.W, hdr.esc, hdr.T, hdr.K, hdr.S, hdr.G, n)
+                             hdr.lo, hdr.W, hdr.esc, hdr.T, hdr.K, hdr.S, hdr.G, n, lay.by_component)
     if (err == 1).any():
         raise BitstreamError("rANS payload streams are corrupt (lane states do not return to their start)")
     if (err == 2).any():

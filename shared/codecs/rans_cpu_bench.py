@@ -159,7 +159,7 @@ def benchmark_cpu_pipeline(cases=None, threads: int = 1, reps: int = 9, check_re
                 ("encode", "rANS: histogram", lambda: _histogram(sym, stride, lo0, h0, H, numba.get_num_threads())),
                 ("encode", "rANS: tables", lambda: _tables(*targs)),
                 ("encode", "rANS: coding pass", lambda: _encode_lanes(sym, lo, W, *fc_enc, hdr.S, hdr.G, lay.n_groups,
-                                                                      n)),
+                                                                      n, False)),
                 ("encode", "rANS: whole payload", lambda: encode(sym, stats=stats)),
                 ("decode", "api", lambda: codec.decode(blob)),
                 ("decode", "container: parse, CRC32", lambda: unpack(blob)),
@@ -170,7 +170,7 @@ def benchmark_cpu_pipeline(cases=None, threads: int = 1, reps: int = 9, check_re
                 ("decode", "rANS: decoding pass", lambda: _decode_lanes(words, hdr.group_words, states,
                                                                         np.asarray(hdr.escapes), hdr.group_escapes, fc,
                                                                         lut, hdr.lo, hdr.W, hdr.esc, hdr.T, hdr.K,
-                                                                        hdr.S, hdr.G, n)),
+                                                                        hdr.S, hdr.G, n, False)),
                 ("decode", "rANS: whole payload", lambda: decode(payload)),
                 ("decode", "reconstruct: dequantize to bf16" + ("" if basis is None else ", GEMM + mean")
                  + ", finite check", lambda: proj.reconstruct(sym, step)),

@@ -17,8 +17,8 @@ import numpy as np
 
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
 from .base import LazyViews
-from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, HEADER, MAGIC, VERSION, Layout, Parsed, _check_settings,
-                   _parse_header_only, default_lane_tokens, default_prob_bits)
+from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, HEADER, LANES_BY_COMPONENT, MAGIC, VERSION, Layout,
+                   Parsed, _check_settings, _parse_header_only, default_lane_tokens, default_prob_bits)
 from .rans_tables import (ESCAPE_COST, MODEL_MIN_SHARE, MODEL_SEARCH, N_SHAPES, PARAM_BYTES, SHAPE_STEPS,
                           TABLE_ENTRY_COST, _bitlen, _neg_log2_table, hist_row_stride, max_alphabet, model_tables)
 
@@ -175,7 +175,7 @@ ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: code
 
 
 def encode_cuda(t, prob_bits: int | None = None, group_lanes: int = DEFAULT_GROUP_LANES,
-                lane_tokens: int | None = None, stats=None, guard=None):
+                lane_tokens: int | None = None, stats=None, guard=None, lanes_by_component: bool = False):
     """encode() on the GPU: int32 (or int16) CUDA tensor [T, K] -> uint8 CUDA tensor holding the
     same bytes.
 
@@ -187,13 +187,16 @@ def encode_cuda(t, prob_bits: int | None = None, group_lanes: int = DEFAULT_GROU
     |value|), checked in the same host synchronization as everything else.
 
     Kernels: histogram of sampled tokens, tables, lanes, then the layout, meta, streams and
-    checksum, all sized on the device; the one host synchronization reads the payload's length."""
-    return encode_many_cuda([t], prob_bits, group_lanes, lane_tokens, [stats], [guard])[0]
+    checksum, all sized on the device; the one host synchronization reads the payload's length.
+    lanes_by_component: as rans.encode's (the same bytes as it writes)."""
+    return encode_many_cuda([t], prob_bits, group_lanes, lane_tokens, [stats], [guard],
+                            lanes_by_component=lanes_by_component)[0]
 
 
 def encode_many_cuda(ts, prob_bits: int | None = None, group_lanes: int = DEFAULT_GROUP_LANES,
                      lane_tokens: int | None = None, stats=None, guards=None, fronts=None, backs=None,
-                     length_field: bool = False, sync: bool = True, retry: bool | None = None):
+                     length_field: bool = False, sync: bool = True, retry: bool | None = None,
+                     lanes_by_component: bool = False):
     """encode_cuda() of each tensor of a list: tensors of one shape share every kernel launch (a
     segment axis in each grid), every container lands in one buffer, and one host synchronization
     serves the whole list. lane_tokens: one value, or one per tensor. stats, guards: lists of
@@ -205,7 +208,8 @@ def encode_many_cuda(ts, prob_bits: int | None = None, group_lanes: int = DEFAUL
     payload and back. Returns uint8 CUDA tensors, views into one compact buffer; with sync=False,
     a PendingEncode instead, before any host synchronization (see there). retry (default: sync):
     size the escape buffers for the usual case and code a lane group again in result() when it
-    escaped more values than that (else sized for every value escaping, never coded again)."""
+    escaped more values than that (else sized for every value escaping, never coded again).
+    lanes_by_component: rans.encode's lane order, for every tensor of the list."""
     torch = _torch()
     n_t = len(ts)
     stats, guards = stats or [None] * n_t, guards or [None] * n_t
@@ -223,7 +227,7 @@ def encode_many_cuda(ts, prob_bits: int | None = None, group_lanes: int = DEFAUL
         groups.setdefault((tuple(t.shape), t.dtype, str(t.device), lanes[i]), []).append(i)
     jobs = [_EncodeBatch([ts[i] for i in members], prob_bits, group_lanes, key[3], [stats[i] for i in members],
                          [guards[i] for i in members], [fronts[i] for i in members], [backs[i] for i in members],
-                         length_field) for key, members in groups.items()]
+                         length_field, lanes_by_component) for key, members in groups.items()]
     pending = PendingEncode(torch, jobs, list(groups.values()), n_t, retry=sync if retry is None else retry)
     return pending.result() if sync else pending
 
@@ -486,7 +490,8 @@ class _EncodeBatch:
     """The encode of N tensors of one shape [T, K]: every kernel's grid has a segment axis of N.
     The lanes run before the host learns the payloads' sizes; then the payloads are assembled."""
 
-    def __init__(self, ts, prob_bits, group_lanes, lane_tokens, stats, guards, fronts, backs, length_field):
+    def __init__(self, ts, prob_bits, group_lanes, lane_tokens, stats, guards, fronts, backs, length_field,
+                 lanes_by_component=False):
         torch = _torch()
         N = len(ts)
         T, K = ts[0].shape
@@ -536,8 +541,8 @@ class _EncodeBatch:
                                **(dict(num_warps=TABLE_WARPS) if N * K <= MANY_COMPONENTS
                                   else dict(num_warps=1, maxnreg=TABLE_MAXNREG)))
         # 3. the lanes: words and escaped values into per-group buffers
-        lay = Layout(T, K, S, G, 0, 0, 0)
-        self.NL, self.NG, self.cap = lay.n_lanes, lay.n_groups, G * S
+        lay = Layout(T, K, S, G, 0, 0, 0, flags=LANES_BY_COMPONENT if lanes_by_component else 0)
+        self.NL, self.NG, self.cap, self.flags = lay.n_lanes, lay.n_groups, G * S, lay.flags
         self.buf = torch.empty((N, self.NG * self.cap), dtype=torch.int16, device=dev)
         self.states = torch.empty((N, self.NL), dtype=torch.int32, device=dev)
         self.glen = torch.empty((N, self.NG), dtype=torch.int32, device=dev)
@@ -562,7 +567,8 @@ class _EncodeBatch:
             self.t, self.lo, self.W, self.A, self.tab, self.buf, self.states, self.glen, self.ebuf, self.gesc,
             self.scal, self.T, self.K, self.NL, self.NG, self.S, self.cap, ecap,
             HCAP=self.HCAP, PROB_BITS=self.n, G=self.G, GPP=_groups_per_program(), WIDE_INDEX=self.wide_index,
-            VOTE=_vote(self.G), RECIP=self.recip, num_warps=_warps(self.G))
+            VOTE=_vote(self.G), RECIP=self.recip, BY_COMPONENT=bool(self.flags & LANES_BY_COMPONENT),
+            num_warps=_warps(self.G))
         self.gend, self.geend = torch.cumsum(torch.stack([self.glen, self.gesc]), 2, dtype=torch.int64)
 
     def capacity(self) -> int:
@@ -590,10 +596,11 @@ class _EncodeBatch:
         kern["fronts"][(N,)](self.front_src, self.front_off, self.front_len, self.back_len, segs, self.span, b8, b32,
                              T, K, S, MAGIC_WORD=MAGIC_WORD, VERSION=VERSION, PROB_BITS=n, G=G,
                              LENGTH_FIELD=self.length_field, HEADER_BYTES=HEADER.size, BLOCK=256,
-                             SEG_FIELDS=len(fields))
+                             SEG_FIELDS=len(fields), FLAGS=self.flags)
         kern["pack_meta"][(K, N)](self.lo, self.W, self.A, self.codes, self.states, self.model, self.scale, self.mu16,
                                   b8, b16, b32, segs, K, self.P, HCAP=self.HCAP, BLOCK_K=min(_pow2(K), META_BLOCK), BLOCK_P=256,
-                                  SEG_FIELDS=len(fields), num_warps=4 if N * K <= MANY_COMPONENTS else 1)
+                                  SEG_FIELDS=len(fields), BY_COMPONENT=bool(self.flags & LANES_BY_COMPONENT),
+                                  num_warps=4 if N * K <= MANY_COMPONENTS else 1)
         kern["gather"][(self.NG, N)](self.buf, self.glen, self.gend, self.cap, self.ebuf, self.gesc, self.geend,
                                      self.ecap, b16, b32, segs, self.NG, BLOCK=1024, SEG_FIELDS=len(fields))
         sums = torch.zeros((N, 2), dtype=torch.int64, device=dev)
@@ -815,7 +822,7 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
     groups = {}
     for i, h in enumerate(hdrs):
         width = None if scales[i] is None else scales[i][2]
-        groups.setdefault((h.T, h.K, h.S, h.G, h.prob_bits, width), []).append(i)
+        groups.setdefault((h.T, h.K, h.S, h.G, h.prob_bits, h.layout.flags, width), []).append(i)
     outs, errs = [None] * len(payloads), [None] * len(payloads)
     for key, members in groups.items():
         scaled = None
@@ -948,7 +955,8 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
         b16, b32, segs, gend, glen.contiguous(), lo, W, A, rank, lut, tab, out, gesc.contiguous(), geend, err,
         steps, bounds, T, K, NL, NG, S, width, HCAP=HCAP, PROB_BITS=n, G=G, GPP=_groups_per_program(),
         WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields),
-        VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None, PREFETCH=USE_STREAM_PREFETCH and _ptx())
+        VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None, PREFETCH=USE_STREAM_PREFETCH and _ptx(),
+        BY_COMPONENT=h0.layout.by_component)
     return list(out.unbind(0)), err
 
 
@@ -1058,7 +1066,7 @@ class SlotDecoder:
         kern["check_fronts"][(self.N,)](
             self.buf, self.sources, self.ref, self.ref_len, self.segs, self.err, self.cap, self.hdr.T, self.hdr.K,
             lay.P, lay.n_groups, BLOCK=self.block, SEG_FIELDS=self.segs.shape[1], HEADER_BYTES=HEADER.size,
-            CHECK_AT=CHECKED_HEADER_BYTES)
+            CHECK_AT=CHECKED_HEADER_BYTES, FLAGS=lay.flags)
         return _decode_kernels(self.buf, self.segs, self.err, self.hdr, self.cap, self.narrow, self.scaled, self.rows)
 
 
