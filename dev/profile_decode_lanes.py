@@ -1,12 +1,14 @@
-"""Where does the GPU rANS decoder's lanes kernel spend its time on one layer's spilled KV?
+"""Where does the GPU rANS decoder's lanes kernel spend its time on one layer's spilled KV, in each lane order?
 
 One layer's K and V at 64K tokens (KV-like rows, PoC 17's step and 256-token lanes), one container each, as
 PoC 17 stores a prompt, decoded to coefficient rows by pipeline.StagedDecode launched eagerly (so a profiler
-sees each kernel): the payloads' checks pass (plan.check), then it is timed (CUDA events, median). Under Nsight Compute it gives the lanes
-kernel's issue rate, occupancy and stall reasons (docs/findings.md has what they said on an NVIDIA H100:
-L1TEX-bound table lookups, not a chain of latencies a second lane set a thread could hide).
+sees each kernel), coded twice: lane groups of 32 components of one token chunk (the default order), and
+lane groups of 32 token chunks of one component (rans LANES_BY_COMPONENT: a warp reads one table). Both
+decodes' checks pass (plan.check) and give the same rows, then each is timed (CUDA events, median). Under
+Nsight Compute it gives the lanes kernel's issue rate, occupancy and stall reasons (docs/findings.md has
+what they said on an NVIDIA H100 for the default order: L1TEX-bound table lookups).
 
-Command:  python3 dev/profile_decode_lanes.py               (an NVIDIA GPU; about 20 s)
+Command:  python3 dev/profile_decode_lanes.py               (an NVIDIA GPU; about 30 s)
           ncu --kernel-name decode_kernel --launch-skip 1 --launch-count 1 --section WarpStateStats \\
               --section SchedulerStats --section Occupancy python3 dev/profile_decode_lanes.py
 """
@@ -26,17 +28,24 @@ REPLAYS = 3      # eager replays before timing (a profiler skips the first)
 
 
 def main() -> None:
-    layer = staged_layer(CONTEXT, CONTEXT)  # one container per K and V
-    coeff = [torch.empty(CONTEXT, layer.width, dtype=torch.bfloat16, device="cuda") for _ in layer.blobs]
-    plan = StagedDecode(layer.codecs, layer.heads, [b.numel() for b in layer.blobs], layer.offsets, layer.stage,
-                        coeff, reconstruct=False, graph=False)
-    for _ in range(REPLAYS):
-        plan.replay()
-    torch.cuda.synchronize()
-    plan.check()
-    ms = timed(plan.replay)
-    print(f"{torch.cuda.get_device_name()}: 2 x [{CONTEXT}, {D_KV}] decoded to coefficient rows, ratio "
-          f"{2 * CONTEXT * D_KV * 2 / layer.total:.2f}x: {ms:.3f} ms a replay (eager, all kernels)")
+    rows = {}
+    for by_component in (False, True):
+        layer = staged_layer(CONTEXT, CONTEXT, by_component)  # one container per K and V
+        coeff = [torch.empty(CONTEXT, layer.width, dtype=torch.bfloat16, device="cuda") for _ in layer.blobs]
+        plan = StagedDecode(layer.codecs, layer.heads, [b.numel() for b in layer.blobs], layer.offsets, layer.stage,
+                            coeff, reconstruct=False, graph=False)
+        for _ in range(REPLAYS):
+            plan.replay()
+        torch.cuda.synchronize()
+        plan.check()
+        rows[by_component] = coeff
+        ms = timed(plan.replay)
+        order = "by component" if by_component else "by token   "
+        print(f"{torch.cuda.get_device_name()}: 2 x [{CONTEXT}, {D_KV}] decoded to coefficient rows, lanes {order}, "
+              f"ratio {2 * CONTEXT * D_KV * 2 / layer.total:.2f}x: {ms:.3f} ms a replay (eager, all kernels)", flush=True)
+    if not all(torch.equal(a, b) for a, b in zip(rows[False], rows[True])):
+        raise SystemExit("the two lane orders decode different rows")
+    print("both lane orders decode the same rows")
 
 
 if __name__ == "__main__":

@@ -72,11 +72,11 @@ class StagedLayer:
     width: int      # a coefficient row's values
 
 
-def staged_layer(context: int, chunk: int) -> StagedLayer:
+def staged_layer(context: int, chunk: int, lanes_by_component: bool = False) -> StagedLayer:
     """KV-like K and V rows of `context` tokens, cut into 2 x context / chunk containers."""
     kv = [rows(context, D_KV, SEED + 1), rows(context, D_KV, SEED + 2)]
     base = [TensorCodec(fit_basis_torch(t[:8192].float(), D_KV), backend="rans", step=STEP_KV,
-                        lane_tokens=LANE_TOKENS) for t in kv]
+                        lane_tokens=LANE_TOKENS, lanes_by_component=lanes_by_component) for t in kv]
     chunks = [(base[i], kv[i][a:a + chunk]) for a in range(0, context, chunk) for i in range(2)]
     codecs = [c for c, _ in chunks]
     blobs = [b.clone() for b in encode_many(codecs, [x for _, x in chunks])]

@@ -460,7 +460,7 @@ class SpillCache(Cache):
 
     @classmethod
     def from_kv_codec(cls, kv_codec, model=None, *, num_layers: int | None = None, lane_tokens: int | None = None,
-                      **kwargs) -> "SpillCache":
+                      lanes_by_component: bool = False, **kwargs) -> "SpillCache":
         """A compressed_fetch cache coded by the attention-aware KV codec (shared.kvcodec.KVCodec, e.g. a
         loaded codec file): each layer's K and V coded by kv_codec.tensor_codec (its transform and step),
         the first kv_codec.sink tokens of every layer kept raw, and keys coded before RoPE where the codec
@@ -468,7 +468,7 @@ class SpillCache(Cache):
         forward again on the device they are fetched to). The codec's `recent` plays no part: the
         cache's recent window (chunk_tokens) is never coded. model: the transformers model the cache
         serves, to refuse now a codec fitted on another (layer count, KV channels, RoPE frequencies);
-        num_layers without a model; lane_tokens: the rANS lane length (shared.pipeline.TensorCodec).
+        num_layers without a model; lane_tokens, lanes_by_component: the rANS lanes (shared.pipeline.TensorCodec).
         Other keywords go to SpillCache()."""
         held = sorted({layer for layer, _ in kv_codec.transforms})
         if not held:
@@ -497,7 +497,7 @@ class SpillCache(Cache):
         if held != list(range(num_layers)):
             raise ConfigurationError(f"the KV codec holds layers {held[0]}..{held[-1]} ({len(held)}); the model has "
                                      f"{num_layers}. Fix: the codec file of this model")
-        codecs = [(kv_codec.tensor_codec(i, "k", lane_tokens), kv_codec.tensor_codec(i, "v", lane_tokens))
+        codecs = [tuple(kv_codec.tensor_codec(i, kind, lane_tokens, lanes_by_component) for kind in "kv")
                   for i in range(num_layers)]
         return cls(num_layers, "compressed_fetch", codecs=codecs, sink=kv_codec.sink,
                    rope=kv_codec.rope if kv_codec.pre_rope else None, **kwargs)

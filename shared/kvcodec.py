@@ -408,24 +408,26 @@ class KVCodec:
         """The quantization step of (layer, kind "k" or "v"): scale x that tensor's unit."""
         return self.scale * self.transform(layer, kind).unit
 
-    def tensor_codec(self, layer: int, kind: str, lane_tokens: int | None = None):
+    def tensor_codec(self, layer: int, kind: str, lane_tokens: int | None = None, lanes_by_component: bool = False):
         """The coded body of (layer, kind) as a compute codec: TensorCodec(backend="rans") whose basis is
         this transform (components = the analysis A, synthesis S) at this codec's step, so that it runs
         through every encoder and decoder the compute codec has (CPU, GPU batched, graph-replayed
         shared.pipeline.StagedDecode) and writes their container. It codes rows as they are given:
         the caller takes off the raw sink rows and, for keys of a pre_rope codec, rotates them back
-        first (shared.kvcache.SpillCache.from_kv_codec does both). One object per (layer, kind, scale)."""
+        first (shared.kvcache.SpillCache.from_kv_codec does both). One object per (layer, kind, scale).
+        lane_tokens, lanes_by_component: the rANS lanes' settings (shared.pipeline.TensorCodec)."""
         from .basis import PCABasis
         from .pipeline import TensorCodec
 
-        key = ("tensor_codec", layer, kind, self.scale, lane_tokens)
+        key = ("tensor_codec", layer, kind, self.scale, lane_tokens, lanes_by_component)
         if key not in self._torch:
             t = self.transform(layer, kind)
             C = t.analysis.shape[0]
             basis = PCABasis(np.asarray(t.mean, np.float32), np.ascontiguousarray(t.analysis, np.float32),
                              np.zeros(C, np.float32), {"kv_codec": self.meta.get("hash"), "layer": layer, "kind": kind},
                              np.ascontiguousarray(t.synthesis, np.float32))
-            self._torch[key] = TensorCodec(basis, backend="rans", step=self.step(layer, kind), lane_tokens=lane_tokens)
+            self._torch[key] = TensorCodec(basis, backend="rans", step=self.step(layer, kind), lane_tokens=lane_tokens,
+                                           lanes_by_component=lanes_by_component)
         return self._torch[key]
 
     def _mats(self, layer: int, kind: str, device="cpu"):

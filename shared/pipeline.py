@@ -101,7 +101,7 @@ SAMPLE_TOKENS = 4096  # tokens a target_cos search looks at (evenly spaced rows 
 # what a codec's CUDA graphs are made from: setting one gives the codec a new token, an object no
 # other codec holds (a count would repeat in a process that unpickles a codec), so one read per
 # codec keys a graph (TensorCodec.__setattr__)
-_GRAPH_FIELDS = frozenset({"basis", "quantizer", "_proj", "lane_tokens", "water_fill"})
+_GRAPH_FIELDS = frozenset({"basis", "quantizer", "_proj", "lane_tokens", "lanes_by_component", "water_fill"})
 
 
 def _check_basis(basis) -> None:
@@ -152,7 +152,7 @@ class TensorCodec:
     def __init__(self, basis: PCABasis | None = None, backend: str | None = None, frame_size: int = framing.DEFAULT_FRAME,
                  bits: int = 8, decoder: str | None = None, target_cos: float | None = None,
                  step: float | None = None, water_fill: bool = False, lane_tokens: int | None = None,
-                 min_cos: float | None = FRAME_MIN_COS, **codec_settings):
+                 lanes_by_component: bool = False, min_cos: float | None = FRAME_MIN_COS, **codec_settings):
         """decoder: decode with this backend instead of the one that encoded (e.g. "nvdec-hevc" for
         streams made by "x265"); it must read the same stream format.
 
@@ -165,6 +165,9 @@ class TensorCodec:
         lane_tokens: tokens per rANS lane (default: shared.codecs.rans.default_lane_tokens, >= 512
         so the 4-byte lane states stay near 1.5% of the payload); shorter lanes make small tensors
         code faster on a GPU (more lanes in parallel, shorter chains) for a slightly larger payload.
+        lanes_by_component: each rANS lane group walks one component's token chunks (the same size;
+        a GPU decodes it faster where the 32 tables a warp reads otherwise miss L1: a long tensor decoded
+        many times, as a spilled KV cache is; the encoder's reads are then strided).
 
         min_cos: the frame path refuses (InvalidTensorError) a tensor whose 8-bit planes alone
         reach a mean cosine below this in coefficient space (an outlier that stretches a channel's
@@ -173,7 +176,7 @@ class TensorCodec:
         self.basis = basis
         get_backend(backend)  # an unknown name is a ConfigurationError listing the known ones
         self._configure(backend, step=step, target_cos=target_cos, water_fill=water_fill, lane_tokens=lane_tokens,
-                        codec_settings=codec_settings)
+                        lanes_by_component=lanes_by_component, codec_settings=codec_settings)
         self.decoder = get_backend(decoder) if decoder else None
         if bits != 8:
             raise ConfigurationError(f"the frame path carries 8-bit planes; got bits={bits}")
@@ -356,10 +359,13 @@ class FrameCodec(TensorCodec):
     """The frame path: per-channel uint8 planes of the coefficients, tiled into YUV 4:4:4 frames, coded by a
     video codec or a byte coder (backend "x265", "ffv1", "zstd", ...). Made by TensorCodec(...)."""
 
-    def _configure(self, backend: str, *, step, target_cos, water_fill, lane_tokens, codec_settings) -> None:
+    def _configure(self, backend: str, *, step, target_cos, water_fill, lane_tokens, lanes_by_component,
+                   codec_settings) -> None:
         if backend == SYMBOL_CODER:
             raise ConfigurationError(f"backend {SYMBOL_CODER!r} is the compute codec. Fix: ComputeCodec (or "
                                      f"TensorCodec) with backend={SYMBOL_CODER!r}")
+        if lanes_by_component:
+            raise ConfigurationError("lanes_by_component is a setting of the compute codec's rANS lanes (backend 'rans')")
         self.backend = get_backend(backend)
         self.backend.check_settings(codec_settings)  # a typo (QP=18) is an error here, not a silent default
 
@@ -419,13 +425,14 @@ class ComputeCodec(TensorCodec):
     DEFAULT_BACKEND = SYMBOL_CODER
     symbols = True
 
-    def _configure(self, backend: str, *, step, target_cos, water_fill, lane_tokens, codec_settings) -> None:
+    def _configure(self, backend: str, *, step, target_cos, water_fill, lane_tokens, lanes_by_component,
+                   codec_settings) -> None:
         if backend != SYMBOL_CODER:
             raise ConfigurationError(f"ComputeCodec codes with backend {SYMBOL_CODER!r}, got {backend!r}. Fix: "
                                      f"FrameCodec (or TensorCodec) for backend {backend!r}")
         if codec_settings:
             raise ConfigurationError(f"backend 'rans' does not know the setting(s) {', '.join(sorted(codec_settings))}; "
-                                     "it takes step=, target_cos=, water_fill= and lane_tokens=")
+                                     "it takes step=, target_cos=, water_fill=, lane_tokens= and lanes_by_component=")
         if lane_tokens is not None and not (isinstance(lane_tokens, int) and lane_tokens >= 1):
             raise ConfigurationError(f"lane_tokens must be a positive int, got {lane_tokens!r}")
         if step is not None and target_cos is not None:
@@ -441,6 +448,7 @@ class ComputeCodec(TensorCodec):
         step = float(calibrated) if step is None and target_cos is None else step
         self.quantizer = None if step is None else RDQuantizer(step)
         self.target_cos, self.water_fill, self.lane_tokens = target_cos, water_fill, lane_tokens
+        self.lanes_by_component = bool(lanes_by_component)
         self.backend = None
 
     def _check_frame_size(self, frame_size) -> None:
@@ -468,7 +476,8 @@ class ComputeCodec(TensorCodec):
         quantizer = self._step_quantizer(values, coeffs, self._reconstruct)
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
         header, qpar = self._symbols_header(values.shape, dtype, quantizer)
-        return pack(header, {"QPAR": qpar, "DATA": rans_cpu.coder().encode(symbols, lane_tokens=self.lane_tokens)})
+        return pack(header, {"QPAR": qpar, "DATA": rans_cpu.coder().encode(
+            symbols, lane_tokens=self.lane_tokens, lanes_by_component=self.lanes_by_component)})
 
     def _encode_symbols_bf16(self, x, proj) -> bytes:
         """The compute codec's CPU path for a bf16 tensor: bf16 GEMM, then one compiled pass that
@@ -491,7 +500,7 @@ class ComputeCodec(TensorCodec):
             raise
         header, qpar = self._symbols_header(x.shape, "bfloat16", self.quantizer)
         return pack(header, {"QPAR": qpar, "DATA": rans_cpu.encode(symbols, lane_tokens=self.lane_tokens,
-                                                                   stats=stats)})
+                                                                   stats=stats, lanes_by_component=self.lanes_by_component)})
 
     def _symbols_header(self, shape, dtype: str, quantizer) -> tuple[dict, bytes]:
         """The container header of a compute-codec payload and its QPAR chunk (the CPU and GPU
@@ -562,7 +571,8 @@ class ComputeCodec(TensorCodec):
         if device is None:
             symbols = np.concatenate([rans_cpu.coder().decode(data, max_elements=n) for data, n in parts])
             tokens, data = symbols.shape[0], rans_cpu.coder().encode(np.ascontiguousarray(symbols, np.int32),
-                                                                    lane_tokens=self.lane_tokens)
+                                                                    lane_tokens=self.lane_tokens,
+                                                                    lanes_by_component=self.lanes_by_component)
         else:
             import torch
 
@@ -571,7 +581,8 @@ class ComputeCodec(TensorCodec):
             payloads = [torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) for data, _ in parts]
             symbols, _ = rans_cuda.decode_many_cuda(payloads, max_elements=[n for _, n in parts])
             joined = torch.cat(symbols)
-            tokens, data = joined.shape[0], rans_cuda.encode_cuda(joined, lane_tokens=self.lane_tokens).cpu().numpy().tobytes()
+            tokens, data = joined.shape[0], rans_cuda.encode_cuda(
+                joined, lane_tokens=self.lane_tokens, lanes_by_component=self.lanes_by_component).cpu().numpy().tobytes()
         header, qpar = self._symbols_header((tokens, first[1]), first[0], RDQuantizer.from_bytes(first[2]))
         return pack(header, {"QPAR": qpar, "DATA": data})
 
@@ -740,7 +751,8 @@ def _encode_launch(codecs, xs, prepared, sync: bool, addresses=None, retry=None,
     pending = rans_cuda.encode_many_cuda(
         symbols, stats=stats, guards=guards, fronts=fronts, backs=[4] * n,  # a self-checked chunk's trailer: 0
         length_field=True,  # the DATA length ends the prefix
-        lane_tokens=[c.lane_tokens for c in codecs], sync=False, retry=sync if retry is None else retry)
+        lane_tokens=[c.lane_tokens for c in codecs], lanes_by_component=[c.lanes_by_component for c in codecs],
+        sync=False, retry=sync if retry is None else retry)
     pending.recode = _recode_wide(codecs, xs, prepared)
     return pending
 
@@ -1103,7 +1115,7 @@ def _decode_graph_plan(key, codecs, blobs, jobs):
     shape, bf16 output of up to GRAPH_MAX_BYTES)."""
     if key is None or len(jobs) != len(blobs) or any(j.front is None or j.header["dtype"] != "bfloat16" for j in jobs):
         return
-    shapes = {(tuple(j.header["shape"]), j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits) for j in jobs}
+    shapes = {(tuple(j.header["shape"]), j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits, j.inner.flags) for j in jobs}
     if len(shapes) != 1 or any(len(j.front) % 16 for j in jobs):
         return
     T, D = next(iter(shapes))[0]
@@ -1288,11 +1300,11 @@ class StagedDecode:
         self.outs, self.buffer, self.n, self.reconstruct, self.after = list(outs), buffer, n, reconstruct, after
         self.groups = []
         # without the GEMM each container decodes straight into its output (a group of one)
-        keys = [(j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits, j.projection.coefficient_width(),
+        keys = [(j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits, j.inner.flags, j.projection.coefficient_width(),
                  reconstruct or j.index) for j in jobs]
         cursor = 0
         for members in _same_shape_groups(keys):
-            T, K, width = keys[members[0]][0], keys[members[0]][1], keys[members[0]][5]
+            T, K, width = keys[members[0]][0], keys[members[0]][1], keys[members[0]][6]
             hdrs = [jobs[m].inner for m in members]
             pad = torch.zeros(width - K, dtype=torch.bfloat16)
             pad[:2] = 1  # the mean's two columns (coefficient_rows)

@@ -118,6 +118,7 @@ def codec_spec(codec, folder: Path) -> dict | None:
     return {"backend": "rans" if codec.symbols else codec.backend.name, "basis": basis, "step": step,
             "target_cos": codec.target_cos if codec.symbols else None,
             "water_fill": bool(getattr(codec, "water_fill", False)), "lane_tokens": getattr(codec, "lane_tokens", None),
+            "lanes_by_component": bool(getattr(codec, "lanes_by_component", False)),
             "frame_size": codec.frame_size, "min_cos": codec.min_cos, "settings": dict(codec.codec_settings),
             "decoder": None if codec.decoder is None else codec.decoder.name}
 
@@ -133,6 +134,7 @@ def codec_from_spec(spec: dict | None, folder: Path):
     kw = dict(frame_size=spec["frame_size"], min_cos=spec["min_cos"], decoder=spec["decoder"], **spec["settings"])
     if spec["backend"] == "rans":
         kw = dict(min_cos=spec["min_cos"], water_fill=spec["water_fill"], lane_tokens=spec["lane_tokens"],
+                  lanes_by_component=spec.get("lanes_by_component", False),
                   **({"step": spec["step"]} if spec["step"] is not None else {"target_cos": spec["target_cos"]}))
     return TensorCodec(basis, backend=spec["backend"], **kw)
 

@@ -209,7 +209,7 @@ def encode_many_cuda(ts, prob_bits: int | None = None, group_lanes: int = DEFAUL
     a PendingEncode instead, before any host synchronization (see there). retry (default: sync):
     size the escape buffers for the usual case and code a lane group again in result() when it
     escaped more values than that (else sized for every value escaping, never coded again).
-    lanes_by_component: rans.encode's lane order, for every tensor of the list."""
+    lanes_by_component: rans.encode's lane order, one value or one per tensor."""
     torch = _torch()
     n_t = len(ts)
     stats, guards = stats or [None] * n_t, guards or [None] * n_t
@@ -222,12 +222,13 @@ def encode_many_cuda(ts, prob_bits: int | None = None, group_lanes: int = DEFAUL
         raise ValueError(f"backs are 0..16 zero bytes, got {backs}")
     ts = [_as_symbols(torch, t) for t in ts]
     lanes = lane_tokens if isinstance(lane_tokens, (list, tuple)) else [lane_tokens] * n_t
+    orders = lanes_by_component if isinstance(lanes_by_component, (list, tuple)) else [lanes_by_component] * n_t
     groups = {}
     for i, t in enumerate(ts):
-        groups.setdefault((tuple(t.shape), t.dtype, str(t.device), lanes[i]), []).append(i)
+        groups.setdefault((tuple(t.shape), t.dtype, str(t.device), lanes[i], bool(orders[i])), []).append(i)
     jobs = [_EncodeBatch([ts[i] for i in members], prob_bits, group_lanes, key[3], [stats[i] for i in members],
                          [guards[i] for i in members], [fronts[i] for i in members], [backs[i] for i in members],
-                         length_field, lanes_by_component) for key, members in groups.items()]
+                         length_field, key[4]) for key, members in groups.items()]
     pending = PendingEncode(torch, jobs, list(groups.values()), n_t, retry=sync if retry is None else retry)
     return pending.result() if sync else pending
 
