@@ -10,6 +10,8 @@ layouts a format change could pick (one layer's K and V at 64K tokens: 2 x 1024 
   shared-rows     lanes = 32 token blocks of one component;  store 2 B into [T, K] rows (S rows apart)
   shared-cols     the same lanes; store 2 B into [K, T] (one component's tokens contiguous)
   shared-cols4    the same lanes; four steps' values packed into one 8 B store into [K, T]
+  tile-rows       the same lanes, TILE warps a program (TILE consecutive components): the program's [TILE, 32]
+                  values stored into [T, K] rows, which Triton lays out for contiguous stores through shared memory
 
 Each variant is checked against a torch reference of its chains and of a sample of what it stored, then
 timed (CUDA events, median).
@@ -31,7 +33,8 @@ SLOTS_LOG2 = 10        # slots a table (prob_bits 10: 4 KB of int32)
 STEPS = 256            # tokens a lane (PoC 17's lane length)
 BLOCKS = 256           # token blocks (64K tokens / 256)
 T = BLOCKS * STEPS     # tokens
-LAYOUTS = ("spread-rows", "shared-rows", "shared-cols", "shared-cols4")
+LAYOUTS = ("spread-rows", "shared-rows", "shared-cols", "shared-cols4", "tile-rows")
+TILE = 16              # tile-rows: components (warps) a program
 
 
 @triton.jit
@@ -86,6 +89,28 @@ def chain_store_kernel(lut_ptr, seed_ptr, out_ptr, acc_ptr, K, T, STEPS: tl.cons
     tl.store(acc_ptr + w * 32 + lane, acc.to(tl.int32, bitcast=True))
 
 
+@triton.jit
+def chain_store_tile_kernel(lut_ptr, seed_ptr, out_ptr, acc_ptr, K, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
+                            SLOTS_LOG2: tl.constexpr, TILE: tl.constexpr):
+    """shared-rows' lanes (warp w: component w // (BLOCKS / 32), blocks 32 (w % (BLOCKS / 32)) + lane), TILE
+    such warps of consecutive components a program; values stored into [T, K] rows."""
+    nb: tl.constexpr = BLOCKS // 32
+    pid = tl.program_id(0)
+    kk = tl.arange(0, TILE)[:, None]
+    lane = tl.arange(0, 32)[None, :]
+    k = (pid // nb) * TILE + kk + 0 * lane
+    blk = pid % nb
+    w = k * nb + blk  # the warp number of the same lanes in shared-rows
+    x = tl.load(seed_ptr + w * 32 + lane).to(tl.uint32) | 65536
+    acc = tl.zeros([TILE, 32], tl.uint32)
+    base = ((blk * 32 + lane) * STEPS).to(tl.int64) * K + k
+    for i in range(STEPS):
+        x, s = _step(lut_ptr, k, x, SLOTS_LOG2)
+        acc ^= x
+        tl.store(out_ptr + base + i * K, s)
+    tl.store(acc_ptr + w * 32 + lane, acc.to(tl.int32, bitcast=True))
+
+
 def lanes_of(layout: int, warps: int, device):
     w = torch.arange(warps, device=device)[:, None]
     lane = torch.arange(32, device=device)[None, :]
@@ -122,8 +147,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: {warps} warps x 32 lanes x {STEPS} steps (lookup + store), "
           f"{COMPONENTS} tables of {M} int32, {out.numel() * 2 / 1e6:.0f} MB written")
     for layout, name in enumerate(LAYOUTS):
-        run = lambda: chain_store_kernel[(warps,)](lut, seeds, out, acc, COMPONENTS, T, STEPS, BLOCKS, SLOTS_LOG2,
-                                                   layout, num_warps=1)
+        if name == "tile-rows":
+            run = lambda: chain_store_tile_kernel[(warps // TILE,)](lut, seeds, out, acc, COMPONENTS, STEPS, BLOCKS,
+                                                                    SLOTS_LOG2, TILE, num_warps=TILE)
+            layout = 1  # the same lanes and stores as shared-rows: its reference
+        else:
+            run = lambda: chain_store_kernel[(warps,)](lut, seeds, out, acc, COMPONENTS, T, STEPS, BLOCKS, SLOTS_LOG2,
+                                                       layout, num_warps=1)
         out.zero_()
         run()
         torch.cuda.synchronize()

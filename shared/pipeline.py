@@ -165,9 +165,10 @@ class TensorCodec:
         lane_tokens: tokens per rANS lane (default: shared.codecs.rans.default_lane_tokens, >= 512
         so the 4-byte lane states stay near 1.5% of the payload); shorter lanes make small tensors
         code faster on a GPU (more lanes in parallel, shorter chains) for a slightly larger payload.
-        lanes_by_component: each rANS lane group walks one component's token chunks (the same size;
-        a GPU decodes it faster where the 32 tables a warp reads otherwise miss L1: a long tensor decoded
-        many times, as a spilled KV cache is; the encoder's reads are then strided).
+        lanes_by_component: each rANS lane group walks one component's token chunks (the same size). A
+        warp's table lookups then hit one table, 6x faster alone on an NVIDIA H100, but today's GPU decoder
+        writes the rows of 32 token chunks apart, which made a 64K-token KV layer decode 2.1x slower
+        (docs/findings.md); the format is here for a decoder that stores through shared memory.
 
         min_cos: the frame path refuses (InvalidTensorError) a tensor whose 8-bit planes alone
         reach a mean cosine below this in coefficient space (an outlier that stretches a channel's

@@ -46,7 +46,8 @@ Bitstream (all little-endian; offsets follow from the header):
     lanes: P = ceil(T / S) token chunks; lane g codes tokens [p*S, min(T, (p+1)*S)) of component k,
     where g = p * K + k (a group's lanes are consecutive components of one chunk), or with flag
     LANES_BY_COMPONENT g = k * P + p (a group's lanes are consecutive chunks of one component: a GPU
-    warp then reads one component's table, which stays in L1, where 32 components' tables do not);
+    warp then reads one component's table, which stays in L1, where 32 components' tables do not, but
+    writes values S rows apart);
     n_lanes = P * K; group = g // G; n_groups = ceil(n_lanes / G).
 
 check0/check1 are a Fletcher-like checksum of the whole payload except these 8 bytes (sum of
