@@ -93,6 +93,8 @@ KV_SINK = 4                                            # its raw first tokens pe
 SPLIT_TOKENS = 1024                                    # attention on coefficients: tokens per slice of p R_v
 LANE_TOKENS = 256                                      # rANS lane length: a layer's KV decodes in 4x fewer
                                                        # sequential steps than at the default 1024 (blobs ~2% larger)
+LANES_BY_COMPONENT = False                             # rANS lane groups of one component's token chunks (a warp reads
+                                                       # one table; TensorCodec(lanes_by_component=)); same size
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
 TIMED_SECONDS = 1.0                                    # aim of each timed loop, seconds
 MIN_STEPS, MAX_STEPS = 3, 32                           # timed decode steps per (mode, context)
@@ -337,8 +339,8 @@ def sync(device) -> None:
 
 
 def codec_pair(basis_k, step_k, basis_v, step_v):
-    return (TensorCodec(basis_k, backend="rans", step=step_k, lane_tokens=LANE_TOKENS),
-            TensorCodec(basis_v, backend="rans", step=step_v, lane_tokens=LANE_TOKENS))
+    return tuple(TensorCodec(basis, backend="rans", step=step, lane_tokens=LANE_TOKENS,
+                             lanes_by_component=LANES_BY_COMPONENT) for basis, step in ((basis_k, step_k), (basis_v, step_v)))
 
 
 def layers_that_fit(shape: dict, context: int, device) -> int:
@@ -524,7 +526,7 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             model.graphs = None
             print(f"  CUDA graphs not used ({type(error).__name__}: {error}); the step runs eagerly")
     common = dict(model=label, shape=str(shape), layers=shape["layers"], dtype=str(dtype).removeprefix("torch."),
-                  chunk_tokens=CHUNK_TOKENS,
+                  chunk_tokens=CHUNK_TOKENS, lane_tokens=LANE_TOKENS, lanes_by_component=LANES_BY_COMPONENT,
                   cuda_graphs=graphs, bases="fitted on the model's own prompt KV (in-sample)",
                   target_cos=TARGET_COS, loop=DRIVERS["timing"],
                   fetch_path="pinned host memory -> GPU over PCIe" if on_cuda else
@@ -557,7 +559,8 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             compressed = mode.startswith("compressed")
             sizes = dict(chunk_tokens=CHUNK_TOKENS, max_tokens=context + WARMUP_STEPS + MAX_STEPS + 2, contiguous=False)
             if mode == "compressed_kv_codec":
-                cache = SpillCache.from_kv_codec(kv_codec, num_layers=shape["layers"], lane_tokens=LANE_TOKENS, **sizes)
+                cache = SpillCache.from_kv_codec(kv_codec, num_layers=shape["layers"], lane_tokens=LANE_TOKENS,
+                                                 lanes_by_component=LANES_BY_COMPONENT, **sizes)
             else:
                 cache = SpillCache(shape["layers"], "compressed_fetch" if compressed else mode,
                                    codecs=codecs if compressed else None, coefficients=mode == "compressed_coefficients",
@@ -945,9 +948,11 @@ if __name__ == "__main__":
     ap.add_argument("--no-coefficients", action="store_true", help="skip the compressed_coefficients mode")
     ap.add_argument("--timing-budget", type=float, default=TIMING_BUDGET_S,
                     help="seconds the timing model may take; a context that would not fit is skipped (and said)")
+    ap.add_argument("--lanes-by-component", action=argparse.BooleanOptionalAction, default=LANES_BY_COMPONENT,
+                    help="rANS lane order of the compressed modes (LANES_BY_COMPONENT)")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     args = ap.parse_args()
-    SEARCH_COS, TIMING_BUDGET_S = args.search_cos, args.timing_budget
+    SEARCH_COS, TIMING_BUDGET_S, LANES_BY_COMPONENT = args.search_cos, args.timing_budget, args.lanes_by_component
     if args.contexts:
         CONTEXTS = [int(c) for c in args.contexts.split(",")]
     COEFFICIENTS = not args.no_coefficients

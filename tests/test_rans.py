@@ -327,6 +327,25 @@ def test_triton_interpreter_lanes_by_component_write_the_same_bytes():
         ys, _ = rans_cuda.decode_many_cuda(blobs)
         np.testing.assert_array_equal(ys[0].numpy(), x)
         np.testing.assert_array_equal(ys[1].numpy(), x[:, :8])
+        # 64 blocks of 16 tokens, 40 components: whole groups of one component, decoded 16 components a
+        # program (the last program's components past 40 masked)
+        tall = pca_like(1024, 40, seed=5)
+        tall[::53, :3] += 7000
+        tall_blob = rans.encode(tall, lane_tokens=16, lanes_by_component=True)
+        ys, _ = rans_cuda.decode_many_cuda([torch.frombuffer(bytearray(tall_blob), dtype=torch.uint8)])
+        np.testing.assert_array_equal(ys[0].numpy(), tall)
+        tall_rows, _ = rans_cuda.decode_many_cuda(
+            [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (tall_blob, rans.encode(tall, lane_tokens=16))],
+            scales=[(0.25, 1e9, 42, 40)] * 2)
+        assert torch.equal(tall_rows[0], tall_rows[1])
+        bad = bytearray(tall_blob)
+        bad[len(bad) - 100] ^= 0x21
+        try:
+            rans_cuda.decode_cuda(torch.frombuffer(bad, dtype=torch.uint8))
+        except BitstreamError:
+            pass
+        else:
+            raise AssertionError("a flipped byte decoded")
         by_token = torch.frombuffer(bytearray(rans.encode(x, lane_tokens=16)), dtype=torch.uint8)
         rows, _ = rans_cuda.decode_many_cuda([blobs[0], by_token], scales=[(0.5, 1e9, 44, 40)] * 2)
         want = torch.from_numpy(x * 0.5).float()

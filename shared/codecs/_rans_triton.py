@@ -1283,7 +1283,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr,
                   NARROW: tl.constexpr = False, SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                  BY_COMPONENT: tl.constexpr = False):
+                  BY_COMPONENT: tl.constexpr = False, TILE: tl.constexpr = False):
     """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
     first to last, reading each group's words from the end of its stream. PACKED: lut holds
     symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol (uint8, or int16 past
@@ -1300,7 +1300,12 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     caller's GEMM then cannot overflow. The window's ends are checked once per lane, escaped
     values as they are met. PREFETCH (NVIDIA GPUs, not the interpreter): each step asks L2 for the
     words STREAM_PREFETCH_GROUPS windows below the next one, so the next steps' window loads do not
-    wait for memory."""
+    wait for memory. BY_COMPONENT: the payload's lanes are in that order (see group_lanes); with TILE
+    too (G = 32 and P a multiple of 32, so a group is 32 token blocks of one component) a program
+    decodes the groups of GPP consecutive components at one set of blocks, one warp each, and its
+    [GPP, 32] values a step are rows' GPP consecutive components, which the compiler stores through
+    shared memory as contiguous runs of each row (lanes of one component alone write values S rows
+    apart: 32 stores a warp where a run of 32 components takes 2)."""
     sg = tl.program_id(1)
     seg = seg_ptr + sg * SEG_FIELDS
     words_ptr = b16 + tl.load(seg + SEG_STREAMS)
@@ -1327,10 +1332,20 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         out_ptr += sg.to(tl.int64) * T * K
     err_ptr += sg
     M: tl.constexpr = 1 << PROB_BITS
-    grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
-    grp_ok = grp < n_groups
     P = n_lanes // K
-    _, lane_ok, p, k = group_lanes(grp, K, P, n_lanes, G, BY_COMPONENT)
+    if TILE:
+        nb = P // G  # groups a component
+        blk = tl.program_id(0) % nb
+        kk = (tl.program_id(0) // nb) * GPP + tl.arange(0, GPP)
+        grp = kk * nb + blk
+        grp_ok = kk < K
+        k = tl.broadcast_to(kk[:, None], [GPP, G])  # contiguous down the program's groups
+        p = tl.broadcast_to(blk * G + tl.arange(0, G)[None, :], [GPP, G])
+        lane_ok = k < K
+    else:
+        grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
+        grp_ok = grp < n_groups
+        _, lane_ok, p, k = group_lanes(grp, K, P, n_lanes, G, BY_COMPONENT)
     lo = tl.load(lo_ptr + k, mask=lane_ok, other=0)
     W = tl.load(w_ptr + k, mask=lane_ok, other=0)
     A = tl.load(a_ptr + k, mask=lane_ok, other=0)
@@ -1421,11 +1436,11 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
                 wide |= esc_now & ((val < -32768) | (val > 32767))
             if SCALED:
                 bad |= (esc_now & ~(tl.abs(val.to(tl.float32)) * step <= bound)).to(tl.int32)
+        # the row offset is loop-invariant plus i rows, which keeps what the compiler knows of its runs (TILE)
         if SCALED:
-            tl.store(out_ptr + off, (val.to(tl.float32) * step).to(tl.bfloat16), mask=active)
+            tl.store(out_ptr + (off + i * row_w), (val.to(tl.float32) * step).to(tl.bfloat16), mask=active)
         else:
-            tl.store(out_ptr + off, val, mask=active)
-        off += row_w
+            tl.store(out_ptr + (off + i * row_w), val, mask=active)
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)
     bad |= 4 * wrong

@@ -171,6 +171,7 @@ USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with th
 # not a 32-bit division (about 16 instructions, three of them quarter-rate, on the state's dependency chain)
 COPY_OUT_WORDS, COPY_OUT_META = 2048, 1024  # PendingEncode.copy_out: int64 words a program of copy_out_kernel copies; meta words a step
 QUEUED_META = ("spans", "flags", "summary")  # a queued call's int64 device state copy_out copies, in this order
+COMPONENT_TILE = 16  # decoder, lanes by component: components (one warp each) a program, stored as runs of rows
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
 
@@ -952,12 +953,17 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
                                           lambda: torch.zeros(N, dtype=torch.float32, device=dev))
         width = K
         out = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
-    kern["decode"][(triton_cdiv(NG, _groups_per_program()), N)](
+    # lanes by component in whole groups of 32 blocks: COMPONENT_TILE components' groups a program (see decode_kernel)
+    tile = h0.layout.by_component and G == 32 and h0.layout.P % 32 == 0
+    gpp = COMPONENT_TILE if tile else _groups_per_program()
+    grid = (h0.layout.P // 32 * triton_cdiv(K, gpp) if tile else triton_cdiv(NG, gpp), N)
+    kern["decode"][grid](
         b16, b32, segs, gend, glen.contiguous(), lo, W, A, rank, lut, tab, out, gesc.contiguous(), geend, err,
-        steps, bounds, T, K, NL, NG, S, width, HCAP=HCAP, PROB_BITS=n, G=G, GPP=_groups_per_program(),
-        WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=_warps(G), SEG_FIELDS=len(fields),
+        steps, bounds, T, K, NL, NG, S, width, HCAP=HCAP, PROB_BITS=n, G=G, GPP=gpp,
+        WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=max(1, min(16, gpp * G // 32)),
+        SEG_FIELDS=len(fields),
         VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None, PREFETCH=USE_STREAM_PREFETCH and _ptx(),
-        BY_COMPONENT=h0.layout.by_component)
+        BY_COMPONENT=h0.layout.by_component, TILE=tile)
     return list(out.unbind(0)), err
 
 
