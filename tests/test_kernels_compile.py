@@ -96,6 +96,11 @@ hoisted.quantize_many(x32.unsqueeze(0), [0.05], addresses=torch.tensor([x32.data
 blobs = rans_cuda.encode_many_cuda([sym[0], sym[0].int()], lane_tokens=32, stats=[(mn[0], mx[0], sm[0])] * 2)
 rans_cuda.decode_many_cuda(list(blobs))
 rans_cuda.decode_many_cuda(list(blobs), scales=[(0.05, 1e30, proj.coefficient_width(), 16)] * 2)
+# lanes by component: encoded, and decoded COMPONENT_TILE components a program (whole groups of 32 blocks)
+tall = torch.from_numpy(rng.integers(-20, 20, (512, 16)).astype(np.int32))
+tall_blobs = rans_cuda.encode_many_cuda([tall], lane_tokens=8, lanes_by_component=True)
+rans_cuda.decode_many_cuda(list(tall_blobs))
+rans_cuda.decode_many_cuda(list(tall_blobs), scales=[(0.05, 1e30, proj.coefficient_width(), 16)])
 payload = bytes(blobs[0].numpy())
 front = bytes(range(16))
 box = front[:-8] + len(payload).to_bytes(8, "little") + payload + bytes(4)
@@ -131,7 +136,10 @@ def on_the_gpu(launch):
         c["UPCAST"] = False
     if "PREFETCH" in c:
         c["PREFETCH"] = rans_cuda.USE_STREAM_PREFETCH and rans_cuda._ptx()
-    if "GPP" in c:
+    if c.get("TILE"):  # by-component decode: the same tile of components a program as on a GPU
+        c["GPP"] = rans_cuda.COMPONENT_TILE
+        out["num_warps"] = rans_cuda.COMPONENT_TILE * c["G"] // 32
+    elif "GPP" in c:
         c["GPP"] = rans_cuda._groups_per_program()
         out["num_warps"] = rans_cuda._warps(c["G"])
     if "VOTE" in c:
