@@ -537,10 +537,30 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask):
+def load_in_place_b32(ptrs, mask):
+    """tl.load of the 32-bit words at ptrs (0 where mask is 0) as inline PTX, which the compiler leaves
+    in its operands' layout: a tl.load of a gather may be given another layout (in a tiled decode it was
+    given the store's, and the lanes' work moved there with it, a shared-memory round trip at each step)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
+        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def load_in_place_u16(ptrs, mask):
+    """As load_in_place_b32, 16-bit words (0 where mask is 0)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $2, 0; mov.b16 h, 0; @p ld.global.b16 h, [$1]; cvt.u32.u16 $0, h; }",
+        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask, IN_PLACE: tl.constexpr = False):
     """The G words of each lane group's stream just below its read position ptr ([GPP, G], the
-    group's position in each of its lanes; base [GPP])."""
+    group's position in each of its lanes; base [GPP]). IN_PLACE: load_in_place_u16."""
     wp = tl.minimum(tl.maximum(base[:, None] + (ptr - G + jg), 0), last_word)
+    if IN_PLACE:
+        return load_in_place_u16(words_ptr + wp, tl.broadcast_to(mask, wp.shape))
     return tl.load(words_ptr + wp, mask=mask, other=0).to(tl.int32) & 0xFFFF
 
 
@@ -1339,9 +1359,14 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         kk = (tl.program_id(0) // nb) * GPP + tl.arange(0, GPP)
         grp = kk * nb + blk
         grp_ok = kk < K
-        k = tl.broadcast_to(kk[:, None], [GPP, G])  # contiguous down the program's groups
-        p = tl.broadcast_to(blk * G + tl.arange(0, G)[None, :], [GPP, G])
+        # the lanes' own component and block, from arithmetic that tells the compiler nothing of runs, so
+        # the lanes' work keeps the lanes' layout; the store's offsets (below) say their runs
+        lane2d = tl.arange(0, GPP)[:, None] * G + tl.arange(0, G)[None, :]
+        k = (tl.program_id(0) // nb) * GPP + lane2d // G
+        p = blk * G + lane2d % G
         lane_ok = k < K
+        run_k = tl.broadcast_to(kk[:, None], [GPP, G])  # contiguous down the program's groups
+        run_row0 = tl.broadcast_to((blk * G + tl.arange(0, G)[None, :]) * S, [GPP, G])
     else:
         grp = tl.program_id(0) * GPP + tl.arange(0, GPP)
         grp_ok = grp < n_groups
@@ -1390,13 +1415,19 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     jg = tl.zeros([GPP, G], tl.int32) + tl.arange(0, G)[None, :]
     wrong = tl.zeros([GPP, G], tl.int32)
     has_words = grp_ok[:, None] & (n_words > 0)
-    window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
+    # a tiled decode on a GPU reads its lanes' tables and words in place (load_in_place_b32)
+    IN_PLACE: tl.constexpr = TILE and PREFETCH and PACKED
+    window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words, IN_PLACE)
+    step_bad = tl.zeros([GPP, G], tl.int32)  # the steps' checks, apart from bad: it stays in the lanes' layout
     for i in range(0, S):
         row = row0 + i
         active = lane_ok & (row < T)
         comp = tl.where(active, k, K)
         slot = (x & (M - 1)).to(tl.int32)
-        e = tl.load(lut_ptr + comp * M + slot)
+        if IN_PLACE:
+            e = load_in_place_b32(lut_ptr + comp * M + slot, slot >= 0)
+        else:
+            e = tl.load(lut_ptr + comp * M + slot)
         if PACKED:
             s = e >> (2 * PROB_BITS)
             f = ((e >> PROB_BITS) & (M - 1)).to(tl.uint32) + 1
@@ -1412,12 +1443,12 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         rank_w, tot, rwrong = lanes_before(nd, jg, VOTE)
         wrong |= rwrong
         ptr -= tot
-        bad |= (ptr < 0).to(tl.int32)
+        step_bad |= (ptr < 0).to(tl.int32)
         # the lane of rank r reads word ptr + r, which is window slot G - tot + r
         wd = tl.gather(window, tl.minimum(G - tot + rank_w, G - 1), 1)
         # the next step's window: the G words below the new read position (issued now, so its
         # latency overlaps the next lookup's)
-        window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words)
+        window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words, IN_PLACE)
         if PREFETCH:  # the stream's words a few steps ahead: the window's load then finds them in L2
             ahead = base[:, None] + (ptr - (STREAM_PREFETCH_GROUPS + 1) * G + jg)
             prefetch_l2(words_ptr + tl.minimum(tl.maximum(ahead, 0), last_word), has_words & (ahead >= 0))
@@ -1429,18 +1460,27 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             erank, ecount, ewrong = lanes_before(ee, jg, VOTE)
             wrong |= ewrong
             eptr -= ecount
-            bad |= (eptr < 0).to(tl.int32)
+            step_bad |= (eptr < 0).to(tl.int32)
             ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr + erank), 0), last_esc)
-            val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
+            if IN_PLACE:
+                val = tl.where(esc_now, load_in_place_b32(esc_in + ep, esc_now), val)
+            else:
+                val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
             if NARROW:
                 wide |= esc_now & ((val < -32768) | (val > 32767))
             if SCALED:
-                bad |= (esc_now & ~(tl.abs(val.to(tl.float32)) * step <= bound)).to(tl.int32)
-        # the row offset is loop-invariant plus i rows, which keeps what the compiler knows of its runs (TILE)
+                step_bad |= (esc_now & ~(tl.abs(val.to(tl.float32)) * step <= bound)).to(tl.int32)
         if SCALED:
-            tl.store(out_ptr + (off + i * row_w), (val.to(tl.float32) * step).to(tl.bfloat16), mask=active)
+            val = (val.to(tl.float32) * step).to(tl.bfloat16)
+        if TILE:  # offsets the compiler knows run along the components: the store is laid out for runs
+            if WIDE_INDEX:
+                run_off = (run_row0 + i).to(tl.int64) * row_w + run_k
+            else:
+                run_off = (run_row0 + i) * row_w + run_k
+            tl.store(out_ptr + run_off, val, mask=(run_k < K) & (run_row0 + i < T))
         else:
             tl.store(out_ptr + (off + i * row_w), val, mask=active)
+    bad |= step_bad
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)
     bad |= 4 * wrong
