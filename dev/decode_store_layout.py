@@ -12,6 +12,7 @@ layouts a format change could pick (one layer's K and V at 64K tokens: 2 x 1024 
   shared-cols4    the same lanes; four steps' values packed into one 8 B store into [K, T]
   tile-rows       the same lanes, TILE warps a program (TILE consecutive components): the program's [TILE, 32]
                   values stored into [T, K] rows, which Triton lays out for contiguous stores through shared memory
+                  (the lookups as in-place PTX loads, so only the stored values change layout; as the decoder)
 
 Each variant is checked against a torch reference of its chains and of a sample of what it stored, then
 timed (CUDA events, median).
@@ -27,6 +28,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from staged_decode_sizes import timed  # noqa: E402  (CUDA events, median of its REPEATS)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared.codecs._rans_triton import load_in_place_b32  # noqa: E402
 
 COMPONENTS = 2048      # a layer's K and V components (tables: one each)
 SLOTS_LOG2 = 10        # slots a table (prob_bits 10: 4 KB of int32)
@@ -38,9 +41,13 @@ TILE = 16              # tile-rows: components (warps) a program
 
 
 @triton.jit
-def _step(lut_ptr, table, x, SLOTS_LOG2: tl.constexpr):
+def _step(lut_ptr, table, x, SLOTS_LOG2: tl.constexpr, IN_PLACE: tl.constexpr = False):
     M: tl.constexpr = 1 << SLOTS_LOG2
-    e = tl.load(lut_ptr + table * M + (x & (M - 1)).to(tl.int32))
+    slot = (x & (M - 1)).to(tl.int32)
+    if IN_PLACE:  # keeps the lanes' layout (see _rans_triton.load_in_place_b32)
+        e = load_in_place_b32(lut_ptr + table * M + slot, slot >= 0)
+    else:
+        e = tl.load(lut_ptr + table * M + slot)
     f = ((e >> SLOTS_LOG2) & (M - 1)).to(tl.uint32) + 1
     x = f * (x >> SLOTS_LOG2) + (e & (M - 1)).to(tl.uint32)
     x = tl.where(x < 65536, (x << 16) | (x & 0xFFFF) ^ 0x9E37, x)
@@ -105,7 +112,7 @@ def chain_store_tile_kernel(lut_ptr, seed_ptr, out_ptr, acc_ptr, K, STEPS: tl.co
     acc = tl.zeros([TILE, 32], tl.uint32)
     base = ((blk * 32 + lane) * STEPS).to(tl.int64) * K + k
     for i in range(STEPS):
-        x, s = _step(lut_ptr, k, x, SLOTS_LOG2)
+        x, s = _step(lut_ptr, k, x, SLOTS_LOG2, True)
         acc ^= x
         tl.store(out_ptr + base + i * K, s)
     tl.store(acc_ptr + w * 32 + lane, acc.to(tl.int32, bitcast=True))
