@@ -29,7 +29,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from staged_decode_sizes import timed  # noqa: E402  (CUDA events, median of its REPEATS)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared.codecs._rans_triton import load_in_place_b32  # noqa: E402
+from shared.codecs._rans_triton import load_in_place  # noqa: E402
 
 COMPONENTS = 2048      # a layer's K and V components (tables: one each)
 SLOTS_LOG2 = 10        # slots a table (prob_bits 10: 4 KB of int32)
@@ -44,8 +44,8 @@ TILE = 16              # tile-rows: components (warps) a program
 def _step(lut_ptr, table, x, SLOTS_LOG2: tl.constexpr, IN_PLACE: tl.constexpr = False):
     M: tl.constexpr = 1 << SLOTS_LOG2
     slot = (x & (M - 1)).to(tl.int32)
-    if IN_PLACE:  # keeps the lanes' layout (see _rans_triton.load_in_place_b32)
-        e = load_in_place_b32(lut_ptr + table * M + slot, slot >= 0)
+    if IN_PLACE:  # keeps the lanes' layout (see _rans_triton.load_in_place)
+        e = load_in_place(lut_ptr + table * M + slot)
     else:
         e = tl.load(lut_ptr + table * M + slot)
     f = ((e >> SLOTS_LOG2) & (M - 1)).to(tl.uint32) + 1

@@ -3,8 +3,9 @@
 One layer's K and V at 64K tokens (KV-like rows, PoC 17's step and 256-token lanes), one container each, as
 PoC 17 stores a prompt, decoded to coefficient rows by pipeline.StagedDecode launched eagerly (so a profiler
 sees each kernel), coded twice: lane groups of 32 components of one token chunk (the default order), and
-lane groups of 32 token chunks of one component (rans LANES_BY_COMPONENT: a warp reads one table). Both
-decodes' checks pass (plan.check) and give the same rows, then each is timed (CUDA events, median). Under
+lane groups of 32 token chunks of one component (rans LANES_BY_COMPONENT: a warp reads one table), decoded
+one lane group a program or COMPONENT_TILE components a program (their rows stored through shared memory).
+Every decode's checks pass (plan.check) and give the same rows, then each is timed (CUDA events, median). Under
 Nsight Compute it gives the lanes kernel's issue rate, occupancy and stall reasons (docs/findings.md has
 what they said on an NVIDIA H100 for the default order: L1TEX-bound table lookups).
 
@@ -21,15 +22,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from staged_decode_sizes import timed  # noqa: E402  (CUDA events, median of its REPEATS)
 from symbol_lookup import D_KV, staged_layer  # noqa: E402
+from shared.codecs import rans_cuda  # noqa: E402
 from shared.pipeline import StagedDecode  # noqa: E402
 
 CONTEXT = 65536  # tokens of one layer's K and V
 REPLAYS = 3      # eager replays before timing (a profiler skips the first)
 
 
+VARIANTS = {  # name: (lanes by component, rans_cuda.COMPONENT_TILE)
+    "by token": (False, rans_cuda.COMPONENT_TILE),
+    "by component, a warp a program": (True, 0),
+    f"by component, {rans_cuda.COMPONENT_TILE} components a program": (True, rans_cuda.COMPONENT_TILE),
+}
+
+
 def main() -> None:
     rows = {}
-    for by_component in (False, True):
+    tile = rans_cuda.COMPONENT_TILE
+    for name, (by_component, rans_cuda.COMPONENT_TILE) in VARIANTS.items():
         layer = staged_layer(CONTEXT, CONTEXT, by_component)  # one container per K and V
         coeff = [torch.empty(CONTEXT, layer.width, dtype=torch.bfloat16, device="cuda") for _ in layer.blobs]
         plan = StagedDecode(layer.codecs, layer.heads, [b.numel() for b in layer.blobs], layer.offsets, layer.stage,
@@ -38,14 +48,15 @@ def main() -> None:
             plan.replay()
         torch.cuda.synchronize()
         plan.check()
-        rows[by_component] = coeff
+        rows[name] = coeff
         ms = timed(plan.replay)
-        order = "by component" if by_component else "by token   "
-        print(f"{torch.cuda.get_device_name()}: 2 x [{CONTEXT}, {D_KV}] decoded to coefficient rows, lanes {order}, "
+        print(f"{torch.cuda.get_device_name()}: 2 x [{CONTEXT}, {D_KV}] decoded to coefficient rows, lanes {name}, "
               f"ratio {2 * CONTEXT * D_KV * 2 / layer.total:.2f}x: {ms:.3f} ms a replay (eager, all kernels)", flush=True)
-    if not all(torch.equal(a, b) for a, b in zip(rows[False], rows[True])):
-        raise SystemExit("the two lane orders decode different rows")
-    print("both lane orders decode the same rows")
+    rans_cuda.COMPONENT_TILE = tile
+    first, *others = rows.values()
+    if not all(torch.equal(a, b) for other in others for a, b in zip(first, other)):
+        raise SystemExit("the lane orders decode different rows")
+    print("every lane order decodes the same rows")
 
 
 if __name__ == "__main__":

@@ -1116,7 +1116,7 @@ def _decode_graph_plan(key, codecs, blobs, jobs):
     shape, bf16 output of up to GRAPH_MAX_BYTES)."""
     if key is None or len(jobs) != len(blobs) or any(j.front is None or j.header["dtype"] != "bfloat16" for j in jobs):
         return
-    shapes = {(tuple(j.header["shape"]), j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits, j.inner.flags) for j in jobs}
+    shapes = {(tuple(j.header["shape"]), j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits, j.inner.layout.flags) for j in jobs}
     if len(shapes) != 1 or any(len(j.front) % 16 for j in jobs):
         return
     T, D = next(iter(shapes))[0]
@@ -1301,7 +1301,7 @@ class StagedDecode:
         self.outs, self.buffer, self.n, self.reconstruct, self.after = list(outs), buffer, n, reconstruct, after
         self.groups = []
         # without the GEMM each container decodes straight into its output (a group of one)
-        keys = [(j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits, j.inner.flags, j.projection.coefficient_width(),
+        keys = [(j.inner.T, j.inner.K, j.inner.S, j.inner.G, j.inner.prob_bits, j.inner.layout.flags, j.projection.coefficient_width(),
                  reconstruct or j.index) for j in jobs]
         cursor = 0
         for members in _same_shape_groups(keys):

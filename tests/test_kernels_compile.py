@@ -138,7 +138,7 @@ def on_the_gpu(launch):
         c["PREFETCH"] = rans_cuda.USE_STREAM_PREFETCH and rans_cuda._ptx()
     if c.get("TILE"):  # by-component decode: the same tile of components a program as on a GPU
         c["GPP"] = rans_cuda.COMPONENT_TILE
-        out["num_warps"] = rans_cuda.COMPONENT_TILE * c["G"] // 32
+        out["num_warps"] = rans_cuda._warps(c["G"], rans_cuda.COMPONENT_TILE)
     elif "GPP" in c:
         c["GPP"] = rans_cuda._groups_per_program()
         out["num_warps"] = rans_cuda._warps(c["G"])

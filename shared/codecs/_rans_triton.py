@@ -537,30 +537,33 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def load_in_place_b32(ptrs, mask):
-    """tl.load of the 32-bit words at ptrs (0 where mask is 0) as inline PTX, which the compiler leaves
-    in its operands' layout: a tl.load of a gather may be given another layout (in a tiled decode it was
-    given the store's, and the lanes' work moved there with it, a shared-memory round trip at each step)."""
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
-        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def load_in_place_u16(ptrs, mask):
-    """As load_in_place_b32, 16-bit words (0 where mask is 0)."""
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $2, 0; mov.b16 h, 0; @p ld.global.b16 h, [$1]; cvt.u32.u16 $0, h; }",
-        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+def load_in_place(ptrs, mask=None, U16: tl.constexpr = False):
+    """tl.load of the 32-bit words (U16: the 16-bit words, zero-extended) at ptrs, 0 where mask is 0, as
+    inline PTX, which the compiler leaves in its operands' layout: a tl.load of a gather may be given
+    another layout (in a tiled decode it was given the store's, and the lanes' work moved there with it,
+    a shared-memory round trip at each step)."""
+    # one return at the end: Triton compiles every static branch after an early return too
+    if mask is None:
+        value = tl.inline_asm_elementwise(asm="ld.global.b32 $0, [$1];", constraints="=r,l", args=[ptrs],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    elif U16:
+        value = tl.inline_asm_elementwise(
+            asm="{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $2, 0; mov.b16 h, 0; @p ld.global.b16 h, [$1]; cvt.u32.u16 $0, h; }",
+            constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        value = tl.inline_asm_elementwise(
+            asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
+            constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+    return value
 
 
 @triton.jit
 def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask, IN_PLACE: tl.constexpr = False):
     """The G words of each lane group's stream just below its read position ptr ([GPP, G], the
-    group's position in each of its lanes; base [GPP]). IN_PLACE: load_in_place_u16."""
+    group's position in each of its lanes; base [GPP]). IN_PLACE: read by load_in_place."""
     wp = tl.minimum(tl.maximum(base[:, None] + (ptr - G + jg), 0), last_word)
     if IN_PLACE:
-        return load_in_place_u16(words_ptr + wp, tl.broadcast_to(mask, wp.shape))
+        return load_in_place(words_ptr + wp, tl.broadcast_to(mask, wp.shape), U16=True)
     return tl.load(words_ptr + wp, mask=mask, other=0).to(tl.int32) & 0xFFFF
 
 
@@ -1415,7 +1418,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     jg = tl.zeros([GPP, G], tl.int32) + tl.arange(0, G)[None, :]
     wrong = tl.zeros([GPP, G], tl.int32)
     has_words = grp_ok[:, None] & (n_words > 0)
-    # a tiled decode on a GPU reads its lanes' tables and words in place (load_in_place_b32)
+    # a tiled decode on a GPU reads its lanes' tables, words and escapes in place (load_in_place)
     IN_PLACE: tl.constexpr = TILE and PREFETCH and PACKED
     window = word_window(words_ptr, base, ptr, jg, G, last_word, has_words, IN_PLACE)
     step_bad = tl.zeros([GPP, G], tl.int32)  # the steps' checks, apart from bad: it stays in the lanes' layout
@@ -1425,7 +1428,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         comp = tl.where(active, k, K)
         slot = (x & (M - 1)).to(tl.int32)
         if IN_PLACE:
-            e = load_in_place_b32(lut_ptr + comp * M + slot, slot >= 0)
+            e = load_in_place(lut_ptr + comp * M + slot)
         else:
             e = tl.load(lut_ptr + comp * M + slot)
         if PACKED:
@@ -1463,7 +1466,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             step_bad |= (eptr < 0).to(tl.int32)
             ep = tl.minimum(tl.maximum(ebase[:, None] + (eptr + erank), 0), last_esc)
             if IN_PLACE:
-                val = tl.where(esc_now, load_in_place_b32(esc_in + ep, esc_now), val)
+                val = tl.where(esc_now, load_in_place(esc_in + ep, esc_now), val)
             else:
                 val = tl.where(esc_now, tl.load(esc_in + ep, mask=esc_now, other=0), val)
             if NARROW:
@@ -1479,7 +1482,8 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
                 run_off = (run_row0 + i) * row_w + run_k
             tl.store(out_ptr + run_off, val, mask=(run_k < K) & (run_row0 + i < T))
         else:
-            tl.store(out_ptr + (off + i * row_w), val, mask=active)
+            tl.store(out_ptr + off, val, mask=active)
+            off += row_w
     bad |= step_bad
     bad |= ((x != 65536) & lane_ok).to(tl.int32)
     bad |= ((ptr != 0) | (eptr != 0)).to(tl.int32)

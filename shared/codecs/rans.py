@@ -172,6 +172,11 @@ class Layout:
         g = np.arange(self.n_lanes, dtype=np.int64)
         return (g % self.P) * self.K + g // self.P if self.by_component else g
 
+    def coded_lanes(self, A) -> np.ndarray:
+        """Which lanes, in order, code a component of more than one symbol (alphabet sizes A [K]): the
+        lanes whose final states the payload stores."""
+        return np.tile(np.asarray(A) > 1, self.P)[self.lane_cells()]
+
 
 def _widths(lo_min: int, lo_max: int, w_max: int) -> tuple[int, int]:
     """Narrowest lo and wflag widths (bytes) that hold every component's values."""
@@ -306,9 +311,8 @@ def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int =
 
     words = buf.reshape(NG, cap)
     streams = np.concatenate([words[g, :ptr[g]] for g in range(NG)]) if NG else np.zeros(0, np.uint16)
-    coded = np.tile(A > 1, P)[cells]  # lanes of components with more than one symbol
     return _assemble(lay, n, lo, W, esc, codes, model, scale, mu16, ptr.astype(np.uint32), group_escapes, escapes,
-                     x[:NL][coded].astype(np.uint32), streams)
+                     x[:NL][lay.coded_lanes(A)].astype(np.uint32), streams)
 
 
 def _component_weights(codes, model, scale, mu16, W, esc) -> np.ndarray:
@@ -447,7 +451,7 @@ def decode(payload, max_elements: int | None = None) -> np.ndarray:
     cells = lay.lane_cells()
     mv = memoryview(payload)
     states = np.full(NL, STATE_LOW, np.int64)
-    states[np.tile(hdr.A > 1, P)[cells]] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
+    states[lay.coded_lanes(hdr.A)] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
     if (states < STATE_LOW).any():
         raise BitstreamError("rANS payload lane states are corrupt")
     words = np.frombuffer(mv[lay.streams:lay.total], "<u2").astype(np.int64)
@@ -558,7 +562,7 @@ def _parse_header_only(hdr: "Parsed", head: bytes, total_len: int, max_elements:
     if not table_budget_ok(T, K, n):
         raise BitstreamError(f"rANS payload header is corrupt: K={K} tables of 2^{n} entries for T={T} tokens "
                              f"exceed {TABLE_ENTRIES_PER_VALUE} entries per value and {MAX_TABLE_ENTRIES} in all")
-    hdr.prob_bits, hdr.G, hdr.T, hdr.K, hdr.S, hdr.flags = n, G, T, K, S, flags
+    hdr.prob_bits, hdr.G, hdr.T, hdr.K, hdr.S = n, G, T, K, S
     hdr.n_table, hdr.n_escapes, hdr.stream_words = n_table, n_esc, stream_words
     hdr.check0, hdr.check1 = c0, c1
     hdr.layout = Layout(T, K, S, G, n_table, n_esc, stream_words, k_coded, lo_bytes, w_bytes, n_param, flags)

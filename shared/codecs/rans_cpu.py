@@ -473,7 +473,8 @@ def _encode_lanes(sym, lo, W, fc, rcp, S, G, NG, prob_bits, by_component):
     """The coding pass. Per group: words [cap] and escapes [cap] in its slice of the buffers,
     counts in group_words / group_escapes; final states per lane. fc, rcp: _encode_table."""
     T, K = sym.shape
-    NL = ((T + S - 1) // S) * K
+    P = (T + S - 1) // S
+    NL = P * K
     cap = G * S
     words = np.empty(NG * cap, np.uint16)
     escv = np.empty(NG * cap, np.int32)
@@ -485,7 +486,7 @@ def _encode_lanes(sym, lo, W, fc, rcp, S, G, NG, prob_bits, by_component):
         g0 = gi * G
         n_lane = min(G, NL - g0)
         x = np.full(G, L, np.uint32)
-        row0, comp = _lane_layout(g0, G, K, S, (T + S - 1) // S, by_component)
+        row0, comp = _lane_layout(g0, G, K, S, P, by_component)
         ptr = 0
         ne = 0
         base = gi * cap
@@ -624,9 +625,9 @@ def encode(symbols: np.ndarray, prob_bits: int | None = None, group_lanes: int =
     _gather(words, group_words, cap, streams)
     escapes = np.empty(int(group_escapes.sum()), np.int32)
     _gather(escv, group_escapes, cap, escapes)
-    coded = np.tile(W + esc > 1, lay.P)[lay.lane_cells()]
     return rans._assemble(lay, prob_bits, lo, W, esc, codes, model, scale, mu16, group_words.astype(np.uint32),
-                          group_escapes, escapes, states[:lay.n_lanes][coded], streams, checksum_fn=checksum)
+                          group_escapes, escapes, states[:lay.n_lanes][lay.coded_lanes(W + esc)], streams,
+                          checksum_fn=checksum)
 
 
 # --------------------------------------------------------------------------------------------
@@ -758,7 +759,7 @@ def _decode_lanes(words, group_words, states, escapes, group_escapes, fc, lut, l
         g0 = gi * G
         n_lane = min(G, NL - g0)
         x = np.empty(G, np.int64)
-        row0, comp = _lane_layout(g0, G, K, S, (T + S - 1) // S, by_component)
+        row0, comp = _lane_layout(g0, G, K, S, NL // K, by_component)
         sy = np.empty(G, np.int64)
         for l in range(n_lane):
             x[l] = states[g0 + l]
@@ -854,7 +855,7 @@ def decode(payload, max_elements: int | None = None) -> np.ndarray:
         raise BitstreamError("a component's frequency table cannot be normalized; the payload is corrupt")
     mv = memoryview(payload)
     states = np.full(lay.n_lanes, L, np.uint32)
-    states[np.tile(hdr.A > 1, lay.P)[lay.lane_cells()]] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
+    states[lay.coded_lanes(hdr.A)] = np.frombuffer(mv[lay.states:lay.streams], "<u4")
     if (states < L).any():
         raise BitstreamError("rANS payload lane states are corrupt")
     words = np.frombuffer(mv[lay.streams:lay.total], "<u2")

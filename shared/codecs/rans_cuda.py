@@ -172,6 +172,7 @@ USE_RECIPROCALS = True  # encoder lanes: floor(x / f) by a multiply-high with th
 COPY_OUT_WORDS, COPY_OUT_META = 2048, 1024  # PendingEncode.copy_out: int64 words a program of copy_out_kernel copies; meta words a step
 QUEUED_META = ("spans", "flags", "summary")  # a queued call's int64 device state copy_out copies, in this order
 COMPONENT_TILE = 16  # decoder, lanes by component: components (one warp each) a program, stored as runs of rows
+                    # (0: one lane group a program, each step's values stored lane by lane)
 ESCAPES_PER_GROUP = 1024  # first try's escape buffer per lane group (more: coded again with room for all)
 
 
@@ -544,7 +545,8 @@ class _EncodeBatch:
                                   else dict(num_warps=1, maxnreg=TABLE_MAXNREG)))
         # 3. the lanes: words and escaped values into per-group buffers
         lay = Layout(T, K, S, G, 0, 0, 0, flags=LANES_BY_COMPONENT if lanes_by_component else 0)
-        self.NL, self.NG, self.cap, self.flags = lay.n_lanes, lay.n_groups, G * S, lay.flags
+        self.NL, self.NG, self.cap, self.flags, self.by_component = lay.n_lanes, lay.n_groups, G * S, lay.flags, \
+            lay.by_component
         self.buf = torch.empty((N, self.NG * self.cap), dtype=torch.int16, device=dev)
         self.states = torch.empty((N, self.NL), dtype=torch.int32, device=dev)
         self.glen = torch.empty((N, self.NG), dtype=torch.int32, device=dev)
@@ -569,8 +571,7 @@ class _EncodeBatch:
             self.t, self.lo, self.W, self.A, self.tab, self.buf, self.states, self.glen, self.ebuf, self.gesc,
             self.scal, self.T, self.K, self.NL, self.NG, self.S, self.cap, ecap,
             HCAP=self.HCAP, PROB_BITS=self.n, G=self.G, GPP=_groups_per_program(), WIDE_INDEX=self.wide_index,
-            VOTE=_vote(self.G), RECIP=self.recip, BY_COMPONENT=bool(self.flags & LANES_BY_COMPONENT),
-            num_warps=_warps(self.G))
+            VOTE=_vote(self.G), RECIP=self.recip, BY_COMPONENT=self.by_component, num_warps=_warps(self.G))
         self.gend, self.geend = torch.cumsum(torch.stack([self.glen, self.gesc]), 2, dtype=torch.int64)
 
     def capacity(self) -> int:
@@ -601,7 +602,7 @@ class _EncodeBatch:
                              SEG_FIELDS=len(fields), FLAGS=self.flags)
         kern["pack_meta"][(K, N)](self.lo, self.W, self.A, self.codes, self.states, self.model, self.scale, self.mu16,
                                   b8, b16, b32, segs, K, self.P, HCAP=self.HCAP, BLOCK_K=min(_pow2(K), META_BLOCK), BLOCK_P=256,
-                                  SEG_FIELDS=len(fields), BY_COMPONENT=bool(self.flags & LANES_BY_COMPONENT),
+                                  SEG_FIELDS=len(fields), BY_COMPONENT=self.by_component,
                                   num_warps=4 if N * K <= MANY_COMPONENTS else 1)
         kern["gather"][(self.NG, N)](self.buf, self.glen, self.gend, self.cap, self.ebuf, self.gesc, self.geend,
                                      self.ecap, b16, b32, segs, self.NG, BLOCK=1024, SEG_FIELDS=len(fields))
@@ -706,8 +707,8 @@ def _groups_per_program() -> int:
     return INTERPRETER_GROUPS_PER_PROGRAM if interpreting() else GROUPS_PER_PROGRAM
 
 
-def _warps(G: int) -> int:
-    return max(1, min(16, _groups_per_program() * G // 32))
+def _warps(G: int, groups_per_program: int | None = None) -> int:
+    return max(1, min(16, (groups_per_program or _groups_per_program()) * G // 32))
 
 
 def _ptx() -> bool:
@@ -954,13 +955,13 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
         width = K
         out = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
     # lanes by component in whole groups of 32 blocks: COMPONENT_TILE components' groups a program (see decode_kernel)
-    tile = h0.layout.by_component and G == 32 and h0.layout.P % 32 == 0
+    tile = COMPONENT_TILE > 0 and h0.layout.by_component and G == 32 and h0.layout.P % 32 == 0
     gpp = COMPONENT_TILE if tile else _groups_per_program()
     grid = (h0.layout.P // 32 * triton_cdiv(K, gpp) if tile else triton_cdiv(NG, gpp), N)
     kern["decode"][grid](
         b16, b32, segs, gend, glen.contiguous(), lo, W, A, rank, lut, tab, out, gesc.contiguous(), geend, err,
         steps, bounds, T, K, NL, NG, S, width, HCAP=HCAP, PROB_BITS=n, G=G, GPP=gpp,
-        WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=max(1, min(16, gpp * G // 32)),
+        WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=_warps(G, gpp),
         SEG_FIELDS=len(fields),
         VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None, PREFETCH=USE_STREAM_PREFETCH and _ptx(),
         BY_COMPONENT=h0.layout.by_component, TILE=tile)
