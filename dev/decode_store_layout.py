@@ -10,6 +10,9 @@ layouts a format change could pick (one layer's K and V at 64K tokens: 2 x 1024 
   shared-rows     lanes = 32 token blocks of one component;  store 2 B into [T, K] rows (S rows apart)
   shared-cols     the same lanes; store 2 B into [K, T] (one component's tokens contiguous)
   shared-cols4    the same lanes; four steps' values packed into one 8 B store into [K, T]
+  shared-cols8    the same lanes; eight steps' values packed into one 16 B store into [K, T] (st.global.v4.b32,
+                  the widest store sm_90 has: a warp's store is 32 half sectors, 4 requests a step where
+                  shared-cols4 makes 8 and spread-rows 2)
   tile-rows       the same lanes, TILE warps a program (TILE consecutive components): the program's [TILE, 32]
                   values stored into [T, K] rows, which Triton lays out for contiguous stores through shared memory
                   (the lookups as in-place PTX loads, so only the stored values change layout; as the decoder)
@@ -36,7 +39,7 @@ SLOTS_LOG2 = 10        # slots a table (prob_bits 10: 4 KB of int32)
 STEPS = 256            # tokens a lane (PoC 17's lane length)
 BLOCKS = 256           # token blocks (64K tokens / 256)
 T = BLOCKS * STEPS     # tokens
-LAYOUTS = ("spread-rows", "shared-rows", "shared-cols", "shared-cols4", "tile-rows")
+LAYOUTS = ("spread-rows", "shared-rows", "shared-cols", "shared-cols4", "shared-cols8", "tile-rows")
 TILE = 16              # tile-rows: components (warps) a program
 
 
@@ -52,6 +55,20 @@ def _step(lut_ptr, table, x, SLOTS_LOG2: tl.constexpr, IN_PLACE: tl.constexpr = 
     x = f * (x >> SLOTS_LOG2) + (e & (M - 1)).to(tl.uint32)
     x = tl.where(x < 65536, (x << 16) | (x & 0xFFFF) ^ 0x9E37, x)
     return x, (e >> 20).to(tl.int16)  # a stand-in symbol: the entry's top bits
+
+
+@triton.jit
+def store_16_bytes(ptrs, w0, w1, w2, w3):
+    """Each lane's four int32 words to its 16-byte-aligned address: one st.global.v4.b32 (Triton stores a
+    lane's values one by one unless it can prove them contiguous)."""
+    return tl.inline_asm_elementwise(asm="st.global.v4.b32 [$1], {$2, $3, $4, $5}; mov.b32 $0, 0;",
+                                     constraints="=r,l,r,r,r,r", args=[ptrs, w0, w1, w2, w3], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _pair(a, b):
+    return (a.to(tl.int32) & 0xFFFF) | (b.to(tl.int32) << 16)
 
 
 @triton.jit
@@ -81,6 +98,26 @@ def chain_store_kernel(lut_ptr, seed_ptr, out_ptr, acc_ptr, K, T, STEPS: tl.cons
             packed = ((s0.to(tl.int64) & 0xFFFF) | ((s1.to(tl.int64) & 0xFFFF) << 16)
                       | ((s2.to(tl.int64) & 0xFFFF) << 32) | ((s3.to(tl.int64) & 0xFFFF) << 48))
             tl.store(base + i // 4, packed)
+    elif LAYOUT == 4:
+        base = out_ptr.to(tl.pointer_type(tl.int32)) + (k.to(tl.int64) * T + p * STEPS) // 2
+        for i in range(0, STEPS, 8):
+            x, s0 = _step(lut_ptr, k, x, SLOTS_LOG2)
+            acc ^= x
+            x, s1 = _step(lut_ptr, k, x, SLOTS_LOG2)
+            acc ^= x
+            x, s2 = _step(lut_ptr, k, x, SLOTS_LOG2)
+            acc ^= x
+            x, s3 = _step(lut_ptr, k, x, SLOTS_LOG2)
+            acc ^= x
+            x, s4 = _step(lut_ptr, k, x, SLOTS_LOG2)
+            acc ^= x
+            x, s5 = _step(lut_ptr, k, x, SLOTS_LOG2)
+            acc ^= x
+            x, s6 = _step(lut_ptr, k, x, SLOTS_LOG2)
+            acc ^= x
+            x, s7 = _step(lut_ptr, k, x, SLOTS_LOG2)
+            acc ^= x
+            store_16_bytes(base + i // 2, _pair(s0, s1), _pair(s2, s3), _pair(s4, s5), _pair(s6, s7))
     else:
         if LAYOUT == 2:
             off = k.to(tl.int64) * T + p * STEPS

@@ -27,6 +27,20 @@ from shared.pipeline import StagedDecode  # noqa: E402
 
 CONTEXT = 65536  # tokens of one layer's K and V
 REPLAYS = 3      # eager replays before timing (a profiler skips the first)
+PROFILED = 5     # replays under torch.profiler for the per-kernel breakdown
+
+
+def kernel_times(fn) -> str:
+    """Each GPU kernel's mean time over PROFILED calls of fn (torch.profiler), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.self_device_time_total / PROFILED / 1000, e.key) for e in prof.key_averages()
+                      if e.self_device_time_total > 0), reverse=True)
+    return "kernels (ms a replay): " + ", ".join(f"{name[:40]} {ms:.3f}" for ms, name in kernels[:8])
 
 
 VARIANTS = {  # name: (lanes by component, rans_cuda.COMPONENT_TILE)
@@ -52,6 +66,7 @@ def main() -> None:
         ms = timed(plan.replay)
         print(f"{torch.cuda.get_device_name()}: 2 x [{CONTEXT}, {D_KV}] decoded to coefficient rows, lanes {name}, "
               f"ratio {2 * CONTEXT * D_KV * 2 / layer.total:.2f}x: {ms:.3f} ms a replay (eager, all kernels)", flush=True)
+        print("    " + kernel_times(plan.replay), flush=True)
     rans_cuda.COMPONENT_TILE = tile
     first, *others = rows.values()
     if not all(torch.equal(a, b) for other in others for a, b in zip(first, other)):
