@@ -95,8 +95,6 @@ LANE_TOKENS = 256                                      # rANS lane length: a lay
                                                        # sequential steps than at the default 1024 (blobs ~2% larger)
 LANES_BY_COMPONENT = False                             # rANS lane groups of one component's token chunks (a warp reads
                                                        # one table; TensorCodec(lanes_by_component=)); same size
-COEFFICIENT_LAYOUT = "rows"                            # compressed_coefficients: "rows" or "columns" (component-major:
-                                                       # a by-component lane stores 8 tokens a 16-byte write)
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
 TIMED_SECONDS = 1.0                                    # aim of each timed loop, seconds
 MIN_STEPS, MAX_STEPS = 3, 32                           # timed decode steps per (mode, context)
@@ -529,7 +527,6 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             print(f"  CUDA graphs not used ({type(error).__name__}: {error}); the step runs eagerly")
     common = dict(model=label, shape=str(shape), layers=shape["layers"], dtype=str(dtype).removeprefix("torch."),
                   chunk_tokens=CHUNK_TOKENS, lane_tokens=LANE_TOKENS, lanes_by_component=LANES_BY_COMPONENT,
-                  coefficient_layout=COEFFICIENT_LAYOUT,
                   cuda_graphs=graphs, bases="fitted on the model's own prompt KV (in-sample)",
                   target_cos=TARGET_COS, loop=DRIVERS["timing"],
                   fetch_path="pinned host memory -> GPU over PCIe" if on_cuda else
@@ -567,7 +564,6 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             else:
                 cache = SpillCache(shape["layers"], "compressed_fetch" if compressed else mode,
                                    codecs=codecs if compressed else None, coefficients=mode == "compressed_coefficients",
-                                   coefficient_layout=COEFFICIENT_LAYOUT if mode == "compressed_coefficients" else "rows",
                                    **sizes)
             start = time.perf_counter()
             fill(cache, kv, context, shape["kv_heads"], device)
@@ -954,12 +950,9 @@ if __name__ == "__main__":
                     help="seconds the timing model may take; a context that would not fit is skipped (and said)")
     ap.add_argument("--lanes-by-component", action=argparse.BooleanOptionalAction, default=LANES_BY_COMPONENT,
                     help="rANS lane order of the compressed modes (LANES_BY_COMPONENT)")
-    ap.add_argument("--coefficient-layout", choices=["rows", "columns"], default=COEFFICIENT_LAYOUT,
-                    help="compressed_coefficients: the decoder's rows token-major or component-major (COEFFICIENT_LAYOUT)")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     args = ap.parse_args()
     SEARCH_COS, TIMING_BUDGET_S, LANES_BY_COMPONENT = args.search_cos, args.timing_budget, args.lanes_by_component
-    COEFFICIENT_LAYOUT = args.coefficient_layout
     if args.contexts:
         CONTEXTS = [int(c) for c in args.contexts.split(",")]
     COEFFICIENTS = not args.no_coefficients

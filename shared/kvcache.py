@@ -403,8 +403,7 @@ class SpillCache(Cache):
     def __init__(self, num_layers: int, mode: str = "raw_fetch", *, codecs=None, chunk_tokens: int = 1024,
                  max_tokens: int | None = None, prefetch: bool = True, keep_decoded: bool | None = None,
                  contiguous: bool = True, coefficients: bool = False, store_prompt: bool = True,
-                 staged: bool = True, sink: int = 0, rope=None, merge_chunks: bool = True,
-                 coefficient_layout: str = "rows"):
+                 staged: bool = True, sink: int = 0, rope=None, merge_chunks: bool = True):
         if mode not in MODES:
             import difflib
 
@@ -427,12 +426,6 @@ class SpillCache(Cache):
                                      "mode='compressed_fetch', or leave them out")
         if int(sink) < 0:
             raise ConfigurationError(f"sink is a token count >= 0, got {sink}")
-        if coefficient_layout not in ("rows", "columns"):
-            raise ConfigurationError(f"coefficient_layout is 'rows' (token-major) or 'columns' (component-major); got "
-                                     f"{coefficient_layout!r}")
-        if coefficient_layout == "columns" and not coefficients:
-            raise ConfigurationError("coefficient_layout='columns' lays out the decoder's coefficient rows; this cache "
-                                     "hands attention none. Fix: coefficients=True, or leave coefficient_layout out")
         if coefficients and (int(sink) or rope is not None):
             raise ConfigurationError("coefficients=True hands attention one basis' rows for every stored token; raw sink "
                                      "rows and keys coded before RoPE (sink, rope) do not fit that. Fix: coefficients=False")
@@ -440,14 +433,12 @@ class SpillCache(Cache):
         self._settings = dict(mode=mode, codecs=codecs, chunk_tokens=chunk_tokens, max_tokens=max_tokens,
                               prefetch=prefetch, keep_decoded=keep_decoded, contiguous=contiguous,
                               coefficients=coefficients, store_prompt=store_prompt, staged=staged, sink=sink,
-                              rope=rope, merge_chunks=merge_chunks,
-                              coefficient_layout=coefficient_layout)  # what fork() makes its twin with
+                              rope=rope, merge_chunks=merge_chunks)  # what fork() makes its twin with
         if coefficients and not staged:
             raise ConfigurationError("coefficients=True needs the staged decode (staged=True)")
         self.sink, self.rope = int(sink), rope
         self._rope_table = None  # CUDA, rope set: (cos, sin) float32 [slot capacity, head_dim]
         self.coefficients, self.store_prompt, self.staged = coefficients, store_prompt, staged
-        self.coefficient_columns = coefficient_layout == "columns"
         self.mode, self.codecs = mode, codecs
         self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens
         self.merge_chunks = bool(merge_chunks)
@@ -595,10 +586,7 @@ class SpillCache(Cache):
 
     def update_coefficients(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> CoefficientKV:
         """update() for an attention that reads coefficient rows (a cache made with coefficients=True): the
-        stored tokens come back as the decoder wrote them, never reconstructed (see CoefficientKV). With
-        coefficient_layout='columns' the rows are transposes of component-major [width, tokens] matrices
-        (not contiguous: an attention reads them as transposed GEMM operands), which the GPU decoder writes
-        a lane's tokens at a time, for codecs whose rANS lanes run by component (lanes_by_component)."""
+        stored tokens come back as the decoder wrote them, never reconstructed (see CoefficientKV)."""
         if not self.coefficients:
             raise ConfigurationError("update_coefficients needs a cache made with coefficients=True")
         return self._update(key_states, value_states, layer_idx)
@@ -657,25 +645,14 @@ class SpillCache(Cache):
             return CoefficientKV(rows_k, rows_v, proj_k.coefficient_weights(), proj_v.coefficient_weights(),
                                  k_new, v_new)
         slot = self._slots[fetch.slot]
-        rows_k, rows_v = self._coefficient_rows(slot, wk, 0, stored), self._coefficient_rows(slot, wv, 0, stored, "v")
         r, n = layer.recent, k_new.shape[0]
         if r:
             slot.k[:r].copy_(layer.recent_k[:r])
             slot.v[:r].copy_(layer.recent_v[:r])
         slot.k[r:r + n].copy_(k_new)
         slot.v[r:r + n].copy_(v_new)
-        return CoefficientKV(rows_k, rows_v, proj_k.coefficient_weights(), proj_v.coefficient_weights(),
-                             slot.k[:r + n], slot.v[:r + n])
-
-    def _coefficient_rows(self, slot, width: int, start: int, tokens: int, kind: str = "k") -> torch.Tensor:
-        """Tokens start..start+tokens of a slot's K (or V) coefficient rows, [tokens, width]: a view of the
-        slot's flat buffer, row by row, or (coefficient_layout='columns') the transpose of those tokens'
-        columns in a [width, capacity] matrix."""
-        flat = slot.ck if kind == "k" else slot.cv
-        if self.coefficient_columns:
-            capacity = slot.k.shape[0]
-            return flat[:capacity * width].view(width, capacity)[:, start:start + tokens].mT
-        return flat[start * width:(start + tokens) * width].view(tokens, width)
+        return CoefficientKV(slot.ck[:stored * wk].view(stored, wk), slot.cv[:stored * wv].view(stored, wv),
+                             proj_k.coefficient_weights(), proj_v.coefficient_weights(), slot.k[:r + n], slot.v[:r + n])
 
     def reset(self) -> None:
         self.drain()
@@ -1150,7 +1127,7 @@ class SpillCache(Cache):
         outs = []
         if self.coefficients:  # the decoder's rows are the output: no reconstruction, no scratch
             for a, m in layer.chunks():
-                outs += [self._coefficient_rows(slot, wk, a, m), self._coefficient_rows(slot, wv, a, m, "v")]
+                outs += [slot.ck[a * wk:(a + m) * wk].view(m, wk), slot.cv[a * wv:(a + m) * wv].view(m, wv)]
             need = 0
         else:
             for a, m in layer.chunks():

@@ -406,10 +406,6 @@ def test_coefficient_rows_are_refused_where_there_are_none(llama, prompt, codecs
         bf16(prompt, **cache_kwarg(bf16, cache))
     with pytest.raises(ConfigurationError, match="coefficients=True"):
         SpillCache(2, "compressed_fetch", codecs=codecs).update_coefficients(None, None, 0)
-    with pytest.raises(ConfigurationError, match="coefficient_layout"):
-        SpillCache(2, "compressed_fetch", codecs=codecs, coefficient_layout="columns")
-    with pytest.raises(ConfigurationError, match="'rows'.*'columns'"):
-        SpillCache(2, "compressed_fetch", codecs=codecs, coefficients=True, coefficient_layout="cols")
 
 
 @pytest.mark.gpu
@@ -428,33 +424,6 @@ def test_gpu_attention_on_coefficient_rows_matches_attention_on_reconstructed_kv
         cache.close()
     scale = float(logits[False].abs().max())
     assert float((logits[True] - logits[False]).abs().max()) < 0.02 * scale
-
-
-@pytest.mark.gpu
-def test_gpu_component_major_coefficient_rows_give_the_same_attention():
-    """coefficient_layout='columns': the decoder writes each stored chunk's coefficient rows component-major
-    (by-component lanes: eight tokens a 16-byte store where the chunk allows it, one by one where it does
-    not); the attention reads them as transposed operands and gives what token-major rows give it."""
-    p17, shape, model, ids, kv, codecs = small_decoder_on_gpu()
-    p17.LANES_BY_COMPONENT = True
-    try:
-        by_component, _ = p17.fit_codecs_on_prompt(kv, progress=False)
-    finally:
-        p17.LANES_BY_COMPONENT = False
-    model.capture_graphs()
-    logits = {}
-    for name, layout, chosen in (("rows", "rows", codecs), ("columns", "columns", codecs),
-                                 ("columns, by component", "columns", by_component)):
-        cache = SpillCache(shape["layers"], "compressed_fetch", codecs=chosen, chunk_tokens=4, contiguous=False,
-                           coefficients=True, coefficient_layout=layout)
-        p17.fill(cache, kv, 512, shape["kv_heads"], "cuda")
-        for position in range(512, 520):  # flushes twice: chunks of 4 tokens at unaligned starts too
-            _, out = model.step(ids[position:position + 1].cuda(), position, cache)
-        logits[name] = out.float()
-        cache.close()
-    scale = float(logits["rows"].abs().max())
-    for name in ("columns", "columns, by component"):
-        assert float((logits[name] - logits["rows"]).abs().max()) < 0.01 * scale, name
 
 
 @pytest.mark.parametrize("mode", ["raw_fetch", "compressed_fetch"])

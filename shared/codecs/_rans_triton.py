@@ -1314,7 +1314,7 @@ def decode_meta_kernel(b8, b16, b32, seg_ptr, sums_ptr, shapes_ptr, inv_ptr, lo_
 @triton.jit
 def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, rank_ptr, lut_ptr, tab_ptr,
                   out_ptr, gesc_ptr, geend_ptr, err_ptr, step_ptr, bound_ptr, T, K, n_lanes, n_groups, S, OUT_W,
-                  OUT_LD, HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
+                  HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr,
                   NARROW: tl.constexpr = False, SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                   BY_COMPONENT: tl.constexpr = False, TILE: tl.constexpr = False, COLUMNS: tl.constexpr = False,
@@ -1341,10 +1341,9 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     [GPP, 32] values a step are rows' GPP consecutive components, which the compiler stores through
     shared memory as contiguous runs of each row (lanes of one component alone write values S rows
     apart: 32 stores a warp where a run of 32 components takes 2).
-    COLUMNS: out is component-major (a payload's value of token t, component k at k * OUT_LD + t: the
-    [T, K] / [T, OUT_W] result is the transpose of [K, T] / [OUT_W, T] columns of a matrix of OUT_LD
-    columns), so a lane's values are contiguous; with VEC too (2-byte values, OUT_LD and S multiples of
-    8, a GPU) a lane whose
+    COLUMNS: out is component-major (a payload's value of token t, component k at k * T + t: the
+    [T, K] / [T, OUT_W] result is the transpose of a contiguous [K, T] / [OUT_W, T]), so a lane's
+    values are contiguous; with VEC too (2-byte values, T and S multiples of 8, a GPU) a lane whose
     block lies inside T keeps eight steps' values in four words and writes them in one 16-byte store
     (by component, a warp's 32 stores of 16 bytes every 8 steps: a quarter of the requests of one
     store a step)."""
@@ -1436,9 +1435,9 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         last_word = tl.minimum(last_word, 2147483647).to(tl.int32)
     if COLUMNS:
         if WIDE_INDEX:
-            col_off = k.to(tl.int64) * OUT_LD + row0
+            col_off = k.to(tl.int64) * T + row0
         else:
-            col_off = k * OUT_LD + row0
+            col_off = k * T + row0
         vec_ok = lane_ok & (row0 + S <= T)  # VEC: the lane's whole block is inside T
         w0 = tl.zeros([GPP, G], tl.uint32)  # VEC: the last eight steps' values, two a word, oldest first
         w1 = tl.zeros([GPP, G], tl.uint32)

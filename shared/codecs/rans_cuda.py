@@ -928,9 +928,8 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
     scaled: (steps, bounds, width), float32 CUDA [N] each and an int: the values as bf16(value * step)
     in rows of width (coefficient_rows; out, if given, is one already filled), and a value beyond its
     bound is corruption (see _rans_triton.decode_kernel); returns the [T, width] rows instead. An out
-    that is the transpose of contiguous [N, width, T] (coefficient_rows(..., columns=True)), or for one
-    payload the transpose of [width, T] columns of a wider matrix, is written component-major, so each
-    lane's values are contiguous (decode_kernel's COLUMNS)."""
+    that is the transpose of contiguous [N, width, T] (coefficient_rows(..., columns=True)) is written
+    component-major, so each lane's values are contiguous (decode_kernel's COLUMNS)."""
     torch = _torch()
     dev, N = buf.device, segs.shape[0]
     n, G, S, K, T = h0.prob_bits, h0.G, h0.S, h0.K, h0.T
@@ -967,14 +966,10 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
         width = K
         out = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
     # an out that is the transpose of contiguous [N, width, T] rows is written component by component
-    # (one payload's columns may be a slice of a wider matrix: a cache's stored chunk)
-    columns = not out.is_contiguous() and out.stride(1) == 1 and (
-        out.stride(2) >= T if N == 1 else out.stride(2) == T and out.stride(0) == T * out.shape[2])
-    if not (out.is_contiguous() or columns):
-        raise InvalidTensorError(f"the decoder writes contiguous rows [N, T, width] or their transpose (each payload's "
-                                 f"[width, T] columns); got strides {tuple(out.stride())} for shape {tuple(out.shape)}")
-    ld = out.stride(2) if columns else 0
-    vec = columns and out.element_size() == 2 and ld % 8 == 0 and S % 8 == 0 and out.data_ptr() % 16 == 0 and _ptx()
+    columns = (out.shape[1] > 1 and out.stride(1) == 1 and out.stride(2) == T
+               and (out.shape[0] == 1 or out.stride(0) == T * out.shape[2]))
+    vec = (columns and out.element_size() == 2 and T % 8 == 0 and S % 8 == 0 and out.data_ptr() % 16 == 0
+           and _ptx())
     # lanes by component in whole groups of 32 blocks: COMPONENT_TILE components' groups a program (see decode_kernel)
     tile = (COMPONENT_TILE > 0 and not columns and h0.layout.by_component and G == 32
             and h0.layout.P % 32 == 0)
@@ -982,7 +977,7 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
     grid = (h0.layout.P // 32 * triton_cdiv(K, gpp) if tile else triton_cdiv(NG, gpp), N)
     kern["decode"][grid](
         b16, b32, segs, gend, glen.contiguous(), lo, W, A, rank, lut, tab, out, gesc.contiguous(), geend, err,
-        steps, bounds, T, K, NL, NG, S, width, ld, HCAP=HCAP, PROB_BITS=n, G=G, GPP=gpp,
+        steps, bounds, T, K, NL, NG, S, width, HCAP=HCAP, PROB_BITS=n, G=G, GPP=gpp,
         WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=_warps(G, gpp),
         SEG_FIELDS=len(fields),
         VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None, PREFETCH=USE_STREAM_PREFETCH and _ptx(),
