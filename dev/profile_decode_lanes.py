@@ -4,9 +4,7 @@ One layer's K and V at 64K tokens (KV-like rows, PoC 17's step and 256-token lan
 PoC 17 stores a prompt, decoded to coefficient rows by pipeline.StagedDecode launched eagerly (so a profiler
 sees each kernel), coded twice: lane groups of 32 components of one token chunk (the default order), and
 lane groups of 32 token chunks of one component (rans LANES_BY_COMPONENT: a warp reads one table), decoded
-one lane group a program or COMPONENT_TILE components a program (their rows stored through shared memory), or
-into component-major rows (the transpose of a contiguous [width, T]: each lane's tokens contiguous, eight steps a
-16-byte store).
+one lane group a program or COMPONENT_TILE components a program (their rows stored through shared memory).
 Every decode's checks pass (plan.check) and give the same rows, then each is timed (CUDA events, median). Under
 Nsight Compute it gives the lanes kernel's issue rate, occupancy and stall reasons (docs/findings.md has
 what they said on an NVIDIA H100 for the default order: L1TEX-bound table lookups).
@@ -45,23 +43,19 @@ def kernel_times(fn) -> str:
     return "kernels (ms a replay): " + ", ".join(f"{name[:40]} {ms:.3f}" for ms, name in kernels[:8])
 
 
-VARIANTS = {  # name: (lanes by component, rans_cuda.COMPONENT_TILE, rows component-major)
-    "by token": (False, rans_cuda.COMPONENT_TILE, False),
-    "by component, a warp a program": (True, 0, False),
-    f"by component, {rans_cuda.COMPONENT_TILE} components a program": (True, rans_cuda.COMPONENT_TILE, False),
-    "by component, rows component-major": (True, rans_cuda.COMPONENT_TILE, True),
+VARIANTS = {  # name: (lanes by component, rans_cuda.COMPONENT_TILE)
+    "by token": (False, rans_cuda.COMPONENT_TILE),
+    "by component, a warp a program": (True, 0),
+    f"by component, {rans_cuda.COMPONENT_TILE} components a program": (True, rans_cuda.COMPONENT_TILE),
 }
 
 
 def main() -> None:
     rows = {}
     tile = rans_cuda.COMPONENT_TILE
-    for name, (by_component, rans_cuda.COMPONENT_TILE, columns) in VARIANTS.items():
+    for name, (by_component, rans_cuda.COMPONENT_TILE) in VARIANTS.items():
         layer = staged_layer(CONTEXT, CONTEXT, by_component)  # one container per K and V
-        if columns:  # the transpose of contiguous [width, T]: each lane's tokens contiguous
-            coeff = [torch.empty(layer.width, CONTEXT, dtype=torch.bfloat16, device="cuda").mT for _ in layer.blobs]
-        else:
-            coeff = [torch.empty(CONTEXT, layer.width, dtype=torch.bfloat16, device="cuda") for _ in layer.blobs]
+        coeff = [torch.empty(CONTEXT, layer.width, dtype=torch.bfloat16, device="cuda") for _ in layer.blobs]
         plan = StagedDecode(layer.codecs, layer.heads, [b.numel() for b in layer.blobs], layer.offsets, layer.stage,
                             coeff, reconstruct=False, graph=False)
         for _ in range(REPLAYS):

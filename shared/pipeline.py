@@ -1243,8 +1243,7 @@ class StagedDecode:
     other or hang).
 
     reconstruct=False stops before the reconstruction GEMM: outs[i] is then [T, width] bf16 (width =
-    the codec's CudaProjection.coefficient_width(); contiguous, or the transpose of a contiguous
-    [width, T]: component-major, the decoder then stores each lane's tokens contiguously) and receives the coefficient rows R, with
+    the codec's CudaProjection.coefficient_width()) and receives the coefficient rows R, with
     x = R @ coefficient_weights() (the mean rides in two columns of ones). An attention that reads R
     (scores q.x = R @ (W q), outputs p.X = (p.R) @ W) never needs x: the GEMM and its write skipped.
 
@@ -1290,13 +1289,11 @@ class StagedDecode:
             if inner.K != proj.K:
                 raise BitstreamError(f"container {i}: payload holds {inner.K} components per token; its basis has {proj.K}")
             shape = header["shape"] if reconstruct else [header["shape"][0], proj.coefficient_width()]
-            # coefficient rows may be component-major (the transpose of a contiguous [width, T]): the decoder
-            # then writes each lane's tokens contiguously
             if not (_is_tensor(out) and out.is_cuda and out.device == dev and out.dtype == torch.bfloat16
-                    and list(out.shape) == shape and (out.is_contiguous() or (not reconstruct and out.mT.is_contiguous()))):
-                raise InvalidTensorError(f"output {i} must be a contiguous bfloat16 tensor {shape} on {dev}"
-                                         f"{'' if reconstruct else ' (or the transpose of a contiguous one)'}; got "
-                                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+                    and list(out.shape) == shape and out.is_contiguous()):
+                raise InvalidTensorError(f"output {i} must be a contiguous bfloat16 tensor {shape} on {dev}; "
+                                         f"got {getattr(out, 'dtype', type(out).__name__)} "
+                                         f"{tuple(getattr(out, 'shape', ()))}")
             if offset % PAYLOAD_ALIGN or offset < 0 or offset + int(total) > buffer.numel():
                 raise ConfigurationError(f"container {i} at byte {offset} ({total} bytes) must start 16-byte aligned "
                                          f"inside the buffer of {buffer.numel()} bytes")

@@ -101,8 +101,6 @@ tall = torch.from_numpy(rng.integers(-20, 20, (512, 16)).astype(np.int32))
 tall_blobs = rans_cuda.encode_many_cuda([tall], lane_tokens=8, lanes_by_component=True)
 rans_cuda.decode_many_cuda(list(tall_blobs))
 rans_cuda.decode_many_cuda(list(tall_blobs), scales=[(0.05, 1e30, proj.coefficient_width(), 16)])
-# ... and into component-major coefficient rows (on a GPU: eight steps a 16-byte store)
-rans_cuda.decode_many_cuda(list(tall_blobs), scales=[(0.05, 1e30, proj.coefficient_width(), 16)], columns=True)
 payload = bytes(blobs[0].numpy())
 front = bytes(range(16))
 box = front[:-8] + len(payload).to_bytes(8, "little") + payload + bytes(4)
@@ -146,8 +144,6 @@ def on_the_gpu(launch):
         out["num_warps"] = rans_cuda._warps(c["G"])
     if "VOTE" in c:
         c["VOTE"] = rans_cuda._vote(c["G"])
-    if c.get("COLUMNS") and c.get("SCALED"):  # two-byte values in whole blocks: the 16-byte stores
-        c["VEC"] = rans_cuda._ptx()
     return out
 
 

@@ -558,17 +558,6 @@ def load_in_place(ptrs, mask=None, U16: tl.constexpr = False):
 
 
 @triton.jit
-def store_16_bytes(ptrs, w0, w1, w2, w3, mask):
-    """Each lane's four 32-bit words to its 16-byte-aligned address where mask is set: one st.global.v4.b32,
-    the widest store sm_90 has (Triton stores a lane's values one by one unless it can prove them contiguous).
-    The result (0) is a dummy that the caller drops."""
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.ne.b32 p, $6, 0; @p st.global.v4.b32 [$1], {$2, $3, $4, $5}; mov.b32 $0, 0; }",
-        constraints="=r,l,r,r,r,r,r", args=[ptrs, w0, w1, w2, w3, mask.to(tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1)
-
-
-@triton.jit
 def word_window(words_ptr, base, ptr, jg, G: tl.constexpr, last_word, mask, IN_PLACE: tl.constexpr = False):
     """The G words of each lane group's stream just below its read position ptr ([GPP, G], the
     group's position in each of its lanes; base [GPP]). IN_PLACE: read by load_in_place."""
@@ -1317,8 +1306,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
                   HCAP: tl.constexpr, PROB_BITS: tl.constexpr, G: tl.constexpr, GPP: tl.constexpr,
                   WIDE_INDEX: tl.constexpr, PACKED: tl.constexpr, SEG_FIELDS: tl.constexpr, VOTE: tl.constexpr,
                   NARROW: tl.constexpr = False, SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                  BY_COMPONENT: tl.constexpr = False, TILE: tl.constexpr = False, COLUMNS: tl.constexpr = False,
-                  VEC: tl.constexpr = False):
+                  BY_COMPONENT: tl.constexpr = False, TILE: tl.constexpr = False):
     """The encoder's mirror, for payload s = program_id(1) of a batch: lanes walk their tokens
     first to last, reading each group's words from the end of its stream. PACKED: lut holds
     symbol | f-1 | slot-cum in one int32 (n <= 11); else lut holds the symbol (uint8, or int16 past
@@ -1340,13 +1328,7 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
     decodes the groups of GPP consecutive components at one set of blocks, one warp each, and its
     [GPP, 32] values a step are rows' GPP consecutive components, which the compiler stores through
     shared memory as contiguous runs of each row (lanes of one component alone write values S rows
-    apart: 32 stores a warp where a run of 32 components takes 2).
-    COLUMNS: out is component-major (a payload's value of token t, component k at k * T + t: the
-    [T, K] / [T, OUT_W] result is the transpose of a contiguous [K, T] / [OUT_W, T]), so a lane's
-    values are contiguous; with VEC too (2-byte values, T and S multiples of 8, a GPU) a lane whose
-    block lies inside T keeps eight steps' values in four words and writes them in one 16-byte store
-    (by component, a warp's 32 stores of 16 bytes every 8 steps: a quarter of the requests of one
-    store a step)."""
+    apart: 32 stores a warp where a run of 32 components takes 2)."""
     sg = tl.program_id(1)
     seg = seg_ptr + sg * SEG_FIELDS
     words_ptr = b16 + tl.load(seg + SEG_STREAMS)
@@ -1433,16 +1415,6 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
         # and the window's clamp to [0, last_word] still bounds every read
         base = base.to(tl.int32)
         last_word = tl.minimum(last_word, 2147483647).to(tl.int32)
-    if COLUMNS:
-        if WIDE_INDEX:
-            col_off = k.to(tl.int64) * T + row0
-        else:
-            col_off = k * T + row0
-        vec_ok = lane_ok & (row0 + S <= T)  # VEC: the lane's whole block is inside T
-        w0 = tl.zeros([GPP, G], tl.uint32)  # VEC: the last eight steps' values, two a word, oldest first
-        w1 = tl.zeros([GPP, G], tl.uint32)
-        w2 = tl.zeros([GPP, G], tl.uint32)
-        w3 = tl.zeros([GPP, G], tl.uint32)
     jg = tl.zeros([GPP, G], tl.int32) + tl.arange(0, G)[None, :]
     wrong = tl.zeros([GPP, G], tl.int32)
     has_words = grp_ok[:, None] & (n_words > 0)
@@ -1509,23 +1481,6 @@ def decode_kernel(b16, b32, seg_ptr, gend_ptr, glen_ptr, lo_ptr, w_ptr, a_ptr, r
             else:
                 run_off = (run_row0 + i) * row_w + run_k
             tl.store(out_ptr + run_off, val, mask=(run_k < K) & (run_row0 + i < T))
-        elif COLUMNS:
-            if VEC:
-                if SCALED:
-                    bits = val.to(tl.int16, bitcast=True).to(tl.uint32) & 0xFFFF
-                else:
-                    bits = val.to(tl.uint32) & 0xFFFF
-                w0 = (w0 >> 16) | (w1 << 16)
-                w1 = (w1 >> 16) | (w2 << 16)
-                w2 = (w2 >> 16) | (w3 << 16)
-                w3 = (w3 >> 16) | (bits << 16)
-                if i % 8 == 7:
-                    store_16_bytes(out_ptr.to(tl.pointer_type(tl.int32)) + (col_off + (i - 7)) // 2,
-                                   w0.to(tl.int32, bitcast=True), w1.to(tl.int32, bitcast=True),
-                                   w2.to(tl.int32, bitcast=True), w3.to(tl.int32, bitcast=True), vec_ok)
-                tl.store(out_ptr + (col_off + i), val, mask=active & ~vec_ok)
-            else:
-                tl.store(out_ptr + (col_off + i), val, mask=active)
         else:
             tl.store(out_ptr + off, val, mask=active)
             off += row_w

@@ -788,8 +788,7 @@ def decode_cuda(payload, head: bytes | None = None, check: bool = True):
     return outs[0] if check else (outs[0], errs[0:1])
 
 
-def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None, parsed=None, scales=None,
-                     columns: bool = False):
+def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None, parsed=None, scales=None):
     """decode_cuda() of a list of payloads in one set of kernel launches, for payloads of one shape
     (T, K, lane tokens, group lanes, prob_bits: e.g. every layer's K of one step); payloads of
     other shapes go in their own launches. Returns (symbols list, error flags int32 [N]); with
@@ -800,8 +799,7 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
     where the caller has already checked it with these limits (None entries are parsed here).
     scales: optional (step, bound, width, K) per payload (None entries decode to symbols): that
     payload, whose header must declare K components, decodes to bf16 coefficient rows [T, width]
-    (see _decode_kernels' scaled) instead; columns=True lays those rows out component-major (each the
-    transpose of a contiguous [width, T]: coefficient_rows' columns)."""
+    (see _decode_kernels' scaled) instead."""
     torch = _torch()
     limits = max_elements if isinstance(max_elements, (list, tuple)) else [max_elements] * len(payloads)
     for p in payloads:
@@ -835,7 +833,7 @@ def decode_many_cuda(payloads, heads=None, check: bool = True, max_elements=None
             dev = payloads[members[0]].device
             scaled = (floats_on([float(scales[i][0]) for i in members], dev),
                       floats_on([float(scales[i][1]) for i in members], dev), key[-1])
-        o, e = _decode_same_shape([payloads[i] for i in members], [hdrs[i] for i in members], scaled, columns)
+        o, e = _decode_same_shape([payloads[i] for i in members], [hdrs[i] for i in members], scaled)
         for j, i in enumerate(members):
             outs[i], errs[i] = o[j], e[j:j + 1]
     err = torch.cat(errs)
@@ -875,7 +873,7 @@ def _shared_view(torch, payloads):
     return first.as_strided((end - start,), (1,), start), [p.storage_offset() - start for p in payloads]
 
 
-def _decode_same_shape(payloads, hdrs, scaled=None, columns: bool = False):
+def _decode_same_shape(payloads, hdrs, scaled=None):
     torch = _torch()
     dev = payloads[0].device
     h0, N = hdrs[0], len(payloads)
@@ -894,23 +892,16 @@ def _decode_same_shape(payloads, hdrs, scaled=None, columns: bool = False):
     table = [_segment_row(fields, hdr.layout, base) for hdr, base in zip(hdrs, bases)]
     segs = _device_table(torch, table, dev)
     err = torch.zeros(N, dtype=torch.int32, device=dev)
-    out = None if scaled is None else coefficient_rows(N, h0.T, h0.K, scaled[2], dev, columns)
-    return _decode_kernels(buf, segs, err, h0, max(h.layout.total for h in hdrs), scaled=scaled, out=out)
+    return _decode_kernels(buf, segs, err, h0, max(h.layout.total for h in hdrs), scaled=scaled)
 
 
-def coefficient_rows(N: int, T: int, K: int, width: int, device, columns: bool = False):
+def coefficient_rows(N: int, T: int, K: int, width: int, device):
     """A SCALED decode's output: bf16 [N, T, width], columns K and K + 1 set to 1 and the rest past K
-    to 0 (the decoder writes the first K of each row), for rdquant's reconstruction GEMM. columns: the
-    same values laid out component-major (the transpose of a contiguous [N, width, T]), which the
-    decoder writes a lane's tokens at a time and a GEMM reads as a transposed operand."""
+    to 0 (the decoder writes the first K of each row), for rdquant's reconstruction GEMM."""
     torch = _torch()
+    out = torch.empty((N, T, width), dtype=torch.bfloat16, device=device)
     pad = torch.zeros(width - K, dtype=torch.bfloat16)
     pad[:2] = 1
-    if columns:
-        out = torch.empty((N, width, T), dtype=torch.bfloat16, device=device)
-        out[:, K:, :] = pad.to(device)[:, None]
-        return out.transpose(1, 2)
-    out = torch.empty((N, T, width), dtype=torch.bfloat16, device=device)
     if K % 4 == 0 and width % 4 == 0:  # the pad as whole 8-byte words: a quarter of the stores (256 MB: 72 -> ~20 us)
         out.view(torch.int64)[:, :, K // 4:] = pad.view(torch.int64).to(device)
     else:
@@ -927,9 +918,7 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
     narrow: int16 symbols, err bit 3 (8) set for a payload holding a value beyond int16.
     scaled: (steps, bounds, width), float32 CUDA [N] each and an int: the values as bf16(value * step)
     in rows of width (coefficient_rows; out, if given, is one already filled), and a value beyond its
-    bound is corruption (see _rans_triton.decode_kernel); returns the [T, width] rows instead. An out
-    that is the transpose of contiguous [N, width, T] (coefficient_rows(..., columns=True)) is written
-    component-major, so each lane's values are contiguous (decode_kernel's COLUMNS)."""
+    bound is corruption (see _rans_triton.decode_kernel); returns the [T, width] rows instead."""
     torch = _torch()
     dev, N = buf.device, segs.shape[0]
     n, G, S, K, T = h0.prob_bits, h0.G, h0.S, h0.K, h0.T
@@ -965,14 +954,8 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
                                           lambda: torch.zeros(N, dtype=torch.float32, device=dev))
         width = K
         out = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
-    # an out that is the transpose of contiguous [N, width, T] rows is written component by component
-    columns = (out.shape[1] > 1 and out.stride(1) == 1 and out.stride(2) == T
-               and (out.shape[0] == 1 or out.stride(0) == T * out.shape[2]))
-    vec = (columns and out.element_size() == 2 and T % 8 == 0 and S % 8 == 0 and out.data_ptr() % 16 == 0
-           and _ptx())
     # lanes by component in whole groups of 32 blocks: COMPONENT_TILE components' groups a program (see decode_kernel)
-    tile = (COMPONENT_TILE > 0 and not columns and h0.layout.by_component and G == 32
-            and h0.layout.P % 32 == 0)
+    tile = COMPONENT_TILE > 0 and h0.layout.by_component and G == 32 and h0.layout.P % 32 == 0
     gpp = COMPONENT_TILE if tile else _groups_per_program()
     grid = (h0.layout.P // 32 * triton_cdiv(K, gpp) if tile else triton_cdiv(NG, gpp), N)
     kern["decode"][grid](
@@ -981,7 +964,7 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
         WIDE_INDEX=(T + 1) * max(K, width) >= 2**31, PACKED=packed, num_warps=_warps(G, gpp),
         SEG_FIELDS=len(fields),
         VOTE=_vote(G), NARROW=narrow, SCALED=scaled is not None, PREFETCH=USE_STREAM_PREFETCH and _ptx(),
-        BY_COMPONENT=h0.layout.by_component, TILE=tile, COLUMNS=columns, VEC=vec)
+        BY_COMPONENT=h0.layout.by_component, TILE=tile)
     return list(out.unbind(0)), err
 
 
