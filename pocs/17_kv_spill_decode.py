@@ -93,8 +93,9 @@ KV_SINK = 4                                            # its raw first tokens pe
 SPLIT_TOKENS = 1024                                    # attention on coefficients: tokens per slice of p R_v
 LANE_TOKENS = 256                                      # rANS lane length: a layer's KV decodes in 4x fewer
                                                        # sequential steps than at the default 1024 (blobs ~2% larger)
-LANES_BY_COMPONENT = False                             # rANS lane groups of one component's token chunks (a warp reads
-                                                       # one table; TensorCodec(lanes_by_component=)); same size
+LANES_BY_COMPONENT = True                              # rANS lane groups of one component's token chunks (a warp reads
+                                                       # one table; TensorCodec(lanes_by_component=)); same size; the
+                                                       # decoder tiles them where a prompt has whole groups (>= 8K tokens)
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
 TIMED_SECONDS = 1.0                                    # aim of each timed loop, seconds
 MIN_STEPS, MAX_STEPS = 3, 32                           # timed decode steps per (mode, context)

@@ -165,10 +165,12 @@ class TensorCodec:
         lane_tokens: tokens per rANS lane (default: shared.codecs.rans.default_lane_tokens, >= 512
         so the 4-byte lane states stay near 1.5% of the payload); shorter lanes make small tensors
         code faster on a GPU (more lanes in parallel, shorter chains) for a slightly larger payload.
-        lanes_by_component: each rANS lane group walks one component's token chunks (the same size). A
-        warp's table lookups then hit one table, 6x faster alone on an NVIDIA H100, but today's GPU decoder
-        writes the rows of 32 token chunks apart, which made a 64K-token KV layer decode 2.1x slower
-        (docs/findings.md); the format is here for a decoder that stores through shared memory.
+        lanes_by_component: each rANS lane group walks one component's token chunks (the same size), so a
+        warp's table lookups hit one table. Where a tensor's token chunks come in whole groups (32 of them:
+        at least 32 x lane_tokens tokens, a multiple of that) the GPU decoder runs 16 components a program and
+        stores their rows through shared memory: a 64K-token KV layer's lanes kernel 1.7x faster than the
+        default order's on an NVIDIA H100. Otherwise it decodes one group a program, about 2x slower than the
+        default order (docs/findings.md): use it for large tensors decoded many times (a cache's prompt).
 
         min_cos: the frame path refuses (InvalidTensorError) a tensor whose 8-bit planes alone
         reach a mean cosine below this in coefficient space (an outlier that stretches a channel's
