@@ -67,8 +67,14 @@ def store_16_bytes(ptrs, w0, w1, w2, w3):
 
 
 @triton.jit
-def _pair(a, b):
-    return (a.to(tl.int32) & 0xFFFF) | (b.to(tl.int32) << 16)
+def _two_steps(lut_ptr, table, x, acc, SLOTS_LOG2: tl.constexpr):
+    """Two steps of the chain: the new state, the running xor, and their two stand-in symbols in one int32
+    (the first in the low half)."""
+    x, s0 = _step(lut_ptr, table, x, SLOTS_LOG2)
+    acc ^= x
+    x, s1 = _step(lut_ptr, table, x, SLOTS_LOG2)
+    acc ^= x
+    return x, acc, (s0.to(tl.int32) & 0xFFFF) | (s1.to(tl.int32) << 16)
 
 
 @triton.jit
@@ -87,37 +93,17 @@ def chain_store_kernel(lut_ptr, seed_ptr, out_ptr, acc_ptr, K, T, STEPS: tl.cons
     if LAYOUT == 3:
         base = out_ptr.to(tl.pointer_type(tl.int64)) + (k.to(tl.int64) * T + p * STEPS) // 4
         for i in range(0, STEPS, 4):
-            x, s0 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s1 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s2 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s3 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            packed = ((s0.to(tl.int64) & 0xFFFF) | ((s1.to(tl.int64) & 0xFFFF) << 16)
-                      | ((s2.to(tl.int64) & 0xFFFF) << 32) | ((s3.to(tl.int64) & 0xFFFF) << 48))
-            tl.store(base + i // 4, packed)
+            x, acc, w0 = _two_steps(lut_ptr, k, x, acc, SLOTS_LOG2)
+            x, acc, w1 = _two_steps(lut_ptr, k, x, acc, SLOTS_LOG2)
+            tl.store(base + i // 4, (w0.to(tl.int64) & 0xFFFFFFFF) | (w1.to(tl.int64) << 32))
     elif LAYOUT == 4:
         base = out_ptr.to(tl.pointer_type(tl.int32)) + (k.to(tl.int64) * T + p * STEPS) // 2
         for i in range(0, STEPS, 8):
-            x, s0 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s1 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s2 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s3 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s4 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s5 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s6 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            x, s7 = _step(lut_ptr, k, x, SLOTS_LOG2)
-            acc ^= x
-            store_16_bytes(base + i // 2, _pair(s0, s1), _pair(s2, s3), _pair(s4, s5), _pair(s6, s7))
+            x, acc, w0 = _two_steps(lut_ptr, k, x, acc, SLOTS_LOG2)
+            x, acc, w1 = _two_steps(lut_ptr, k, x, acc, SLOTS_LOG2)
+            x, acc, w2 = _two_steps(lut_ptr, k, x, acc, SLOTS_LOG2)
+            x, acc, w3 = _two_steps(lut_ptr, k, x, acc, SLOTS_LOG2)
+            store_16_bytes(base + i // 2, w0, w1, w2, w3)
     else:
         if LAYOUT == 2:
             off = k.to(tl.int64) * T + p * STEPS
