@@ -94,8 +94,8 @@ SPLIT_TOKENS = 1024                                    # attention on coefficien
 LANE_TOKENS = 256                                      # rANS lane length: a layer's KV decodes in 4x fewer
                                                        # sequential steps than at the default 1024 (blobs ~2% larger)
 LANES_BY_COMPONENT = True                              # rANS lane groups of one component's token chunks (a warp reads
-                                                       # one table; TensorCodec(lanes_by_component=)); same size; the
-                                                       # decoder tiles them where a prompt has whole groups (>= 8K tokens)
+                                                       # one table; TensorCodec(lanes_by_component=)); same size; a
+                                                       # prompt not in whole groups (4K) keeps the default order
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
 TIMED_SECONDS = 1.0                                    # aim of each timed loop, seconds
 MIN_STEPS, MAX_STEPS = 3, 32                           # timed decode steps per (mode, context)

@@ -32,7 +32,7 @@ from . import schema
 from .basis import PCABasis, as_float_matrix
 from .codecs import get_backend, require_cuda
 from .codecs.base import LazyViews
-from .codecs.rans import read_header as read_rans_header
+from .codecs.rans import read_header as read_rans_header, whole_component_groups
 from .container import (PAYLOAD_ALIGN, PREFIX_READ, SELF_CHECKED, _is_tensor, _parse, container_prefix, pack,
                         parse_resident, unpack)
 from .container import MAGIC, VERSION, read_header, unpack_container  # noqa: F401  re-exported (shared.pipeline's API)
@@ -166,11 +166,11 @@ class TensorCodec:
         so the 4-byte lane states stay near 1.5% of the payload); shorter lanes make small tensors
         code faster on a GPU (more lanes in parallel, shorter chains) for a slightly larger payload.
         lanes_by_component: each rANS lane group walks one component's token chunks (the same size), so a
-        warp's table lookups hit one table. Where a tensor's token chunks come in whole groups (32 of them:
-        at least 32 x lane_tokens tokens, a multiple of that) the GPU decoder runs 16 components a program and
-        stores their rows through shared memory: a 64K-token KV layer's lanes kernel 1.7x faster than the
-        default order's on an NVIDIA H100. Otherwise it decodes one group a program, about 2x slower than the
-        default order (docs/findings.md): use it for large tensors decoded many times (a cache's prompt).
+        warp's table lookups hit one table, where a tensor's token chunks come in whole groups (a multiple
+        of 32 chunks of lane_tokens; rans.whole_component_groups): the GPU decoder then runs 16 components a
+        program and stores their rows through shared memory (a 64K-token KV layer's lanes kernel 1.7x
+        faster than the default order's on an NVIDIA H100). Other tensors keep the default order, which
+        decodes them faster (docs/findings.md); lane_order() says which a tensor gets.
 
         min_cos: the frame path refuses (InvalidTensorError) a tensor whose 8-bit planes alone
         reach a mean cosine below this in coefficient space (an outlier that stretches a channel's
@@ -468,6 +468,11 @@ class ComputeCodec(TensorCodec):
                                        reference=values[rows], water_fill=self.water_fill)
         return self.quantizer
 
+    def lane_order(self, T: int, K: int) -> bool:
+        """Whether this codec codes a tensor of T tokens and K components with its rANS lanes by component:
+        lanes_by_component=True, and the lanes make whole groups of one component."""
+        return self.lanes_by_component and whole_component_groups(T, K, self.lane_tokens)
+
     def _encode_symbols(self, x, dtype: str) -> bytes:
         from .codecs import rans_cpu
 
@@ -480,7 +485,7 @@ class ComputeCodec(TensorCodec):
         symbols = np.asarray(quantizer.quantize(coeffs), np.int32)
         header, qpar = self._symbols_header(values.shape, dtype, quantizer)
         return pack(header, {"QPAR": qpar, "DATA": rans_cpu.coder().encode(
-            symbols, lane_tokens=self.lane_tokens, lanes_by_component=self.lanes_by_component)})
+            symbols, lane_tokens=self.lane_tokens, lanes_by_component=self.lane_order(*symbols.shape))})
 
     def _encode_symbols_bf16(self, x, proj) -> bytes:
         """The compute codec's CPU path for a bf16 tensor: bf16 GEMM, then one compiled pass that
@@ -503,7 +508,8 @@ class ComputeCodec(TensorCodec):
             raise
         header, qpar = self._symbols_header(x.shape, "bfloat16", self.quantizer)
         return pack(header, {"QPAR": qpar, "DATA": rans_cpu.encode(symbols, lane_tokens=self.lane_tokens,
-                                                                   stats=stats, lanes_by_component=self.lanes_by_component)})
+                                                                   stats=stats,
+                                                                   lanes_by_component=self.lane_order(*symbols.shape))})
 
     def _symbols_header(self, shape, dtype: str, quantizer) -> tuple[dict, bytes]:
         """The container header of a compute-codec payload and its QPAR chunk (the CPU and GPU
@@ -575,7 +581,7 @@ class ComputeCodec(TensorCodec):
             symbols = np.concatenate([rans_cpu.coder().decode(data, max_elements=n) for data, n in parts])
             tokens, data = symbols.shape[0], rans_cpu.coder().encode(np.ascontiguousarray(symbols, np.int32),
                                                                     lane_tokens=self.lane_tokens,
-                                                                    lanes_by_component=self.lanes_by_component)
+                                                                    lanes_by_component=self.lane_order(*symbols.shape))
         else:
             import torch
 
@@ -585,7 +591,8 @@ class ComputeCodec(TensorCodec):
             symbols, _ = rans_cuda.decode_many_cuda(payloads, max_elements=[n for _, n in parts])
             joined = torch.cat(symbols)
             tokens, data = joined.shape[0], rans_cuda.encode_cuda(
-                joined, lane_tokens=self.lane_tokens, lanes_by_component=self.lanes_by_component).cpu().numpy().tobytes()
+                joined, lane_tokens=self.lane_tokens,
+                lanes_by_component=self.lane_order(*joined.shape)).cpu().numpy().tobytes()
         header, qpar = self._symbols_header((tokens, first[1]), first[0], RDQuantizer.from_bytes(first[2]))
         return pack(header, {"QPAR": qpar, "DATA": data})
 
@@ -754,7 +761,8 @@ def _encode_launch(codecs, xs, prepared, sync: bool, addresses=None, retry=None,
     pending = rans_cuda.encode_many_cuda(
         symbols, stats=stats, guards=guards, fronts=fronts, backs=[4] * n,  # a self-checked chunk's trailer: 0
         length_field=True,  # the DATA length ends the prefix
-        lane_tokens=[c.lane_tokens for c in codecs], lanes_by_component=[c.lanes_by_component for c in codecs],
+        lane_tokens=[c.lane_tokens for c in codecs],
+        lanes_by_component=[c.lane_order(*s.shape) for c, s in zip(codecs, symbols)],
         sync=False, retry=sync if retry is None else retry)
     pending.recode = _recode_wide(codecs, xs, prepared)
     return pending

@@ -340,6 +340,28 @@ def test_compute_codec_container_checks_itself():
         codec.decode(blob[:-1] + b"\1")
 
 
+def test_lanes_by_component_only_where_they_make_whole_groups():
+    """TensorCodec(lanes_by_component=True) codes a tensor's rANS lanes by component only where its token
+    chunks make whole groups of 32 (the GPU decoder tiles those); others keep the default order. Every
+    container decodes, and the joined one takes the order of its own length."""
+    from shared.codecs import rans
+
+    x = make_tensor(tokens=512)
+    codec = TensorCodec(fit_basis([x], k=16), backend="rans", step=0.05, lane_tokens=8, lanes_by_component=True)
+    plain = TensorCodec(codec.basis, backend="rans", step=0.05, lane_tokens=8)
+    blobs = {}
+    for tokens, by_component in ((256, True), (200, False), (512, True), (264, False)):
+        blobs[tokens] = codec.encode(x[:tokens])
+        data = unpack(blobs[tokens])[1]["DATA"]
+        assert rans.read_header(data).layout.by_component is by_component, tokens
+        assert codec.lane_order(tokens, 16) is by_component
+        np.testing.assert_array_equal(codec.decode(blobs[tokens]).float().numpy(),
+                                      plain.decode(plain.encode(x[:tokens])).float().numpy())
+    joined = codec.join([blobs[256], blobs[256]])  # 512 tokens: whole groups
+    assert rans.read_header(unpack(joined)[1]["DATA"]).layout.by_component
+    assert not TensorCodec(codec.basis, backend="rans", step=0.05, lane_tokens=8).lane_order(512, 16)
+
+
 # -- metrics -----------------------------------------------------------------------------------------
 def test_metrics_definitions():
     x = low_rank()

@@ -114,6 +114,16 @@ def default_prob_bits(T: int) -> int:
 MIN_DEFAULT_LANE_TOKENS = 512  # shortest default lane: its 4-byte state costs ~1.5% over the entropy bound
 
 
+def whole_component_groups(T: int, K: int, lane_tokens: int | None = None,
+                           group_lanes: int = DEFAULT_GROUP_LANES) -> bool:
+    """Whether a [T, K] tensor's lanes, taken by component (LANES_BY_COMPONENT), make whole groups of one
+    component: groups of 32 lanes and a multiple of 32 token chunks. Only such payloads does the GPU
+    decoder tile (16 components a program, rows stored through shared memory); others decode one group a
+    program, slower than the default order."""
+    S = lane_tokens or default_lane_tokens(T, K)
+    return group_lanes == 32 and (-(-T // S)) % 32 == 0
+
+
 def default_lane_tokens(T: int, K: int) -> int:
     """Tokens per lane: enough lanes (~2^17) to fill a GPU, as a lane's steps run one after the
     other (a 1024-token lane costs ~0.4 ms however few lanes there are), but >= 512 tokens so the
