@@ -53,7 +53,8 @@ VARIANTS = {  # name: (lanes by component, rans_cuda.COMPONENT_TILE)
 def main() -> None:
     rows = {}
     tile = rans_cuda.COMPONENT_TILE
-    for name, (by_component, rans_cuda.COMPONENT_TILE) in VARIANTS.items():
+    for name, (by_component, components_a_program) in VARIANTS.items():
+        rans_cuda.COMPONENT_TILE = components_a_program  # read by the decoder at each launch
         layer = staged_layer(CONTEXT, CONTEXT, by_component)  # one container per K and V
         coeff = [torch.empty(CONTEXT, layer.width, dtype=torch.bfloat16, device="cuda") for _ in layer.blobs]
         plan = StagedDecode(layer.codecs, layer.heads, [b.numel() for b in layer.blobs], layer.offsets, layer.stage,

@@ -18,7 +18,8 @@ import numpy as np
 from ..errors import BackendUnavailable, BitstreamError, InvalidTensorError
 from .base import LazyViews
 from .rans import (CHECKED_HEADER_BYTES, DEFAULT_GROUP_LANES, HEADER, LANES_BY_COMPONENT, MAGIC, VERSION, Layout,
-                   Parsed, _check_settings, _parse_header_only, default_lane_tokens, default_prob_bits)
+                   Parsed, _check_settings, _parse_header_only, default_lane_tokens, default_prob_bits,
+                   whole_component_groups)
 from .rans_tables import (ESCAPE_COST, MODEL_MIN_SHARE, MODEL_SEARCH, N_SHAPES, PARAM_BYTES, SHAPE_STEPS,
                           TABLE_ENTRY_COST, _bitlen, _neg_log2_table, hist_row_stride, max_alphabet, model_tables)
 
@@ -955,7 +956,7 @@ def _decode_kernels(buf, segs, err, h0, max_len: int, narrow: bool = False, scal
         width = K
         out = torch.empty((N, T, K), dtype=torch.int16 if narrow else torch.int32, device=dev)
     # lanes by component in whole groups of 32 blocks: COMPONENT_TILE components' groups a program (see decode_kernel)
-    tile = COMPONENT_TILE > 0 and h0.layout.by_component and G == 32 and h0.layout.P % 32 == 0
+    tile = COMPONENT_TILE > 0 and h0.layout.by_component and whole_component_groups(T, K, S, G)
     gpp = COMPONENT_TILE if tile else _groups_per_program()
     grid = (h0.layout.P // 32 * triton_cdiv(K, gpp) if tile else triton_cdiv(NG, gpp), N)
     kern["decode"][grid](
