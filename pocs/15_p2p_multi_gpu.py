@@ -80,6 +80,10 @@ HOST_RAW_CHUNKS_MB = (8, 16, 64)        # the raw pipeline's chunk sizes: its be
 HOST_CODEC_CHUNKS_MB = (64, 128, 256)   # the compressed pipeline's chunk sizes
 HOST_CALIB_TOKENS = 16384       # tokens the basis and the step are fitted on (not sent)
 HOST_WARMUP, HOST_REPEATS = 3, 7  # calls before timing (graphs are captured on the second), timed calls (median)
+HOST_SCHEDULES = (True, False)  # HostStream take_turns: encodes and decodes in turns, or side by side; the best counts
+HOST_TRUNCATE_WIDTHS = (4096,)  # widths also coded with the basis truncated to the components water-filling keeps
+TRUNCATE_MULTIPLE = 128         # the truncated K is rounded up to this (whole GEMM tiles)
+SCHEDULE = {True: "turns", False: "side_by_side"}  # the schedule column's names for take_turns
 QUICK_HOST = dict(widths=(1024,), sizes=(16,), tensors=3, raw_chunks=(8,), codec_chunks=(16,), repeats=3)
 
 
@@ -364,9 +368,13 @@ def gpu_activations(torch, tokens: int, D: int, mix, gen):
     return (z.mul_(scales) @ rotation.T + offset).bfloat16()
 
 
-def host_codec(torch, D: int, gen):
+def host_codec(torch, D: int, gen, truncate: bool = False):
     """A compute codec for D-wide activations: the PCA basis of HOST_CALIB_TOKENS calibration tokens and the
-    step meeting TARGET_COS on them (both fitted on the GPU); and the rotation and offset the tensors share."""
+    step meeting TARGET_COS on them (both fitted on the GPU); and the rotation and offset the tensors share.
+    truncate: a list of that codec and, where it is shorter, one whose basis keeps only the components that
+    water-filling at that target codes (variance >= step^2 / 12; the others quantize to zero anyway), rounded
+    up to a multiple of TRUNCATE_MULTIPLE, its step searched again with the truncation's error counted: its
+    projection GEMMs and its coder work on K < D components."""
     from shared.basis import fit_basis_torch
     from shared.pipeline import TensorCodec
     from shared.rdquant import find_step
@@ -376,9 +384,18 @@ def host_codec(torch, D: int, gen):
     calib = gpu_activations(torch, HOST_CALIB_TOKENS, D, mix, gen).float()
     basis = fit_basis_torch(calib, k=D, model="synthetic", layer=f"activation D={D}")
     mean, comps = torch.as_tensor(basis.mean, device="cuda"), torch.as_tensor(basis.components, device="cuda")
-    step = find_step((calib - mean) @ comps, TARGET_COS, "cos", reconstruct=lambda c: c @ comps.T + mean,
-                     reference=calib).step
-    return TensorCodec(basis, backend="rans", step=step), mix
+
+    def search(comps, water_fill=False):
+        return find_step((calib - mean) @ comps, TARGET_COS, "cos", reconstruct=lambda c: c @ comps.T + mean,
+                         reference=calib, water_fill=water_fill)
+
+    full = TensorCodec(basis, backend="rans", step=search(comps).step)
+    if not truncate:
+        return full, mix
+    kept = int(search(comps, water_fill=True).keep.sum())
+    K = min(D, -(-kept // TRUNCATE_MULTIPLE) * TRUNCATE_MULTIPLE)
+    short = comps[:, :K].contiguous()
+    return [full] + ([TensorCodec(basis.truncate(K), backend="rans", step=search(short).step)] if K < D else []), mix
 
 
 def median_call_s(torch, call, warmup: int, repeats: int) -> float:
@@ -467,87 +484,103 @@ def host_round_trips(res: ResultsWriter, quick: bool, widths=None, sizes=None, p
     device = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     for D in widths:
-        codec, mix = host_codec(torch, D, gen)
-        codecs = [codec] * n
+        codecs_k, mix = host_codec(torch, D, gen, truncate=D in HOST_TRUNCATE_WIDTHS)
+        codecs_k = codecs_k if isinstance(codecs_k, list) else [codecs_k]
         for mb in sizes:
             T = int(mb * 2**20) // (2 * D)
             xs = [gpu_activations(torch, T, D, mix, gen) for _ in range(n)]
             total = sum(x.numel() * 2 for x in xs)
-            case = dict(source="synthetic", path="host_staged", tensor_mb=mb, tokens=T, channels=D, k=D, stream=n,
-                        step=codec.quantizer.step, target_cos=TARGET_COS, world="1 GPU")
-            # 1. correctness, before any timing
-            raw = HostStream(None)
-            exact = all(torch.equal(x, y) for x, y in zip(xs, raw.round_trip(xs)))
-            exact &= all(torch.equal(x, y) for x, y in zip(xs, raw_serial_trip(torch, xs)()))
-            coded = HostStream(codecs)
-            cos = min(min(cos_mean(x, y) for x, y in zip(xs, coded.round_trip(xs))),
-                      min(cos_mean(x, y) for x, y in zip(xs, codec_serial_trip(torch, codecs, xs)())))
-            ratio = coded.last["ratio"]
-            print(f"D={D} {n} x {mb:g} MB host round trip: raw bit-exact ({'matches' if exact else 'DIFFERS'}); "
-                  f"compressed cos >= {cos:.5f} (target {TARGET_COS}), ratio {ratio:.2f}x", flush=True)
-            if not exact or cos < TARGET_COS - COS_SLACK:
-                raise RuntimeError(f"D={D} {mb} MB: a round trip came back wrong (raw exact {exact}, cos {cos:.5f})")
-            res.add(backend="rans", mode="compressed", metric="cos_min", value=cos, unit="cos", device=device, **case)
-            res.add(backend="rans", mode="compressed", metric="ratio", value=ratio, unit="x", device=device, **case)
+            base = dict(source="synthetic", path="host_staged", tensor_mb=mb, tokens=T, channels=D, stream=n,
+                        target_cos=TARGET_COS, world="1 GPU")
 
-            # 2. timing: the same tensors, every variant in this run
-            def timed(mode, variant, chunk, call):
+            def timed(mode, variant, chunk, call, case, schedule=None):
                 s = median_call_s(torch, call, HOST_WARMUP, repeats)
                 gbps = total / s / 1e9
                 res.add(backend="rans" if mode == "compressed" else "raw", mode=mode, variant=variant,
-                        chunk_mb=chunk, metric="effective_gbps", value=gbps, unit="GB/s", device=device,
-                        call_ms=1e3 * s, **case)
-                print(f"    {mode:10s} {variant:9s} chunk {chunk if chunk else '-':>5} MB {1e3 * s:9.2f} ms "
-                      f"{gbps:7.1f} GB/s", flush=True)
+                        chunk_mb=chunk, schedule=schedule, metric="effective_gbps", value=gbps, unit="GB/s",
+                        device=device, call_ms=1e3 * s, **case)
+                print(f"    {mode:10s} {variant:9s} chunk {chunk if chunk else '-':>5} MB "
+                      f"{schedule or '':12s} {1e3 * s:9.2f} ms {gbps:7.1f} GB/s", flush=True)
                 return gbps
 
-            timed("raw", "serial", None, raw_serial_trip(torch, xs))
+            # the raw trips: checked bit-exact, then timed (the baselines of every codec below)
+            case = dict(base, k=D)
+            raw = HostStream(None)
+            exact = all(torch.equal(x, y) for x, y in zip(xs, raw.round_trip(xs)))
+            exact &= all(torch.equal(x, y) for x, y in zip(xs, raw_serial_trip(torch, xs)()))
+            print(f"D={D} {n} x {mb:g} MB host round trip: raw bit-exact ({'matches' if exact else 'DIFFERS'})",
+                  flush=True)
+            if not exact:
+                raise RuntimeError(f"D={D} {mb} MB: a raw round trip came back wrong")
+            timed("raw", "serial", None, raw_serial_trip(torch, xs), case)
             best_raw = 0.0
             for ch in q.get("raw_chunks", HOST_RAW_CHUNKS_MB):
                 s = HostStream(None, chunk_mb=ch)
-                best_raw = max(best_raw, timed("raw", "pipelined", ch, lambda: s.round_trip(xs)))
-            timed("compressed", "serial", None, codec_serial_trip(torch, codecs, xs))
-            best, best_chunk = 0.0, None
-            for ch in q.get("codec_chunks", HOST_CODEC_CHUNKS_MB):
-                s = HostStream(codecs, chunk_mb=ch)
-                g = timed("compressed", "pipelined", ch, lambda: s.round_trip(xs))
-                if g > best:
-                    best, best_chunk = g, ch
-            res.add(backend="rans", mode="compressed", variant="pipelined", chunk_mb=best_chunk,
-                    metric="speedup_vs_raw", value=best / best_raw, unit="x", device=device, **case)
-            print(f"    => compressed {best / best_raw:.2f}x the best pipelined raw round trip "
-                  f"(chunks of {best_chunk:g} MB)", flush=True)
-            # 3. one direction at a time, as a KV offload moves: to pinned host memory now, back later
-            for mode, s in (("raw", HostStream(None)), ("compressed", HostStream(codecs, chunk_mb=best_chunk))):
+                best_raw = max(best_raw, timed("raw", "pipelined", ch, lambda: s.round_trip(xs), case))
+            raw_one_way = {}
+            s = HostStream(None)
+            copy = s.offload(xs)
+            if not all(torch.equal(x, y) for x, y in zip(xs, s.fetch(copy))):
+                raise RuntimeError(f"D={D} {mb} MB: raw offload + fetch came back wrong")
+            for v, call in (("offload", lambda: s.offload(xs)), ("fetch", lambda: s.fetch(copy))):
+                raw_one_way[v] = timed("raw", v, s.chunk_bytes / 2**20, call, case)
+            del copy
+            for codec in codecs_k:
+                codecs = [codec] * n
+                case = dict(base, k=codec.basis.k, step=codec.quantizer.step)
+                # 1. correctness, before any timing
+                coded = HostStream(codecs)
+                cos = min(min(cos_mean(x, y) for x, y in zip(xs, coded.round_trip(xs))),
+                          min(cos_mean(x, y) for x, y in zip(xs, codec_serial_trip(torch, codecs, xs)())))
+                ratio = coded.last["ratio"]
+                print(f"  K={codec.basis.k}: compressed cos >= {cos:.5f} (target {TARGET_COS}), ratio {ratio:.2f}x",
+                      flush=True)
+                if cos < TARGET_COS - COS_SLACK:
+                    raise RuntimeError(f"D={D} K={codec.basis.k} {mb} MB: a compressed round trip came back at cos {cos:.5f}")
+                res.add(backend="rans", mode="compressed", metric="cos_min", value=cos, unit="cos", device=device, **case)
+                res.add(backend="rans", mode="compressed", metric="ratio", value=ratio, unit="x", device=device, **case)
+
+                # 2. timing: the same tensors, every variant in this run
+                timed("compressed", "serial", None, codec_serial_trip(torch, codecs, xs), case)
+                best, best_chunk, best_turns = 0.0, None, None
+                for turns in HOST_SCHEDULES:
+                    for ch in q.get("codec_chunks", HOST_CODEC_CHUNKS_MB):
+                        s = HostStream(codecs, chunk_mb=ch, take_turns=turns)
+                        g = timed("compressed", "pipelined", ch, lambda: s.round_trip(xs), case, schedule=SCHEDULE[turns])
+                        if g > best:
+                            best, best_chunk, best_turns = g, ch, turns
+                res.add(backend="rans", mode="compressed", variant="pipelined", chunk_mb=best_chunk,
+                        schedule=SCHEDULE[best_turns], metric="speedup_vs_raw", value=best / best_raw, unit="x",
+                        device=device, **case)
+                print(f"    => compressed {best / best_raw:.2f}x the best pipelined raw round trip "
+                      f"(chunks of {best_chunk:g} MB, {SCHEDULE[best_turns]})", flush=True)
+                # 3. one direction at a time, as a KV offload moves: to pinned host memory now, back later
+                s = HostStream(codecs, chunk_mb=best_chunk)
                 copy = s.offload(xs)
-                back = s.fetch(copy)
-                ok = all(torch.equal(x, y) for x, y in zip(xs, back)) if mode == "raw" else \
-                    min(cos_mean(x, y) for x, y in zip(xs, back)) >= TARGET_COS - COS_SLACK
-                if not ok:
-                    raise RuntimeError(f"D={D} {mb} MB: offload + fetch ({mode}) came back wrong")
-                del back
-                one_way = {v: timed(mode, v, s.chunk_bytes / 2**20, call)
+                if min(cos_mean(x, y) for x, y in zip(xs, s.fetch(copy))) < TARGET_COS - COS_SLACK:
+                    raise RuntimeError(f"D={D} K={codec.basis.k} {mb} MB: offload + fetch came back wrong")
+                one_way = {v: timed("compressed", v, s.chunk_bytes / 2**20, call, case)
                            for v, call in (("offload", lambda: s.offload(xs)), ("fetch", lambda: s.fetch(copy)))}
-                if mode == "raw":
-                    raw_one_way = one_way
-            for v in ("offload", "fetch"):
-                res.add(backend="rans", mode="compressed", variant=v, chunk_mb=best_chunk, metric="speedup_vs_raw",
-                        value=one_way[v] / raw_one_way[v], unit="x", device=device, **case)
-            print(f"    => offload {one_way['offload'] / raw_one_way['offload']:.2f}x, fetch "
-                  f"{one_way['fetch'] / raw_one_way['fetch']:.2f}x the raw copy's", flush=True)
-            # 4. where the time goes: the best pipeline's stages, from CUDA events
-            s = HostStream(codecs, chunk_mb=best_chunk)
-            for _ in range(HOST_WARMUP):  # graphs captured, kernels tuned: the steady state's timeline
-                s.round_trip(xs)
-            s.round_trip(xs, timeline=True)
-            for stage, k, t0, t1 in s.last["timeline"]:
-                res.add(backend=stage, mode="compressed", variant="pipelined", chunk_mb=best_chunk, chunk=k,
-                        metric="stage_ms", value=t1 - t0, unit="ms", start_ms=t0, device=device, **case)
-            if profile and mb == 64:
-                for row in kernel_profile(torch, codecs[:1], xs[:1]):
-                    res.add(backend=row["kernel"], mode="compressed", variant="kernel_only", direction=row["direction"],
-                            metric="kernel_us", value=row["us"], unit="us", device=device,
-                            **dict(case, tensor_mb=64, stream=1))
+                del copy
+                for v in ("offload", "fetch"):
+                    res.add(backend="rans", mode="compressed", variant=v, chunk_mb=best_chunk,
+                            metric="speedup_vs_raw", value=one_way[v] / raw_one_way[v], unit="x", device=device, **case)
+                print(f"    => offload {one_way['offload'] / raw_one_way['offload']:.2f}x, fetch "
+                      f"{one_way['fetch'] / raw_one_way['fetch']:.2f}x the raw copy's", flush=True)
+                # 4. where the time goes: the best pipeline's stages, from CUDA events
+                s = HostStream(codecs, chunk_mb=best_chunk, take_turns=best_turns)
+                for _ in range(HOST_WARMUP):  # graphs captured, kernels tuned: the steady state's timeline
+                    s.round_trip(xs)
+                s.round_trip(xs, timeline=True)
+                for stage, k, t0, t1 in s.last["timeline"]:
+                    res.add(backend=stage, mode="compressed", variant="pipelined", chunk_mb=best_chunk, chunk=k,
+                            schedule=SCHEDULE[best_turns], metric="stage_ms", value=t1 - t0, unit="ms", start_ms=t0,
+                            device=device, **case)
+                if profile and mb == 64:
+                    for row in kernel_profile(torch, codecs[:1], xs[:1]):
+                        res.add(backend=row["kernel"], mode="compressed", variant="kernel_only", direction=row["direction"],
+                                metric="kernel_us", value=row["us"], unit="us", device=device,
+                                **dict(case, tensor_mb=64, stream=1))
             xs.clear()  # free the GPU memory before the next size
             torch.cuda.empty_cache()
 
@@ -614,9 +647,11 @@ def run(args) -> ResultsWriter:
 
 
 def best_rows(df):
-    """The host round trip's effective GB/s per (channels, tensor_mb, mode, variant): the best chunk size's."""
-    g = df[df.metric == "effective_gbps"]
-    return g.groupby(["channels", "tensor_mb", "mode", "variant"], as_index=False).value.max()
+    """The host round trip's effective GB/s per (channels, k, tensor_mb, mode, variant): the best chunk size's
+    and schedule's (raw rows have k = channels)."""
+    g = df[df.metric == "effective_gbps"].copy()
+    g["k"] = g.k.fillna(g.channels).astype(int)
+    return g.groupby(["channels", "k", "tensor_mb", "mode", "variant"], as_index=False).value.max()
 
 
 def plot(csv: Path | None = None, out: Path | None = None):
@@ -636,20 +671,22 @@ def plot(csv: Path | None = None, out: Path | None = None):
         if panel in ("host", "one_way"):
             best = best_rows(host if panel == "host" else one_way)
             first, second = ("pipelined", "serial") if panel == "host" else ("offload", "fetch")
-            colors = {w: c for w, c in zip(sorted(best.channels.unique()), ("#0072B2", "#D55E00", "#009E73", "#CC79A7"))}
-            for (D, mode, variant), g in best.groupby(["channels", "mode", "variant"]):
+            keys = sorted({(D, K) for D, K in zip(best.channels, best.k)})
+            colors = {key: c for key, c in zip(keys, ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00"))}
+            for (D, K, mode, variant), g in best.groupby(["channels", "k", "mode", "variant"]):
                 g = g.sort_values("tensor_mb")
-                ax.plot(g.tensor_mb, g.value, "-" if mode == "compressed" else "--", color=colors[D],
+                ax.plot(g.tensor_mb, g.value, "-" if mode == "compressed" else "--", color=colors[D, K],
                         marker="o" if variant == first else "x", alpha=1.0 if variant == first else 0.55,
-                        label=f"D={D}, {mode}, {variant}")
+                        label=f"D={D}{f' K={K}' if K != D else ''}, {mode}, {variant}")
             for variant in (("pipelined",) if panel == "host" else ("offload", "fetch")):
-                pairs = best[best.variant == variant].pivot_table(index=["channels", "tensor_mb"], columns="mode",
-                                                                  values="value")
-                for (D, mb), r in pairs.iterrows():  # each compressed point: x of raw, same size and direction
-                    if r.notna().all():
-                        ax.annotate(f"{r.compressed / r.raw:.2f}x", (mb, r.compressed), textcoords="offset points",
-                                    xytext=(0, 6 if variant == "offload" else -13), ha="center", fontsize=8,
-                                    color=colors[D], weight="bold" if variant != "offload" else "normal")
+                rows = best[best.variant == variant]
+                raw = rows[rows["mode"] == "raw"].set_index(["channels", "tensor_mb"]).value
+                for _, r in rows[rows["mode"] == "compressed"].iterrows():  # x of raw, same width, size, direction
+                    if (r.channels, r.tensor_mb) in raw.index:
+                        ax.annotate(f"{r.value / raw[r.channels, r.tensor_mb]:.2f}x", (r.tensor_mb, r.value),
+                                    textcoords="offset points", xytext=(0, 6 if variant == "offload" else -13),
+                                    ha="center", fontsize=8, color=colors[r.channels, r.k],
+                                    weight="bold" if variant != "offload" else "normal")
             what = ("GPU -> pinned host -> GPU in one call (labels: compressed / raw, both pipelined)"
                     if panel == "host" else "one way: offload GPU -> pinned host, fetch pinned host -> GPU "
                     "(labels: compressed / raw)")

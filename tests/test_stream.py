@@ -37,6 +37,8 @@ def test_settings_are_checked_when_the_stream_is_made():
         HostStream(None, chunk_mb=0)
     with pytest.raises(ConfigurationError, match="slots"):
         HostStream(None, slots=1)
+    with pytest.raises(ConfigurationError, match="take_turns"):
+        HostStream(None, take_turns="yes")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without CUDA gives")
@@ -85,6 +87,28 @@ def test_compressed_round_trip_meets_the_codec_quality_with_raw_tensors_beside_i
     stages = {row[0] for row in s.last["timeline"]}
     assert stages == {"encode", "d2h", "h2d", "decode"}
     assert all(start <= end for _, _, start, end in s.last["timeline"])
+
+
+@pytest.mark.gpu
+def test_taking_turns_gives_the_same_tensors_and_never_runs_two_codec_stages_at_once():
+    from shared.rdquant import calibrate_step
+
+    D = 256
+    calib = _heavy_tailed(4096, D, 3)
+    codec = TensorCodec(calibrate_step(fit_basis([calib], k=D), [calib], 0.999), backend="rans")
+    xs = [torch.from_numpy(_heavy_tailed(4096, D, 10 + i)).cuda().bfloat16() for i in range(6)]
+    apart, turns = HostStream([codec] * 6, chunk_mb=1.0, take_turns=False), HostStream([codec] * 6, chunk_mb=1.0)
+    assert turns.take_turns and not apart.take_turns
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(apart.round_trip(xs), turns.round_trip(xs)))
+    turns.round_trip(xs, timeline=True)
+    spans = {(stage, k): (t0, t1) for stage, k, t0, t1 in turns.last["timeline"]}
+    chunks = 1 + max(k for _, k in spans)
+    assert chunks >= 4
+    for k in range(chunks - 1):  # decode k starts after encode k+1 has ended, and encode k+2 after decode k
+        assert spans["decode", k][0] >= spans["encode", k + 1][1]
+        if k + 2 < chunks:
+            assert spans["encode", k + 2][0] >= spans["decode", k][1]
 
 
 @pytest.mark.gpu
