@@ -26,7 +26,7 @@ help:
 	@echo "make setup              make .venv: the CUDA torch lock where nvidia-smi lists a GPU, else the CPU one (TORCH=cpu|cuda overrides)"
 	@echo "make lock               re-pin requirements.txt and requirements-cuda.txt (with hashes) from requirements.in"
 	@echo "make readme             rewrite the results tables (docs/results.md, docs/decoder-checks.md) from results/*.csv"
-	@echo "make planes             export real quantized PCA planes for the GPU benchmarks (data/planes/)"
+	@echo "make planes             export real PCA planes and SmolLM2 hidden states for the GPU benchmarks (data/planes/)"
 	@echo "make kv-codec           rebuild the shipped SmolLM2 KV codec files (artifacts/kv_codec/) through PoC 05, 43 min on 2 CPU cores"
 	@echo "make test               the fast tests, about 1-2.5 min on 2 CPU cores (not the ones marked slow)"
 	@echo "make test-all           every test, the slow ones too, about 15 min (what CI runs; GPU tests skip without a GPU)"

@@ -2,12 +2,15 @@
 faster: over the host-staged PCIe path (device -> pinned host -> device) that GPUs without peer access
 and a KV offload take, and over NVLink (NCCL peer-to-peer)?
 
-Host round trip (a GPU): a list of 8 bf16 activations [tokens, D] of 16-256 MB, D = 1024 and 4096,
-goes GPU -> pinned host -> the same GPU through shared.stream.HostStream, raw and through the compute
-codec (a PCA basis and a step for cos >= 0.999 fitted on calibration tokens, not sent). Raw: serial (every
-D2H, then every H2D) and pipelined (chunks of 8-64 MB, both copy engines busy: the baseline). Compressed:
-serial (encode_many, the containers across and back, decode_many) and pipelined (chunk k encoded while
-chunk k-1 crosses and chunk k-2 is decoded; chunks of 64-256 MB). Every variant runs on the same tensors
+Host round trip (a GPU): a list of 8 bf16 activations [tokens, D] of 16-256 MB, D = 1024 and 4096 (synthetic),
+and of SmolLM2's layer-15 hidden states (D = 576, 2K and 8K tokens; from data/planes/, `make planes`, or
+computed with the embedded model), goes GPU -> pinned host -> the same GPU through shared.stream.HostStream,
+raw and through the compute codec (a PCA basis and a step for cos >= 0.999 fitted on calibration tokens, not
+sent; at D = 4096 also a basis truncated to the components water-filling keeps at that cos). Raw: serial
+(every D2H, then every H2D) and pipelined (chunks of 8-64 MB, both copy engines busy: the baseline).
+Compressed: serial (encode_many, the containers across and back, decode_many) and pipelined (chunk k
+encoded while chunk k-1 crosses; chunks of 64-256 MB; encodes and decodes in turns on the SMs, and side by
+side). Every variant runs on the same tensors
 in one run; each list is checked first (raw bit-exact, compressed at the cos target), then timed (median
 of HOST_REPEATS calls, wall clock from a synchronized start to the results ready). Also written: each
 stage's span in the best pipeline (CUDA events) and, kernel-only, the codec's kernels on one 64 MB tensor.
@@ -84,6 +87,10 @@ HOST_SCHEDULES = (True, False)  # HostStream take_turns: encodes and decodes in 
 HOST_TRUNCATE_WIDTHS = (4096,)  # widths also coded with the basis truncated to the components water-filling keeps
 TRUNCATE_MULTIPLE = 128         # the truncated K is rounded up to this (whole GEMM tiles)
 SCHEDULE = {True: "turns", False: "side_by_side"}  # the schedule column's names for take_turns
+HOST_REAL_LAYER = 15            # SmolLM2 hidden states of this layer: the real activations of the host round trip
+HOST_REAL_CHUNKS = 16           # text chunks of REAL_CHUNK tokens they are taken from (the export's size)
+HOST_REAL_CALIB_TOKENS = 4096   # of those, the tokens the basis and the step are fitted on (not sent)
+HOST_REAL_TOKENS = (2048, 8192)  # tokens per real tensor (2.25 / 9 MB of bf16 at 576 channels)
 QUICK_HOST = dict(widths=(1024,), sizes=(16,), tensors=3, raw_chunks=(8,), codec_chunks=(16,), repeats=3)
 
 
@@ -471,17 +478,14 @@ def kernel_profile(torch, codecs, xs) -> list[dict]:
 
 def host_round_trips(res: ResultsWriter, quick: bool, widths=None, sizes=None, profile: bool = True):
     """Rows of the host round trip (path=host_staged): each tensor list checked (raw bit-exact, compressed
-    at TARGET_COS), then the raw and compressed trips timed, serial and through HostStream."""
+    at TARGET_COS), then the raw and compressed trips timed, serial and through HostStream; synthetic
+    activations of each width and size, then SmolLM2's hidden states (host_real_case)."""
     import torch
-
-    from shared.stream import HostStream
 
     q = QUICK_HOST if quick else {}
     widths = widths or q.get("widths", HOST_WIDTHS)
     sizes = sizes or q.get("sizes", HOST_SIZES_MB)
     n = q.get("tensors", HOST_TENSORS)
-    repeats = q.get("repeats", HOST_REPEATS)
-    device = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     for D in widths:
         codecs_k, mix = host_codec(torch, D, gen, truncate=D in HOST_TRUNCATE_WIDTHS)
@@ -489,101 +493,159 @@ def host_round_trips(res: ResultsWriter, quick: bool, widths=None, sizes=None, p
         for mb in sizes:
             T = int(mb * 2**20) // (2 * D)
             xs = [gpu_activations(torch, T, D, mix, gen) for _ in range(n)]
-            total = sum(x.numel() * 2 for x in xs)
-            base = dict(source="synthetic", path="host_staged", tensor_mb=mb, tokens=T, channels=D, stream=n,
-                        target_cos=TARGET_COS, world="1 GPU")
-
-            def timed(mode, variant, chunk, call, case, schedule=None):
-                s = median_call_s(torch, call, HOST_WARMUP, repeats)
-                gbps = total / s / 1e9
-                res.add(backend="rans" if mode == "compressed" else "raw", mode=mode, variant=variant,
-                        chunk_mb=chunk, schedule=schedule, metric="effective_gbps", value=gbps, unit="GB/s",
-                        device=device, call_ms=1e3 * s, **case)
-                print(f"    {mode:10s} {variant:9s} chunk {chunk if chunk else '-':>5} MB "
-                      f"{schedule or '':12s} {1e3 * s:9.2f} ms {gbps:7.1f} GB/s", flush=True)
-                return gbps
-
-            # the raw trips: checked bit-exact, then timed (the baselines of every codec below)
-            case = dict(base, k=D)
-            raw = HostStream(None)
-            exact = all(torch.equal(x, y) for x, y in zip(xs, raw.round_trip(xs)))
-            exact &= all(torch.equal(x, y) for x, y in zip(xs, raw_serial_trip(torch, xs)()))
-            print(f"D={D} {n} x {mb:g} MB host round trip: raw bit-exact ({'matches' if exact else 'DIFFERS'})",
-                  flush=True)
-            if not exact:
-                raise RuntimeError(f"D={D} {mb} MB: a raw round trip came back wrong")
-            timed("raw", "serial", None, raw_serial_trip(torch, xs), case)
-            best_raw = 0.0
-            for ch in q.get("raw_chunks", HOST_RAW_CHUNKS_MB):
-                s = HostStream(None, chunk_mb=ch)
-                best_raw = max(best_raw, timed("raw", "pipelined", ch, lambda: s.round_trip(xs), case))
-            raw_one_way = {}
-            s = HostStream(None)
-            copy = s.offload(xs)
-            if not all(torch.equal(x, y) for x, y in zip(xs, s.fetch(copy))):
-                raise RuntimeError(f"D={D} {mb} MB: raw offload + fetch came back wrong")
-            for v, call in (("offload", lambda: s.offload(xs)), ("fetch", lambda: s.fetch(copy))):
-                raw_one_way[v] = timed("raw", v, s.chunk_bytes / 2**20, call, case)
-            del copy
-            for codec in codecs_k:
-                codecs = [codec] * n
-                case = dict(base, k=codec.basis.k, step=codec.quantizer.step)
-                # 1. correctness, before any timing
-                coded = HostStream(codecs)
-                cos = min(min(cos_mean(x, y) for x, y in zip(xs, coded.round_trip(xs))),
-                          min(cos_mean(x, y) for x, y in zip(xs, codec_serial_trip(torch, codecs, xs)())))
-                ratio = coded.last["ratio"]
-                print(f"  K={codec.basis.k}: compressed cos >= {cos:.5f} (target {TARGET_COS}), ratio {ratio:.2f}x",
-                      flush=True)
-                if cos < TARGET_COS - COS_SLACK:
-                    raise RuntimeError(f"D={D} K={codec.basis.k} {mb} MB: a compressed round trip came back at cos {cos:.5f}")
-                res.add(backend="rans", mode="compressed", metric="cos_min", value=cos, unit="cos", device=device, **case)
-                res.add(backend="rans", mode="compressed", metric="ratio", value=ratio, unit="x", device=device, **case)
-
-                # 2. timing: the same tensors, every variant in this run
-                timed("compressed", "serial", None, codec_serial_trip(torch, codecs, xs), case)
-                best, best_chunk, best_turns = 0.0, None, None
-                for turns in HOST_SCHEDULES:
-                    for ch in q.get("codec_chunks", HOST_CODEC_CHUNKS_MB):
-                        s = HostStream(codecs, chunk_mb=ch, take_turns=turns)
-                        g = timed("compressed", "pipelined", ch, lambda: s.round_trip(xs), case, schedule=SCHEDULE[turns])
-                        if g > best:
-                            best, best_chunk, best_turns = g, ch, turns
-                res.add(backend="rans", mode="compressed", variant="pipelined", chunk_mb=best_chunk,
-                        schedule=SCHEDULE[best_turns], metric="speedup_vs_raw", value=best / best_raw, unit="x",
-                        device=device, **case)
-                print(f"    => compressed {best / best_raw:.2f}x the best pipelined raw round trip "
-                      f"(chunks of {best_chunk:g} MB, {SCHEDULE[best_turns]})", flush=True)
-                # 3. one direction at a time, as a KV offload moves: to pinned host memory now, back later
-                s = HostStream(codecs, chunk_mb=best_chunk)
-                copy = s.offload(xs)
-                if min(cos_mean(x, y) for x, y in zip(xs, s.fetch(copy))) < TARGET_COS - COS_SLACK:
-                    raise RuntimeError(f"D={D} K={codec.basis.k} {mb} MB: offload + fetch came back wrong")
-                one_way = {v: timed("compressed", v, s.chunk_bytes / 2**20, call, case)
-                           for v, call in (("offload", lambda: s.offload(xs)), ("fetch", lambda: s.fetch(copy)))}
-                del copy
-                for v in ("offload", "fetch"):
-                    res.add(backend="rans", mode="compressed", variant=v, chunk_mb=best_chunk,
-                            metric="speedup_vs_raw", value=one_way[v] / raw_one_way[v], unit="x", device=device, **case)
-                print(f"    => offload {one_way['offload'] / raw_one_way['offload']:.2f}x, fetch "
-                      f"{one_way['fetch'] / raw_one_way['fetch']:.2f}x the raw copy's", flush=True)
-                # 4. where the time goes: the best pipeline's stages, from CUDA events
-                s = HostStream(codecs, chunk_mb=best_chunk, take_turns=best_turns)
-                for _ in range(HOST_WARMUP):  # graphs captured, kernels tuned: the steady state's timeline
-                    s.round_trip(xs)
-                s.round_trip(xs, timeline=True)
-                for stage, k, t0, t1 in s.last["timeline"]:
-                    res.add(backend=stage, mode="compressed", variant="pipelined", chunk_mb=best_chunk, chunk=k,
-                            schedule=SCHEDULE[best_turns], metric="stage_ms", value=t1 - t0, unit="ms", start_ms=t0,
-                            device=device, **case)
-                if profile and mb == 64:
-                    for row in kernel_profile(torch, codecs[:1], xs[:1]):
-                        res.add(backend=row["kernel"], mode="compressed", variant="kernel_only", direction=row["direction"],
-                                metric="kernel_us", value=row["us"], unit="us", device=device,
-                                **dict(case, tensor_mb=64, stream=1))
+            host_case(res, xs, codecs_k, dict(source="synthetic", tensor_mb=mb), q, profile and mb == 64)
             xs.clear()  # free the GPU memory before the next size
             torch.cuda.empty_cache()
+    if not quick:
+        host_real_case(res, q)
 
+
+def host_real_case(res: ResultsWriter, q: dict):
+    """The host round trip of SmolLM2's layer-HOST_REAL_LAYER hidden states (real activations): a basis and
+    step fitted on the first HOST_REAL_CALIB_TOKENS tokens, the rest rolled into the stream's tensors."""
+    import torch
+
+    from shared.basis import fit_basis_torch
+    from shared.pipeline import TensorCodec
+    from shared.rdquant import find_step
+
+    states, label = host_hidden_states()
+    if states is None:
+        print(f"real activations skipped: {label}")
+        return
+    x = torch.as_tensor(states, device="cuda").float()
+    calib, rest = x[:HOST_REAL_CALIB_TOKENS], x[HOST_REAL_CALIB_TOKENS:]
+    basis = fit_basis_torch(calib, k=x.shape[1], model="SmolLM2-135M", layer=f"hidden.{HOST_REAL_LAYER}")
+    mean, comps = torch.as_tensor(basis.mean, device="cuda"), torch.as_tensor(basis.components, device="cuda")
+    step = find_step((calib - mean) @ comps, TARGET_COS, "cos", reconstruct=lambda c: c @ comps.T + mean,
+                     reference=calib).step
+    codec = TensorCodec(basis, backend="rans", step=step)
+    n = q.get("tensors", HOST_TENSORS)
+    print(f"SmolLM2 hidden states ({label}): {tuple(x.shape)}, basis and step on {HOST_REAL_CALIB_TOKENS} tokens")
+    for T in HOST_REAL_TOKENS:
+        xs = [torch.roll(rest, shifts=-i * ROLL_TOKENS, dims=0)[:T].bfloat16().contiguous() for i in range(n)]
+        host_case(res, xs, [codec], dict(source=f"smollm2_hidden{HOST_REAL_LAYER}", tensor_mb=round(T * x.shape[1] * 2 / 2**20, 2)),
+                  q, False)
+
+
+def host_hidden_states():
+    """(float32 [tokens, 576] SmolLM2 hidden states, where they came from): the exported file (make planes)
+    when present, else computed with the embedded model; (None, why) when neither is there."""
+    from shared.sources import host_activations
+
+    found = host_activations(f"smollm2_hidden{HOST_REAL_LAYER}")
+    if found is not None:
+        return found[0].astype(np.float32), found[1]
+    try:
+        from shared.sources import smollm2_hidden_states
+
+        return smollm2_hidden_states(HOST_REAL_LAYER, HOST_REAL_CHUNKS, REAL_CHUNK), "computed now"
+    except Exception as exc:  # noqa: BLE001 - the synthetic rows stand; say why these are missing
+        return None, f"no export (make planes) and the model did not load: {type(exc).__name__}: {exc}"
+
+
+def host_case(res: ResultsWriter, xs: list, codecs_k: list, source: dict, q: dict, profile: bool):
+    """One host round-trip case: the tensors xs (bf16 [T, D] on the GPU) raw, then through each codec of
+    codecs_k (compressed), every variant checked before it is timed."""
+    import torch
+
+    from shared.stream import HostStream
+
+    n, (T, D) = len(xs), xs[0].shape
+    repeats = q.get("repeats", HOST_REPEATS)
+    device = torch.cuda.get_device_name()
+    total = sum(x.numel() * 2 for x in xs)
+    mb = source["tensor_mb"]
+    base = dict(source, path="host_staged", tokens=T, channels=D, stream=n, target_cos=TARGET_COS, world="1 GPU")
+
+    def timed(mode, variant, chunk, call, case, schedule=None):
+        s = median_call_s(torch, call, HOST_WARMUP, repeats)
+        gbps = total / s / 1e9
+        res.add(backend="rans" if mode == "compressed" else "raw", mode=mode, variant=variant,
+                chunk_mb=chunk, schedule=schedule, metric="effective_gbps", value=gbps, unit="GB/s",
+                device=device, call_ms=1e3 * s, **case)
+        print(f"    {mode:10s} {variant:9s} chunk {chunk if chunk else '-':>5} MB "
+              f"{schedule or '':12s} {1e3 * s:9.2f} ms {gbps:7.1f} GB/s", flush=True)
+        return gbps
+
+    # the raw trips: checked bit-exact, then timed (the baselines of every codec below)
+    case = dict(base, k=D)
+    raw = HostStream(None)
+    exact = all(torch.equal(x, y) for x, y in zip(xs, raw.round_trip(xs)))
+    exact &= all(torch.equal(x, y) for x, y in zip(xs, raw_serial_trip(torch, xs)()))
+    print(f"{source['source']} D={D} {n} x {mb:g} MB host round trip: raw bit-exact "
+          f"({'matches' if exact else 'DIFFERS'})", flush=True)
+    if not exact:
+        raise RuntimeError(f"D={D} {mb} MB: a raw round trip came back wrong")
+    timed("raw", "serial", None, raw_serial_trip(torch, xs), case)
+    best_raw = 0.0
+    for ch in q.get("raw_chunks", HOST_RAW_CHUNKS_MB):
+        s = HostStream(None, chunk_mb=ch)
+        best_raw = max(best_raw, timed("raw", "pipelined", ch, lambda: s.round_trip(xs), case))
+    raw_one_way = {}
+    s = HostStream(None)
+    copy = s.offload(xs)
+    if not all(torch.equal(x, y) for x, y in zip(xs, s.fetch(copy))):
+        raise RuntimeError(f"D={D} {mb} MB: raw offload + fetch came back wrong")
+    for v, call in (("offload", lambda: s.offload(xs)), ("fetch", lambda: s.fetch(copy))):
+        raw_one_way[v] = timed("raw", v, s.chunk_bytes / 2**20, call, case)
+    del copy
+    for codec in codecs_k:
+        codecs = [codec] * n
+        case = dict(base, k=codec.basis.k, step=codec.quantizer.step)
+        # 1. correctness, before any timing
+        coded = HostStream(codecs)
+        cos = min(min(cos_mean(x, y) for x, y in zip(xs, coded.round_trip(xs))),
+                  min(cos_mean(x, y) for x, y in zip(xs, codec_serial_trip(torch, codecs, xs)())))
+        ratio = coded.last["ratio"]
+        print(f"  K={codec.basis.k}: compressed cos >= {cos:.5f} (target {TARGET_COS}), ratio {ratio:.2f}x",
+              flush=True)
+        if cos < TARGET_COS - COS_SLACK:
+            raise RuntimeError(f"D={D} K={codec.basis.k} {mb} MB: a compressed round trip came back at cos {cos:.5f}")
+        res.add(backend="rans", mode="compressed", metric="cos_min", value=cos, unit="cos", device=device, **case)
+        res.add(backend="rans", mode="compressed", metric="ratio", value=ratio, unit="x", device=device, **case)
+
+        # 2. timing: the same tensors, every variant in this run
+        timed("compressed", "serial", None, codec_serial_trip(torch, codecs, xs), case)
+        best, best_chunk, best_turns = 0.0, None, None
+        for turns in HOST_SCHEDULES:
+            for ch in q.get("codec_chunks", HOST_CODEC_CHUNKS_MB):
+                s = HostStream(codecs, chunk_mb=ch, take_turns=turns)
+                g = timed("compressed", "pipelined", ch, lambda: s.round_trip(xs), case, schedule=SCHEDULE[turns])
+                if g > best:
+                    best, best_chunk, best_turns = g, ch, turns
+        res.add(backend="rans", mode="compressed", variant="pipelined", chunk_mb=best_chunk,
+                schedule=SCHEDULE[best_turns], metric="speedup_vs_raw", value=best / best_raw, unit="x",
+                device=device, **case)
+        print(f"    => compressed {best / best_raw:.2f}x the best pipelined raw round trip "
+              f"(chunks of {best_chunk:g} MB, {SCHEDULE[best_turns]})", flush=True)
+        # 3. one direction at a time, as a KV offload moves: to pinned host memory now, back later
+        s = HostStream(codecs, chunk_mb=best_chunk)
+        copy = s.offload(xs)
+        if min(cos_mean(x, y) for x, y in zip(xs, s.fetch(copy))) < TARGET_COS - COS_SLACK:
+            raise RuntimeError(f"D={D} K={codec.basis.k} {mb} MB: offload + fetch came back wrong")
+        one_way = {v: timed("compressed", v, s.chunk_bytes / 2**20, call, case)
+                   for v, call in (("offload", lambda: s.offload(xs)), ("fetch", lambda: s.fetch(copy)))}
+        del copy
+        for v in ("offload", "fetch"):
+            res.add(backend="rans", mode="compressed", variant=v, chunk_mb=best_chunk,
+                    metric="speedup_vs_raw", value=one_way[v] / raw_one_way[v], unit="x", device=device, **case)
+        print(f"    => offload {one_way['offload'] / raw_one_way['offload']:.2f}x, fetch "
+              f"{one_way['fetch'] / raw_one_way['fetch']:.2f}x the raw copy's", flush=True)
+        # 4. where the time goes: the best pipeline's stages, from CUDA events
+        s = HostStream(codecs, chunk_mb=best_chunk, take_turns=best_turns)
+        for _ in range(HOST_WARMUP):  # graphs captured, kernels tuned: the steady state's timeline
+            s.round_trip(xs)
+        s.round_trip(xs, timeline=True)
+        for stage, k, t0, t1 in s.last["timeline"]:
+            res.add(backend=stage, mode="compressed", variant="pipelined", chunk_mb=best_chunk, chunk=k,
+                    schedule=SCHEDULE[best_turns], metric="stage_ms", value=t1 - t0, unit="ms", start_ms=t0,
+                    device=device, **case)
+        if profile:
+            for row in kernel_profile(torch, codecs[:1], xs[:1]):
+                res.add(backend=row["kernel"], mode="compressed", variant="kernel_only", direction=row["direction"],
+                        metric="kernel_us", value=row["us"], unit="us", device=device,
+                        **dict(case, tensor_mb=64, stream=1))
 
 def cos_mean(x, y) -> float:
     """Mean cosine over tokens of two [T, D] CUDA tensors (float32)."""
@@ -651,7 +713,7 @@ def best_rows(df):
     and schedule's (raw rows have k = channels)."""
     g = df[df.metric == "effective_gbps"].copy()
     g["k"] = g.k.fillna(g.channels).astype(int)
-    return g.groupby(["channels", "k", "tensor_mb", "mode", "variant"], as_index=False).value.max()
+    return g.groupby(["source", "channels", "k", "tensor_mb", "mode", "variant"], as_index=False).value.max()
 
 
 def plot(csv: Path | None = None, out: Path | None = None):
@@ -671,21 +733,22 @@ def plot(csv: Path | None = None, out: Path | None = None):
         if panel in ("host", "one_way"):
             best = best_rows(host if panel == "host" else one_way)
             first, second = ("pipelined", "serial") if panel == "host" else ("offload", "fetch")
-            keys = sorted({(D, K) for D, K in zip(best.channels, best.k)})
+            keys = sorted({(src, D, K) for src, D, K in zip(best.source, best.channels, best.k)})
             colors = {key: c for key, c in zip(keys, ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00"))}
-            for (D, K, mode, variant), g in best.groupby(["channels", "k", "mode", "variant"]):
+            for (src, D, K, mode, variant), g in best.groupby(["source", "channels", "k", "mode", "variant"]):
                 g = g.sort_values("tensor_mb")
-                ax.plot(g.tensor_mb, g.value, "-" if mode == "compressed" else "--", color=colors[D, K],
+                ax.plot(g.tensor_mb, g.value, "-" if mode == "compressed" else "--", color=colors[src, D, K],
                         marker="o" if variant == first else "x", alpha=1.0 if variant == first else 0.55,
-                        label=f"D={D}{f' K={K}' if K != D else ''}, {mode}, {variant}")
+                        label=f"{'' if src == 'synthetic' else src + ', '}D={D}{f' K={K}' if K != D else ''}, "
+                              f"{mode}, {variant}")
             for variant in (("pipelined",) if panel == "host" else ("offload", "fetch")):
                 rows = best[best.variant == variant]
-                raw = rows[rows["mode"] == "raw"].set_index(["channels", "tensor_mb"]).value
-                for _, r in rows[rows["mode"] == "compressed"].iterrows():  # x of raw, same width, size, direction
-                    if (r.channels, r.tensor_mb) in raw.index:
-                        ax.annotate(f"{r.value / raw[r.channels, r.tensor_mb]:.2f}x", (r.tensor_mb, r.value),
+                raw = rows[rows["mode"] == "raw"].set_index(["source", "channels", "tensor_mb"]).value
+                for _, r in rows[rows["mode"] == "compressed"].iterrows():  # x of raw, same tensors and direction
+                    if (r.source, r.channels, r.tensor_mb) in raw.index:
+                        ax.annotate(f"{r.value / raw[r.source, r.channels, r.tensor_mb]:.2f}x", (r.tensor_mb, r.value),
                                     textcoords="offset points", xytext=(0, 6 if variant == "offload" else -13),
-                                    ha="center", fontsize=8, color=colors[r.channels, r.k],
+                                    ha="center", fontsize=8, color=colors[r.source, r.channels, r.k],
                                     weight="bold" if variant != "offload" else "normal")
             what = ("GPU -> pinned host -> GPU in one call (labels: compressed / raw, both pipelined)"
                     if panel == "host" else "one way: offload GPU -> pinned host, fetch pinned host -> GPU "

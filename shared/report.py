@@ -618,39 +618,52 @@ def host_round_trip() -> str | None:
     df = _csv("15_p2p_multi_gpu")
     if df is None or "effective_gbps" not in set(df.metric):
         return None
+    df = df.assign(k=df.k.fillna(df.channels).astype(int)) if "k" in df else df.assign(k=df.channels)
+    if "schedule" not in df:
+        df = df.assign(schedule=None)
     t = df[df.metric == "effective_gbps"]
-    best = t.groupby(["channels", "tensor_mb", "mode", "variant"]).value.max()
-    chunk = t.loc[t.groupby(["channels", "tensor_mb", "mode", "variant"]).value.idxmax()].set_index(
-        ["channels", "tensor_mb", "mode", "variant"]).chunk_mb
-    q = df[df.metric.isin(["ratio", "cos_min"])].set_index(["channels", "tensor_mb", "metric"]).value
+    keys = ["source", "channels", "k", "tensor_mb", "mode", "variant"]
+    best = t.groupby(keys).value.max()
+    top = t.loc[t.groupby(keys).value.idxmax()].set_index(keys)
+
+    def where(*key):  # the best pipelined row's chunk size (and schedule, where timed both ways)
+        r = top.loc[key]
+        return f"{r.chunk_mb:g} MB" + (f", {str(r.schedule).replace('_', ' ')}" if isinstance(r.schedule, str) else "")
+
+    q = df[df.metric.isin(["ratio", "cos_min"])].set_index(["source", "channels", "k", "tensor_mb", "metric"]).value
     rows, one_way = [], []
-    for (D, mb), _ in t.groupby(["channels", "tensor_mb"]):
-        b = {k[2:]: v for k, v in best.items() if k[:2] == (D, mb)}
-        rows.append([f"{int(D)}", f"{int(t.stream.iloc[0])} x {mb:g} MB", f"{b[('raw', 'serial')]:.1f}",
-                     f"{b[('raw', 'pipelined')]:.1f} ({chunk[(D, mb, 'raw', 'pipelined')]:g} MB)",
+    n = int(t.stream.iloc[0])
+    for (src, D, K, mb), _ in t[t["mode"] == "compressed"].groupby(["source", "channels", "k", "tensor_mb"]):
+        b = {k[4:]: v for k, v in best.items() if k[:4] == (src, D, K, mb)}
+        r = {k[4:]: v for k, v in best.items() if k[:4] == (src, D, D, mb)}  # the raw rows of these tensors
+        rows.append([src, f"{int(D)}", f"{int(K)}", f"{n} x {mb:g} MB", f"{r[('raw', 'serial')]:.1f}",
+                     f"{r[('raw', 'pipelined')]:.1f} ({where(src, D, D, mb, 'raw', 'pipelined')})",
                      f"{b[('compressed', 'serial')]:.1f}",
-                     f"{b[('compressed', 'pipelined')]:.1f} ({chunk[(D, mb, 'compressed', 'pipelined')]:g} MB)",
-                     f"**{b[('compressed', 'pipelined')] / b[('raw', 'pipelined')]:.2f}x**",
-                     f"{q[(D, mb, 'ratio')]:.2f}x", f"{q[(D, mb, 'cos_min')]:.5f}"])
-        if ("raw", "offload") in b:
-            one_way.append([f"{int(D)}", f"{int(t.stream.iloc[0])} x {mb:g} MB"] + [
-                f"{b[('raw', v)]:.1f} / {b[('compressed', v)]:.1f} (**{b[('compressed', v)] / b[('raw', v)]:.2f}x**)"
+                     f"{b[('compressed', 'pipelined')]:.1f} ({where(src, D, K, mb, 'compressed', 'pipelined')})",
+                     f"**{b[('compressed', 'pipelined')] / r[('raw', 'pipelined')]:.2f}x**",
+                     f"{q[(src, D, K, mb, 'ratio')]:.2f}x", f"{q[(src, D, K, mb, 'cos_min')]:.5f}"])
+        if ("raw", "offload") in r and ("compressed", "offload") in b:
+            one_way.append([src, f"{int(D)}", f"{int(K)}", f"{n} x {mb:g} MB"] + [
+                f"{r[('raw', v)]:.1f} / {b[('compressed', v)]:.1f} (**{b[('compressed', v)] / r[('raw', v)]:.2f}x**)"
                 for v in ("offload", "fetch")])
     prof = df[df.metric == "kernel_us"]
     lines = []
-    for (D, direction), g in prof.groupby(["channels", "direction"]):
-        top = g.sort_values("value", ascending=False).head(3)
-        lines.append(f"D={int(D)} {direction} {g.value.sum():.0f} us (" +
-                     ", ".join(f"{_kernel_name(r.backend)} {r.value:.0f}" for r in top.itertuples()) + ")")
+    for (D, K, direction), g in prof.groupby(["channels", "k", "direction"]):
+        most = g.sort_values("value", ascending=False).head(3)
+        lines.append(f"D={int(D)}{f' K={int(K)}' if K != D else ''} {direction} {g.value.sum():.0f} us (" +
+                     ", ".join(f"{_kernel_name(r.backend)} {r.value:.0f}" for r in most.itertuples()) + ")")
     return ("Effective GB/s (original bf16 bytes / call time, the call from tensors on the GPU to tensors back on "
             "it, checked first: raw bit-exact, compressed at the cos shown) of `HostStream.round_trip`, GPU -> "
-            "pinned host -> the same GPU, synthetic heavy-tailed activations, every variant on the same tensors "
-            "in one run; pipelined rows give their best chunk size:\n\n"
-            + _table(rows, ["D", "tensors", "raw, serial", "raw, pipelined (chunk)", "compressed, serial",
+            "pinned host -> the same GPU, synthetic heavy-tailed activations and SmolLM2's layer-15 hidden states, every "
+            "variant on the same tensors "
+            "in one run; pipelined rows give their best chunk size and, compressed, the better schedule (encodes "
+            "and decodes in turns on the SMs, or side by side). K < D: the basis truncated to the components "
+            "water-filling keeps at the same cos target, beside the full one:\n\n"
+            + _table(rows, ["activations", "D", "K", "tensors", "raw, serial", "raw, pipelined (chunk)", "compressed, serial",
                             "compressed, pipelined (chunk)", "compressed / raw pipelined", "ratio", "cos (worst)"])
             + ("\n\nOne direction at a time, as a KV offload moves (`HostStream.offload`: GPU -> pinned host, "
                "checked by a `fetch` first; `HostStream.fetch`: pinned host -> GPU), effective GB/s raw / compressed "
-               "in the same run:\n\n" + _table(one_way, ["D", "tensors", "offload, raw / compressed",
+               "in the same run:\n\n" + _table(one_way, ["activations", "D", "K", "tensors", "offload, raw / compressed",
                                                           "fetch, raw / compressed"]) if one_way else "")
             + ("\n\nKernel-only GPU time of one 64 MB tensor (torch.profiler; not a transfer figure): "
                + "; ".join(lines) + "." if lines else "")

@@ -25,6 +25,9 @@ from .quant import PerChannelQuantizer
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL_PLANES = ROOT / "data" / "planes" / "real_planes.safetensors"
+# real activations for the GPU transfer benchmarks, a file of its own (small enough to travel with a run)
+HOST_ACTIVATIONS = ROOT / "data" / "planes" / "host_activations.safetensors"
+HIDDEN_LAYER, HIDDEN_CHUNKS, HIDDEN_CHUNK_TOKENS = 15, 16, 1024  # SmolLM2 hidden states exported there
 REAL_K = 128                          # components kept per tensor (divides every frame side 256..2048)
 LLM_LAYERS = (5, 15, 25)  # SmolLM2 layers exported (K and V of each)
 DIFF_SEEDS = range(4)     # diffusion seeds exported (10 classes x 20 steps each)
@@ -120,11 +123,65 @@ def real_planes(name: str) -> tuple[np.ndarray, str] | None:
         return f.get_tensor(name), json.loads(f.metadata()["sources"])[name]
 
 
+def smollm2_hidden_states(layer: int = HIDDEN_LAYER, n_chunks: int = HIDDEN_CHUNKS,
+                          chunk_tokens: int = HIDDEN_CHUNK_TOKENS) -> np.ndarray:
+    """float32 [n_chunks x chunk_tokens, 576]: the embedded SmolLM2's hidden states after `layer` (the
+    residual stream a split model hands over), each text chunk run alone, on the CPU."""
+    import torch
+
+    from . import llm
+
+    model, tokenizer = llm.load_smollm2()
+    ids = llm.text_chunks(tokenizer, n_chunks, chunk_tokens)
+    with torch.no_grad():
+        return torch.cat([model(ids[i:i + 1], output_hidden_states=True).hidden_states[layer][0].float()
+                          for i in range(n_chunks)]).numpy()
+
+
+def export_host_activations(path: Path = HOST_ACTIVATIONS) -> Path:
+    """SmolLM2's hidden states (float16: their range fits, and the bf16 a transfer sends keeps fewer
+    mantissa bits) -> a safetensors file of its own, for PoC 15's host round trip on a GPU machine."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    name = f"smollm2_hidden{HIDDEN_LAYER}"
+    x = smollm2_hidden_states()
+    if not np.isfinite(x).all() or np.abs(x).max() >= 65504:
+        raise ValueError(f"{name}: values beyond float16 (max |x| {np.abs(x).max():.4g}); export them as float32")
+    meta = {name: f"SmolLM2-135M-Instruct hidden states after layer {HIDDEN_LAYER}, {HIDDEN_CHUNKS} chunks x "
+                  f"{HIDDEN_CHUNK_TOKENS} tokens of the pydoc topics text, float16"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: x.astype(np.float16)}, str(path), metadata={"sources": json.dumps(meta)})
+    print(f"{name}: {x.shape} float16 ({x.size * 2 / 2**20:.1f} MiB) <- {meta[name]}\nwrote {path}")
+    return path
+
+
+def host_activations(name: str) -> tuple[np.ndarray, str] | None:
+    """(array, description) of an entry of the exported host activations (export_host_activations), or None
+    when the file or the entry is absent."""
+    if not HOST_ACTIVATIONS.exists():
+        return None
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(HOST_ACTIVATIONS), "numpy") as f:
+        if name not in f.keys():
+            return None
+        return f.get_tensor(name), json.loads(f.metadata()["sources"])[name]
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="export real quantized PCA planes for the GPU benchmarks")
-    ap.add_argument("command", choices=["export"])
-    ap.parse_args()
-    export_real_planes()
+    ap = argparse.ArgumentParser(description="export real activations for the GPU benchmarks: quantized PCA planes "
+                                             "(real_planes) and SmolLM2 hidden states (host_activations)")
+    ap.add_argument("command", choices=["export", "export-planes", "export-hidden"],
+                    help="export: both files; export-planes / export-hidden: one of them")
+    cmd = ap.parse_args().command
+    if cmd in ("export", "export-planes"):
+        export_real_planes()
+    if cmd in ("export", "export-hidden"):
+        export_host_activations()
 
 
 def benchmark_frames(size: int, n_frames: int, source: str = "llm_kv", seed: int = 0) -> tuple[np.ndarray, str]:
