@@ -369,8 +369,8 @@ def gpu_activations(torch, tokens: int, D: int, mix, gen):
     the GPU because a 4096 x 4096 rotation takes minutes on the CPU; without its AR(1) correlation
     between tokens, which a per-token codec does not use)."""
     scales = (torch.arange(D, device="cuda", dtype=torch.float32) + 1).pow(-0.5)
-    chi2 = torch.distributions.Chi2(torch.tensor(3.0, device="cuda"))
-    z = torch.randn(tokens, D, device="cuda", generator=gen).div_(chi2.sample((tokens, D)).div_(3).sqrt_())
+    chi2 = sum(torch.randn(tokens, D, device="cuda", generator=gen).square_() for _ in range(3))  # 3 degrees, from gen
+    z = torch.randn(tokens, D, device="cuda", generator=gen).div_(chi2.div_(3).sqrt_())
     rotation, offset = mix
     return (z.mul_(scales) @ rotation.T + offset).bfloat16()
 

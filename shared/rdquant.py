@@ -376,11 +376,14 @@ def find_step(coeffs, target: float, metric: str = "cos", reconstruct: Callable 
         approx = recon(q.dequantize(q.quantize(c)))
         return quality(ref, approx if _is_torch(ref) else _to_np64(approx), metric)
 
-    lo, hi = math.log(rms * 1e-6), math.log(cmax * 4 + rms)
+    # the finest step tried: 1e-6 of the RMS, but no finer than keeps every symbol within int32 (heavy
+    # tails put the largest coefficient thousands of RMS out)
+    lo, hi = math.log(max(rms * 1e-6, cmax / 2**30)), math.log(cmax * 4 + rms)
     if not meets(score(math.exp(lo)), target, metric):
         raise InvalidTensorError(
-            f"no quantization step reaches {metric} {target}: even a step of 1e-6 x RMS gives "
-            f"{score(math.exp(lo)):.6g}; the target is beyond what the basis (K components) allows")
+            f"no quantization step reaches {metric} {target}: even a step of {math.exp(lo):.3g} (1e-6 x RMS, or "
+            f"the finest that keeps symbols within int32) gives {score(math.exp(lo)):.6g}; the target is beyond "
+            "what the basis (K components) allows")
     if meets(score(math.exp(hi)), target, metric):
         return make(math.exp(hi))
     for _ in range(iters):
