@@ -45,6 +45,21 @@ def test_find_step_meets_target_and_is_nearly_the_largest(metric, target):
     assert worse < target if metric == "cos" else worse > target
 
 
+def test_a_coefficient_thousands_of_rms_out_still_gets_a_step_within_int32():
+    """Heavy tails put the largest coefficient far out: the search must not try steps so fine that its
+    symbol leaves int32 (that raised before a step meeting the target was found)."""
+    import torch
+
+    rng = np.random.default_rng(1)
+    coeffs = rng.standard_normal((1 << 20, 8)).astype(np.float32)
+    coeffs[7, 3] = 1e5  # |c| / RMS about 2900 (the RMS counts it too): beyond 2^31 x 1e-6
+    c = torch.from_numpy(coeffs)  # the torch path refuses symbols beyond int32
+    q = find_step(c, 0.999)
+    symbols = q.quantize(c)
+    assert int(symbols.abs().max()) < 2**31 - 1
+    assert quality(c.double(), q.dequantize(symbols).double(), "cos") >= 0.999
+
+
 def test_lower_quality_target_gives_larger_step():
     x, mean, comps, coeffs = pca_setup()
     steps = [find_step(coeffs, t, reconstruct=lambda c: c @ comps.T + mean, reference=x).step
