@@ -5,7 +5,7 @@ and does a basis truncated to the components the step keeps lift the wide (D = 4
    per chunk), then the host side of the same call from torch.profiler: the CUDA runtime calls that block
    the host (synchronizations, allocations), per thread, with their total time.
 2. Truncation: the same tensors' codec at full rank K = D and at the K that water-filling keeps for the cos
-   target (rounded up to a multiple of 128), each round trip checked (cos) before it is timed beside the
+   target (PoC 15's host_codec(truncate=True)), each round trip checked (cos) before it is timed beside the
    pipelined raw trip.
 
     python3 dev/profile_round_trip.py [--width 1024] [--mb 256] [--n 8] [--trace out.json] [--truncate]
@@ -34,14 +34,22 @@ ap.add_argument("--by-component", action="store_true", help="profile the codec w
 a = ap.parse_args()
 
 gen = torch.Generator(device="cuda").manual_seed(0)
-codec, mix = poc15.host_codec(torch, a.width, gen)
+(codec, *shorter), mix = poc15.host_codec(torch, a.width, gen, truncate=a.truncate)
 T = int(a.mb * 2**20) // (2 * a.width)
 xs = [poc15.gpu_activations(torch, T, a.width, mix, gen) for _ in range(a.n)]
 total = sum(2 * x.numel() for x in xs)
 
 
-def cos_min(ys):
-    return min(poc15.cos_mean(x, y) for x, y in zip(xs, ys))
+def time_stream(label, stream):
+    """Check stream's round trip (cos), then time it, its offload and its fetch; print one line."""
+    cm = min(poc15.cos_mean(x, y) for x, y in zip(xs, stream.round_trip(xs)))
+    s = poc15.median_call_s(torch, lambda: stream.round_trip(xs), 3, 5)
+    off = poc15.median_call_s(torch, lambda: stream.offload(xs), 3, 5)
+    copy = stream.offload(xs)
+    fetch = poc15.median_call_s(torch, lambda: stream.fetch(copy), 3, 5)
+    print(f"{label}: cos_min {cm:.5f}, ratio {stream.last['ratio']:.2f}x, round trip {1e3 * s:.2f} ms "
+          f"{total / s / 1e9:.1f} GB/s ({raw_s / s:.2f}x raw); offload {total / off / 1e9:.1f}, "
+          f"fetch {total / fetch / 1e9:.1f} GB/s")
 
 
 raw = HostStream(None)
@@ -53,16 +61,8 @@ print(f"{a.n} x [{T}, {a.width}] bf16: raw pipelined round trip bit-exact, best 
 by_component = TensorCodec(codec.basis, backend="rans", step=codec.quantizer.step, lanes_by_component=True)
 for turns in (False, True):
     for name, c in (("by token", codec), ("by component", by_component)):
-        stream = HostStream([c] * a.n, chunk_mb=a.chunk_mb, take_turns=turns)
-        cm = cos_min(stream.round_trip(xs))
-        s = poc15.median_call_s(torch, lambda: stream.round_trip(xs), 3, 5)
-        off = poc15.median_call_s(torch, lambda: stream.offload(xs), 3, 5)
-        copy = stream.offload(xs)
-        fetch = poc15.median_call_s(torch, lambda: stream.fetch(copy), 3, 5)
-        print(f"{'taking turns' if turns else 'side by side':12s} lanes {name:12s}: cos_min {cm:.5f}, ratio "
-              f"{stream.last['ratio']:.2f}x, round trip {1e3 * s:.2f} ms {total / s / 1e9:.1f} GB/s ({raw_s / s:.2f}x raw); "
-              f"offload {total / off / 1e9:.1f}, fetch {total / fetch / 1e9:.1f} GB/s")
-        del copy
+        time_stream(f"{'taking turns' if turns else 'side by side':12s} lanes {name:12s}",
+                    HostStream([c] * a.n, chunk_mb=a.chunk_mb, take_turns=turns))
 # kernel-only, one tensor: which kernels each lane order spends its time in
 for name, c in (("by token", codec), ("by component", by_component)):
     rows = poc15.kernel_profile(torch, [c], xs[:1])
@@ -99,30 +99,6 @@ print("thread  calls  total_ms  host call (time spent in it)")
 for (thread, name), (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:25]:
     print(f"{thread:>6} {n:6d} {us / 1e3:9.3f}  {name}")
 
-# 2. the basis truncated to the components water-filling keeps at the cos target
-if a.truncate:
-    from shared.basis import fit_basis_torch
-    from shared.rdquant import find_step
-
-    gen2 = torch.Generator(device="cuda").manual_seed(1)
-    calib = poc15.gpu_activations(torch, poc15.HOST_CALIB_TOKENS, a.width, mix, gen2).float()
-    full = fit_basis_torch(calib, k=a.width)
-    mean, comps = torch.as_tensor(full.mean, device="cuda"), torch.as_tensor(full.components, device="cuda")
-    wf = find_step((calib - mean) @ comps, poc15.TARGET_COS, "cos", reconstruct=lambda c: c @ comps.T + mean,
-                   reference=calib, water_fill=True)
-    kept = int(wf.keep.sum())
-    for K in sorted({min(a.width, -(-kept // 128) * 128), a.width}):
-        b = full.truncate(K)
-        ck = comps[:, :K]
-        step = find_step((calib - mean) @ ck, poc15.TARGET_COS, "cos", reconstruct=lambda c, ck=ck: c @ ck.T + mean,
-                         reference=calib).step
-        c = TensorCodec(b, backend="rans", step=step)
-        st = HostStream([c] * a.n, chunk_mb=a.chunk_mb)
-        cm = cos_min(st.round_trip(xs))
-        s = poc15.median_call_s(torch, lambda: st.round_trip(xs), 3, 5)
-        off = poc15.median_call_s(torch, lambda: st.offload(xs), 3, 5)
-        copy = st.offload(xs)
-        fetch = poc15.median_call_s(torch, lambda: st.fetch(copy), 3, 5)
-        print(f"K={K:5d} (water-filling keeps {kept}) step {step:.4f}: cos_min {cm:.5f}, ratio {st.last['ratio']:.2f}x, "
-              f"round trip {total / s / 1e9:.1f} GB/s ({raw_s / s:.2f}x raw), offload {total / off / 1e9:.1f}, "
-              f"fetch {total / fetch / 1e9:.1f} GB/s")
+# 2. the basis truncated to the components water-filling keeps at the cos target (where that is shorter)
+for c in [codec, *shorter] if a.truncate else []:
+    time_stream(f"K={c.basis.k:5d} step {c.quantizer.step:.4f}", HostStream([c] * a.n, chunk_mb=a.chunk_mb))

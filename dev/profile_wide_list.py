@@ -23,7 +23,7 @@ ap.add_argument("--lane-tokens", type=int, default=None, help="tokens per rANS l
 ap.add_argument("--no-profile", action="store_true")
 a = ap.parse_args()
 gen = torch.Generator(device="cuda").manual_seed(0)
-codec, mix = poc15.host_codec(torch, a.width, gen)
+(codec, *_), mix = poc15.host_codec(torch, a.width, gen)
 codec.lane_tokens = a.lane_tokens
 T = int(a.mb * 2**20) // (2 * a.width)
 xs = [poc15.gpu_activations(torch, T, a.width, mix, gen) for _ in range(a.n)]

@@ -376,33 +376,39 @@ def gpu_activations(torch, tokens: int, D: int, mix, gen):
 
 
 def host_codec(torch, D: int, gen, truncate: bool = False):
-    """A compute codec for D-wide activations: the PCA basis of HOST_CALIB_TOKENS calibration tokens and the
-    step meeting TARGET_COS on them (both fitted on the GPU); and the rotation and offset the tensors share.
-    truncate: a list of that codec and, where it is shorter, one whose basis keeps only the components that
-    water-filling at that target codes (variance >= step^2 / 12; the others quantize to zero anyway), rounded
-    up to a multiple of TRUNCATE_MULTIPLE, its step searched again with the truncation's error counted: its
-    projection GEMMs and its coder work on K < D components."""
+    """Compute codecs for D-wide synthetic activations, fitted on HOST_CALIB_TOKENS calibration tokens
+    (calibrated_codecs), and the rotation and offset the tensors share: ([codec, ...], mix)."""
+    mix = (torch.linalg.qr(torch.randn(D, D, device="cuda", generator=gen))[0],
+           0.5 * torch.randn(D, device="cuda", generator=gen))
+    calib = gpu_activations(torch, HOST_CALIB_TOKENS, D, mix, gen).float()
+    return calibrated_codecs(torch, calib, truncate, model="synthetic", layer=f"activation D={D}"), mix
+
+
+def calibrated_codecs(torch, calib, truncate: bool = False, **meta) -> list:
+    """[the compute codec of calib (float32 [T, D] on the GPU): its PCA basis and the step meeting TARGET_COS
+    on it, both fitted on the GPU]; with truncate, also, where it is shorter, one whose basis keeps only the
+    components that water-filling at that target codes (variance >= step^2 / 12; the others quantize to zero
+    anyway), rounded up to a multiple of TRUNCATE_MULTIPLE, its step searched again with the truncation's
+    error counted: its projection GEMMs and its coder work on K < D components."""
     from shared.basis import fit_basis_torch
     from shared.pipeline import TensorCodec
     from shared.rdquant import find_step
 
-    mix = (torch.linalg.qr(torch.randn(D, D, device="cuda", generator=gen))[0],
-           0.5 * torch.randn(D, device="cuda", generator=gen))
-    calib = gpu_activations(torch, HOST_CALIB_TOKENS, D, mix, gen).float()
-    basis = fit_basis_torch(calib, k=D, model="synthetic", layer=f"activation D={D}")
+    D = calib.shape[1]
+    basis = fit_basis_torch(calib, k=D, **meta)
     mean, comps = torch.as_tensor(basis.mean, device="cuda"), torch.as_tensor(basis.components, device="cuda")
 
     def search(comps, water_fill=False):
         return find_step((calib - mean) @ comps, TARGET_COS, "cos", reconstruct=lambda c: c @ comps.T + mean,
                          reference=calib, water_fill=water_fill)
 
-    full = TensorCodec(basis, backend="rans", step=search(comps).step)
-    if not truncate:
-        return full, mix
-    kept = int(search(comps, water_fill=True).keep.sum())
-    K = min(D, -(-kept // TRUNCATE_MULTIPLE) * TRUNCATE_MULTIPLE)
-    short = comps[:, :K].contiguous()
-    return [full] + ([TensorCodec(basis.truncate(K), backend="rans", step=search(short).step)] if K < D else []), mix
+    codecs = [TensorCodec(basis, backend="rans", step=search(comps).step)]
+    if truncate:
+        kept = int(search(comps, water_fill=True).keep.sum())
+        K = min(D, -(-kept // TRUNCATE_MULTIPLE) * TRUNCATE_MULTIPLE)
+        if K < D:
+            codecs.append(TensorCodec(basis.truncate(K), backend="rans", step=search(comps[:, :K].contiguous()).step))
+    return codecs
 
 
 def median_call_s(torch, call, warmup: int, repeats: int) -> float:
@@ -489,7 +495,6 @@ def host_round_trips(res: ResultsWriter, quick: bool, widths=None, sizes=None, p
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     for D in widths:
         codecs_k, mix = host_codec(torch, D, gen, truncate=D in HOST_TRUNCATE_WIDTHS)
-        codecs_k = codecs_k if isinstance(codecs_k, list) else [codecs_k]
         for mb in sizes:
             T = int(mb * 2**20) // (2 * D)
             xs = [gpu_activations(torch, T, D, mix, gen) for _ in range(n)]
@@ -505,26 +510,18 @@ def host_real_case(res: ResultsWriter, q: dict):
     step fitted on the first HOST_REAL_CALIB_TOKENS tokens, the rest rolled into the stream's tensors."""
     import torch
 
-    from shared.basis import fit_basis_torch
-    from shared.pipeline import TensorCodec
-    from shared.rdquant import find_step
-
     states, label = host_hidden_states()
     if states is None:
         print(f"real activations skipped: {label}")
         return
     x = torch.as_tensor(states, device="cuda").float()
     calib, rest = x[:HOST_REAL_CALIB_TOKENS], x[HOST_REAL_CALIB_TOKENS:]
-    basis = fit_basis_torch(calib, k=x.shape[1], model="SmolLM2-135M", layer=f"hidden.{HOST_REAL_LAYER}")
-    mean, comps = torch.as_tensor(basis.mean, device="cuda"), torch.as_tensor(basis.components, device="cuda")
-    step = find_step((calib - mean) @ comps, TARGET_COS, "cos", reconstruct=lambda c: c @ comps.T + mean,
-                     reference=calib).step
-    codec = TensorCodec(basis, backend="rans", step=step)
+    codecs = calibrated_codecs(torch, calib, model="SmolLM2-135M", layer=f"hidden.{HOST_REAL_LAYER}")
     n = q.get("tensors", HOST_TENSORS)
     print(f"SmolLM2 hidden states ({label}): {tuple(x.shape)}, basis and step on {HOST_REAL_CALIB_TOKENS} tokens")
     for T in HOST_REAL_TOKENS:
         xs = [torch.roll(rest, shifts=-i * ROLL_TOKENS, dims=0)[:T].bfloat16().contiguous() for i in range(n)]
-        host_case(res, xs, [codec], dict(source=f"smollm2_hidden{HOST_REAL_LAYER}", tensor_mb=round(T * x.shape[1] * 2 / 2**20, 2)),
+        host_case(res, xs, codecs, dict(source=f"smollm2_hidden{HOST_REAL_LAYER}", tensor_mb=round(T * x.shape[1] * 2 / 2**20, 2)),
                   q, False)
 
 

@@ -111,13 +111,19 @@ def real_planes(name: str) -> tuple[np.ndarray, str] | None:
     """(array, description) from the exported file: planes "llm_kv" / "diffusion" ([T, 128] uint8) or the
     activations "act_llm_k15" / "act_llm_v15" ([6 x 1024, 192] float32) and "act_diffusion" (6 seeds' image
     stream at one sampler step, [6 x 640, 128] float32); None when the file or the entry is absent."""
-    if not REAL_PLANES.exists():
+    return _exported(REAL_PLANES, name)
+
+
+def _exported(path: Path, name: str) -> tuple[np.ndarray, str] | None:
+    """(array, description) of entry `name` of an exported safetensors file (its metadata "sources" maps
+    each entry to its description), or None when the file or the entry is absent."""
+    if not path.exists():
         return None
     import json
 
     from safetensors import safe_open
 
-    with safe_open(str(REAL_PLANES), "numpy") as f:
+    with safe_open(str(path), "numpy") as f:
         if name not in f.keys():
             return None
         return f.get_tensor(name), json.loads(f.metadata()["sources"])[name]
@@ -160,16 +166,7 @@ def export_host_activations(path: Path = HOST_ACTIVATIONS) -> Path:
 def host_activations(name: str) -> tuple[np.ndarray, str] | None:
     """(array, description) of an entry of the exported host activations (export_host_activations), or None
     when the file or the entry is absent."""
-    if not HOST_ACTIVATIONS.exists():
-        return None
-    import json
-
-    from safetensors import safe_open
-
-    with safe_open(str(HOST_ACTIVATIONS), "numpy") as f:
-        if name not in f.keys():
-            return None
-        return f.get_tensor(name), json.loads(f.metadata()["sources"])[name]
+    return _exported(HOST_ACTIVATIONS, name)
 
 
 if __name__ == "__main__":
