@@ -92,7 +92,7 @@ from shared import llm  # noqa: E402
 from shared.basis import PCABasis, fit_basis, leave_one_out  # noqa: E402
 from shared.errors import BackendUnavailable, CodecError  # noqa: E402
 from shared.kvcodec import (KVCodec, TensorTransform, allocate_by_sensitivity, calibrate_scale, fit_kv_codec,  # noqa: E402
-                            fit_transform, query_metric, rope_of, value_metric)
+                            fit_transform, query_metric, rope_of, shipped_path, value_metric)
 from shared.pipeline import TensorCodec  # noqa: E402
 from shared.results import ROOT, ResultsWriter, announce, apply_style, load, save_figure  # noqa: E402
 
@@ -409,9 +409,12 @@ CODEC_VARIANTS = {  # curve name -> options (each idea alone, then together)
     "codec + per-head bases": dict(per_head=True),
     "codec, all but the allocation": dict(sink=SINK, pre_rope=True, weighted=True),
     "codec, all ideas": dict(sink=SINK, pre_rope=True, weighted=True, alloc=True),
+    # keys coded as attention reads them (after RoPE): attention can then run on both coefficient rows
+    "codec, all ideas but keys after RoPE": dict(sink=SINK, weighted=True, alloc=True),
     **{f"codec, all ideas + last {r} tokens raw": dict(recent=r) for r in RECENT},  # the same tables as all ideas
 }
 BEST = "codec, all ideas"
+AFTER_ROPE = "codec, all ideas but keys after RoPE"   # the part `after_rope` calibrates it as BEST is
 
 
 class Fit:
@@ -478,7 +481,7 @@ def prefix_of(kv) -> int:
 
 
 def calibrated_rows(res, codec: KVCodec, calib: Scorer, held: Scorer, coder: str, targets, prefix: int,
-                    settings: dict, cal_spec: tuple):
+                    settings: dict, cal_spec: tuple, variant: str = BEST, part: str = "best"):
     """For each target: the codec's scale calibrated on the calibration windows (calibrate_scale's
     rule: change + CALIB_Z x SE <= target there, the SE the larger of per token and over windows),
     stored in its codec file, then measured on the held-out windows."""
@@ -498,19 +501,19 @@ def calibrated_rows(res, codec: KVCodec, calib: Scorer, held: Scorer, coder: str
                           calibration_tokens=n_cal * (calib.chunks.shape[1] - prefix - 1),
                           calibration_text=f"{llm.TEXT_SOURCE}, tokens {cal_spec[0]}.. in windows of {cal_spec[2]} "
                                            f"every {cal_spec[3]}")
-        path = CODEC_DIR / f"smollm2_p{prefix}_target{100 * target:g}pct.safetensors"
+        path = CODEC_DIR / shipped_path("smollm2", 100 * target, prefix, keys_after_rope=not codec.pre_rope).name
         codec.save(path)
         out = held.run(f"{codec.meta['hash']} scale {codec.scale}", codec_method(codec, coder), len(held.chunks))
-        row(res, f"{BEST}, calibrated for a target", f"{BEST}, calibrated for <= +{100 * target:g}%", out,
+        row(res, f"{variant}, calibrated for a target", f"{variant}, calibrated for <= +{100 * target:g}%", out,
             scale=codec.scale, target=target, calibrated_change=codec.meta["calibrated_ppl_change"],
             calibrated_se=codec.meta["calibrated_se"], calibration_z=CALIB_Z,
             calibration_tokens=codec.meta["calibration_tokens"], target_met=bool(out["change"] <= target + out["se_token"]),
             calibration_points=json.dumps(codec.meta["calibration_points"]), codec_hash=codec.meta["hash"],
-            codec_file=str(path.relative_to(ROOT)), part="best", **settings)
+            codec_file=str(path.relative_to(ROOT)), part=part, **settings)
 
 
 def llm_prefix_rows(res, model, tokenizer, prefix: int, spec: dict, fit: Fit, parts: list[str], main: bool,
-                    n_ablation: int, quick: bool):
+                    n_ablation: int, quick: bool, targets=TARGETS):
     """Rows of one prefix length: at the main prefix the peers, the ablation curves and the codec with
     all ideas (its scales and its calibrated operating points); at a long prefix the headline peers and
     the codec with all ideas, calibrated again at that length (its own calibration windows)."""
@@ -536,7 +539,7 @@ def llm_prefix_rows(res, model, tokenizer, prefix: int, spec: dict, fit: Fit, pa
             row(res, "compute codec as shipped (target cos)", label,
                 held.run(label, shipped_codec_method(fit.kv, cos), n_abl), threshold=cos, part="peers", **settings)
     if "ablation" in parts and main:
-        names = [n for n in CODEC_VARIANTS if n != BEST]
+        names = [n for n in CODEC_VARIANTS if n not in (BEST, AFTER_ROPE)]
         for name in [names[0], names[-1]] if quick else names:
             codec = fit.codec(name)
             coder = kv_coder(codec, held.kv[0][0][0]) if device.type == "cuda" else "cpu"
@@ -553,8 +556,14 @@ def llm_prefix_rows(res, model, tokenizer, prefix: int, spec: dict, fit: Fit, pa
                 **settings)
         calib_chunks = text_windows(tokenizer, *spec["calib"])
         calib = Scorer(model, calib_chunks, prefix_kv(model, calib_chunks, prefix), f"calib_p{prefix}")
-        calibrated_rows(res, codec, calib, held, coder, TARGETS[:1] if quick else TARGETS, prefix, settings,
+        calibrated_rows(res, codec, calib, held, coder, TARGETS[:1] if quick else targets, prefix, settings,
                         spec["calib"])
+    if "after_rope" in parts and main:  # the operating points again with keys coded after RoPE
+        codec = fit.codec(AFTER_ROPE)
+        calib_chunks = text_windows(tokenizer, *spec["calib"])
+        calib = Scorer(model, calib_chunks, prefix_kv(model, calib_chunks, prefix), f"calib_p{prefix}")
+        calibrated_rows(res, codec, calib, held, kv_coder(codec, held.kv[0][0][0]), TARGETS[:1] if quick else targets,
+                        prefix, settings, spec["calib"], variant=AFTER_ROPE, part="after_rope")
 
 
 def summary_rows(res: ResultsWriter, df: pd.DataFrame):
@@ -569,7 +578,7 @@ def summary_rows(res: ResultsWriter, df: pd.DataFrame):
 
 
 def llm_rows(res: ResultsWriter, quick: bool, n_eval: int | None, prefixes: list[int], parts: list[str],
-             n_ablation: int | None = None, n_long: int | None = None, device: str = "cpu"):
+             n_ablation: int | None = None, n_long: int | None = None, device: str = "cpu", targets=TARGETS):
     if device == "cpu":
         torch.set_num_threads(1)  # on a shared 2-core machine more threads spin waiting for cores
     else:
@@ -584,7 +593,8 @@ def llm_rows(res: ResultsWriter, quick: bool, n_eval: int | None, prefixes: list
     print(f"fit text captured ({len(fit.kv)} chunks of {main_prefix} tokens)  [{elapsed()}]")
     for prefix in prefixes:
         spec = protocol(prefix, main_prefix, quick, n_eval, n_long)
-        llm_prefix_rows(res, model, tokenizer, prefix, spec, fit, parts, prefix == main_prefix, n_ablation, quick)
+        llm_prefix_rows(res, model, tokenizer, prefix, spec, fit, parts, prefix == main_prefix, n_ablation, quick,
+                        targets)
 
 
 # ---------------------------------------------------------------- diffusion: images from coded activations
@@ -949,14 +959,14 @@ def run(quick: bool, domains: list[str], args) -> ResultsWriter:
     res = ResultsWriter("05", "downstream_quality", gpu=args.device != "cpu")
     if "llm" in domains:
         llm_rows(res, quick, args.eval_chunks, args.prefixes, llm_parts(args.part), args.ablation_chunks,
-                 args.long_chunks, args.device)
+                 args.long_chunks, args.device, [t / 100 for t in args.targets] if args.targets else TARGETS)
     if "diffusion" in domains:
         diffusion_rows(res, quick, args.eval_seeds)
     return res
 
 
 def llm_parts(part: str) -> list[str]:
-    return ["peers", "ablation", "best"] if part == "all" else [part]
+    return ["peers", "ablation", "best", "after_rope"] if part == "all" else [part]
 
 
 def save(res: ResultsWriter, domains: list[str], prefixes: list[int] | None = None,
@@ -1195,7 +1205,9 @@ if __name__ == "__main__":
     ap.add_argument("--prefixes", type=int, nargs="+",
                     help=f"cache lengths to measure (default {PREFIX} {' '.join(map(str, LONG_PREFIXES))}; "
                          f"{PREFIX} is the main protocol with the ablations); rows of other prefixes stay in the CSV")
-    ap.add_argument("--part", choices=["all", "peers", "best", "ablation"], default="all",
+    ap.add_argument("--targets", type=float, nargs="+", help="perplexity-change targets calibrated for, percent "
+                    f"(default {' '.join(f'{100 * t:g}' for t in TARGETS)})")
+    ap.add_argument("--part", choices=["all", "peers", "best", "ablation", "after_rope"], default="all",
                     help="measure part of the LLM methods; rows of the other parts stay in the CSV")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the CSV")
     ap.add_argument("--summarize", action="store_true", help="recompute the diffusion summary rows from the CSV")

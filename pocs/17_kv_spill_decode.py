@@ -90,6 +90,11 @@ CHUNK_TOKENS = 1024                                    # recent-window tokens be
 COEFFICIENTS = True                                    # time compressed_coefficients too (needs CUDA graphs)
 KV_CODEC_PATH = True                                   # time compressed_kv_codec too: the KV codec's path
 KV_SINK = 4                                            # its raw first tokens per layer (as the shipped codec)
+KV_CODEC_KEYS_AFTER_ROPE = True                        # the KV codec variant that codes keys as attention reads them
+                                                       # (after RoPE): attention runs on its coefficient rows; False:
+                                                       # keys before RoPE, reconstructed and rotated at each fetch
+KV_CODEC_RATIO_STEPS = 16                              # bisection steps of the step multiplier that gives the timing
+                                                       # model's KV the ratio the setting reaches on SmolLM2
 SPLIT_TOKENS = 1024                                    # attention on coefficients: tokens per slice of p R_v
 LANE_TOKENS = 256                                      # rANS lane length: a layer's KV decodes in 4x fewer
                                                        # sequential steps than at the default 1024 (blobs ~2% larger)
@@ -468,27 +473,80 @@ def decode_api(cache) -> str:
                "with the reconstruction GEMM into the staging slot") + "; payload checks read once per step")
 
 
-def kv_codec_on_prompt(model: "RandomDecoder", kv, device):
+def setting_ratio(target_pct: float = None) -> float | None:
+    """The compression ratio the KV codec setting timed here reaches on SmolLM2's held-out text: PoC 05's
+    row of the codec calibrated for +target_pct % (keys after or before RoPE as KV_CODEC_KEYS_AFTER_ROPE),
+    at its 512-token cache; None where results/05_downstream_quality.csv holds no such row."""
+    target_pct = KV_CODEC_TARGET if target_pct is None else target_pct
+    curve = ("codec, all ideas but keys after RoPE" if KV_CODEC_KEYS_AFTER_ROPE else "codec, all ideas") \
+        + ", calibrated for a target"
+    try:
+        df = load("05_downstream_quality")
+    except FileNotFoundError:
+        return None
+    rows = df[(df.curve == curve) & (df.metric == "perplexity_change") & (df.prefix == 512)
+              & ((df.target - target_pct / 100).abs() < 1e-9)]
+    return float(rows.ratio.iloc[-1]) if len(rows) else None
+
+
+def coded_bits(sampled, transforms, multiplier: float) -> float:
+    """Bits the sampled rows' quantized coefficients take at their empirical entropy (per component: what
+    the rANS coder's tables reach, less their headers), every step times `multiplier`."""
+    bits = 0.0
+    for i, rows in enumerate(sampled):
+        for kind, x in zip("kv", rows):
+            t = transforms[(i, kind)]
+            mean, A = (torch.as_tensor(a, device=x.device) for a in (t.mean, t.analysis))
+            symbols = torch.round((x - mean) @ A / (t.unit * multiplier)).to(torch.int64)
+            symbols -= symbols.min(0).values
+            span = int(symbols.max()) + 1
+            counts = torch.bincount((symbols + span * torch.arange(symbols.shape[1], device=x.device)).flatten(),
+                                    minlength=span * symbols.shape[1]).view(symbols.shape[1], span).double()
+            p = counts / symbols.shape[0]
+            bits += float(-(counts * torch.log2(p.clamp_min(1e-300))).sum())
+    return bits
+
+
+def kv_codec_on_prompt(model: "RandomDecoder", kv, device, ratio: float | None = None):
     """The attention-aware KV codec's path on the timing model (shared.kvcodec.KVCodec through
-    SpillCache.from_kv_codec): the first KV_SINK tokens raw, keys coded before RoPE at their absolute
-    positions and rotated forward again inside the decode's graph. The random model has no attention
-    worth weighting, so its transforms are plain PCA of the pre-RoPE keys and of the values, with steps
-    found as fit_codecs_on_prompt finds them: the same coding, plus the KV codec's work around it."""
+    SpillCache.from_kv_codec): the first KV_SINK tokens raw and, as KV_CODEC_KEYS_AFTER_ROPE says, keys
+    coded as attention reads them, or before RoPE at their absolute positions and rotated forward again
+    inside the decode's graph. The random model has no attention worth weighting and no perplexity to
+    calibrate on, so its transforms are plain PCA of the (pre-RoPE) keys and of the values, and its
+    steps are either those fit_codecs_on_prompt finds (SEARCH_COS) or, given `ratio` (the ratio the
+    setting reaches on SmolLM2), those times one multiplier that gives the prompt sample's entropy that
+    ratio: the bytes the setting would move, the quality of those bytes measured on SmolLM2, not here."""
     from shared.kvcodec import KVCodec, Rope, TensorTransform
 
     rope = Rope(model.inv_freq.double().cpu().numpy())
+    pre_rope = not KV_CODEC_KEYS_AFTER_ROPE
     sampled = []
     for k_rows, v_rows in kv:
         stride = max(1, (k_rows.shape[0] - KV_SINK) // BASIS_SAMPLE)
         positions = torch.arange(KV_SINK, k_rows.shape[0], stride)[:BASIS_SAMPLE]
-        k = rope._apply(k_rows[positions].to(device).float(), positions.to(device), -1)  # back to before RoPE
+        k = k_rows[positions].to(device).float()
+        if pre_rope:
+            k = rope._apply(k, positions.to(device), -1)  # back to before RoPE
         sampled.append((k, v_rows[positions].to(device).float()))
     codecs, _ = fit_codecs_on_prompt(sampled, progress=False, device=device)
     transforms = {(i, kind): TensorTransform(c.basis.mean, c.basis.components, np.ascontiguousarray(c.basis.components.T),
                                              c.quantizer.step)
                   for i, pair in enumerate(codecs) for kind, c in zip("kv", pair)}
-    return KVCodec(transforms, sink=KV_SINK, pre_rope=True, rope=rope,
-                   meta={"model": "random-32b-shape", "hash": f"timing-{SEED}"})
+    multiplier = 1.0
+    if ratio is not None:  # bisection in log space: the entropy falls as the steps grow
+        sample = [(k[:STEP_SAMPLE], v[:STEP_SAMPLE]) for k, v in sampled]
+        bf16_bits = 16 * sum(k.numel() + v.numel() for k, v in sample)
+        low, high = -4.0, 6.0  # log2 of the multiplier
+        for _ in range(KV_CODEC_RATIO_STEPS):
+            mid = (low + high) / 2
+            if bf16_bits / coded_bits(sample, transforms, 2 ** mid) < ratio:
+                low = mid
+            else:
+                high = mid
+        multiplier = 2 ** high
+    codec = KVCodec(transforms, sink=KV_SINK, pre_rope=pre_rope, rope=rope if pre_rope else None, scale=multiplier,
+                    meta={"model": "random-32b-shape", "hash": f"timing-{SEED}-{multiplier:.6g}"})
+    return codec
 
 
 # ---------------------------------------------------------------- the timing model rows
@@ -537,7 +595,17 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
     # (RandomDecoder.attend_coefficients), which needs the GPU decoder and the graphed step
     timing_modes = ("gpu_resident", "raw_fetch", "compressed_fetch") + (("compressed_coefficients",) if graphs and COEFFICIENTS else ()) \
         + (("compressed_kv_codec",) if KV_CODEC_PATH else ())
-    kv_codec = kv_codec_on_prompt(model, kv, device) if KV_CODEC_PATH else None
+    kv_codec = kv_codec_columns = None
+    if KV_CODEC_PATH:
+        ratio = setting_ratio()
+        kv_codec = kv_codec_on_prompt(model, kv, device, ratio)
+        keys = "after RoPE" if KV_CODEC_KEYS_AFTER_ROPE else "before RoPE"
+        kv_codec_columns = dict(codec=f"KV codec path: {KV_SINK} sink tokens raw, keys coded {keys}, " + (
+            f"steps {kv_codec.scale:.3g} x those at cos {SEARCH_COS} for the ratio the setting calibrated for "
+            f"+{KV_CODEC_TARGET:g}% reaches on SmolLM2 ({ratio:.2f}x, PoC 05)" if ratio else
+            f"steps at cos {SEARCH_COS} (no PoC 05 row of the setting: run `make kv-codec`)"),
+            kv_codec_keys=keys.replace(" ", "_").lower(), setting_ratio=ratio)
+        print(f"  {kv_codec_columns['codec']}")
     hbm = hbm_gbps(device) if on_cuda else None
     if hbm:
         print(f"  memory bandwidth (device-to-device copy): {hbm:.0f} GB/s")
@@ -561,7 +629,8 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             sizes = dict(chunk_tokens=CHUNK_TOKENS, max_tokens=context + WARMUP_STEPS + MAX_STEPS + 2, contiguous=False)
             if mode == "compressed_kv_codec":
                 cache = SpillCache.from_kv_codec(kv_codec, num_layers=shape["layers"], lane_tokens=LANE_TOKENS,
-                                                 lanes_by_component=LANES_BY_COMPONENT, **sizes)
+                                                 lanes_by_component=LANES_BY_COMPONENT,
+                                                 coefficients=graphs and not kv_codec.pre_rope, **sizes)
             else:
                 cache = SpillCache(shape["layers"], "compressed_fetch" if compressed else mode,
                                    codecs=codecs if compressed else None, coefficients=mode == "compressed_coefficients",
@@ -588,7 +657,8 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
                     tqdm.write(f"  WARNING: raw_fetch logits differ from gpu_resident's by {diff:.3g} (rounding-sized)")
             tokens_s[mode] = rate
             row = dict(common, mode=mode, context=context, steps=n_steps, decode_api=decode_api(cache),
-                       backend="rans" if compressed else "none")
+                       backend="rans" if compressed else "none",
+                       **(kv_codec_columns if mode == "compressed_kv_codec" else {}))
             res.add(metric="tokens_per_s", value=rate, unit="tokens/s", **row)
             res.add(metric="step_ms", value=1e3 / rate, unit="ms", **row)
             res.add(metric="fetched_bytes_per_step", value=fetched, unit="bytes", **row)
@@ -623,7 +693,8 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
                 torch.cuda.empty_cache()
         for mode in timing_modes[2:] + ("gpu_resident",):
             res.add(metric="speedup_vs_raw", value=tokens_s[mode] / tokens_s["raw_fetch"], unit="x",
-                    **dict(common, mode=mode, context=context, backend="rans" if mode != "gpu_resident" else "none"))
+                    **dict(common, mode=mode, context=context, backend="rans" if mode != "gpu_resident" else "none",
+                           **(kv_codec_columns if mode == "compressed_kv_codec" else {})))
         tqdm.write(f"  {context:>6} tokens  " + ",  ".join(f"{mode} / raw = {tokens_s[mode] / tokens_s['raw_fetch']:.2f}x"
                                                           for mode in timing_modes[2:] + ("gpu_resident",)))
         last = (context, time.perf_counter() - context_start)
@@ -673,7 +744,7 @@ def shipped_kv_codec():
     from shared import kvcodec
 
     try:
-        return kvcodec.load_shipped("smollm2", target_pct=KV_CODEC_TARGET)
+        return kvcodec.load_shipped("smollm2", target_pct=KV_CODEC_TARGET, keys_after_rope=KV_CODEC_KEYS_AFTER_ROPE)
     except FileNotFoundError as error:  # CodecFileMissing names the make target that rebuilds it
         print(f"the shipped KV codec is not measured: {error}")
         return None
@@ -681,7 +752,8 @@ def shipped_kv_codec():
 
 def kv_codec_label(codec) -> str:
     target = 100 * float(codec.meta.get("target_ppl_change", KV_CODEC_TARGET / 100))
-    return f"attention-aware KV codec calibrated for +{target:g}% (scale {codec.scale:.3g}, sink {codec.sink})"
+    return (f"attention-aware KV codec calibrated for +{target:g}% (scale {codec.scale:.3g}, sink {codec.sink}, keys "
+            f"{'before' if codec.pre_rope else 'after'} RoPE)")
 
 
 def variant_columns(mode: str, variants: dict) -> dict:
@@ -876,6 +948,17 @@ def save(res: ResultsWriter, measured: set[str]) -> None:
     print(f"wrote {path} ({len(new)} rows)")
 
 
+def kv_codec_legend(timing) -> str:
+    """The KV codec path's legend entry, from its rows: where its keys are coded and how its ratio was set."""
+    rows = timing[timing["mode"] == "compressed_kv_codec"]
+    keys = rows.kv_codec_keys.dropna() if "kv_codec_keys" in rows else []
+    if not len(keys) or keys.iloc[0] == "before_rope":
+        return "the KV codec's path (raw sink rows,\nkeys coded before RoPE)"
+    ratio = rows.setting_ratio.dropna() if "setting_ratio" in rows else []
+    return ("the KV codec (raw sink rows, keys after RoPE,\nattention on its coefficient rows" +
+            (f"; at its SmolLM2\nratio, {ratio.iloc[0]:.2f}x)" if len(ratio) else ")"))
+
+
 def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
     plt = apply_style()
     df = load(csv)
@@ -886,7 +969,7 @@ def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
     styles = {"gpu_resident": ("s--", "#009E73", "GPU-resident (the bound)"),
               "compressed_coefficients": ("D-", "#CC79A7", "compressed fetch, attention on coefficient rows"),
               "compressed_fetch": ("o-", "#D55E00", "compressed fetch, KV reconstructed"),
-              "compressed_kv_codec": ("v:", "#E69F00", "the KV codec's path (raw sink rows,\nkeys coded before RoPE)"),
+              "compressed_kv_codec": ("v:", "#E69F00", kv_codec_legend(timing)),
               "raw_fetch": ("^-", "#0072B2", "raw fetch (pinned host -> GPU)")}
     for mode, (marker, color, label) in styles.items():
         part = timing[timing["mode"] == mode].sort_values("context")

@@ -371,20 +371,24 @@ class _Slot:
 
 @dataclass
 class CoefficientKV:
-    """What update_coefficients hands a decode loop's attention for one layer: the stored tokens as
-    coefficient rows (x = rows @ weights; [S, width] and [width, D], bf16) and the recent window with
-    this call's tokens as plain rows [R, D]; the layer's keys are cat(rows_k @ weights_k, recent_k)."""
+    """What update_coefficients hands a decode loop's attention for one layer: the coded tokens as
+    coefficient rows (x = rows @ weights; [S, width] and [width, D], bf16) and every other token as plain
+    rows [R, D]: the raw sink rows (the layer's first `sink` tokens), then the recent window with this
+    call's tokens. Attention may read the two parts in any order (keys carry their positions already);
+    in sequence order the keys are cat(raw_k[:sink], rows_k @ weights_k, raw_k[sink:])."""
     rows_k: torch.Tensor
     rows_v: torch.Tensor
     weights_k: torch.Tensor
     weights_v: torch.Tensor
     recent_k: torch.Tensor
     recent_v: torch.Tensor
+    sink: int = 0
 
     def reconstructed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V rows [T, D]: the stored rows reconstructed, then the recent ones."""
-        return (torch.cat([self.rows_k @ self.weights_k, self.recent_k]),
-                torch.cat([self.rows_v @ self.weights_v, self.recent_v]))
+        """The layer's K and V rows [T, D] in sequence order: sink rows, coded rows reconstructed, recent rows."""
+        s = self.sink
+        return (torch.cat([self.recent_k[:s], self.rows_k @ self.weights_k, self.recent_k[s:]]),
+                torch.cat([self.recent_v[:s], self.rows_v @ self.weights_v, self.recent_v[s:]]))
 
 
 @dataclass
@@ -426,9 +430,11 @@ class SpillCache(Cache):
                                      "mode='compressed_fetch', or leave them out")
         if int(sink) < 0:
             raise ConfigurationError(f"sink is a token count >= 0, got {sink}")
-        if coefficients and (int(sink) or rope is not None):
-            raise ConfigurationError("coefficients=True hands attention one basis' rows for every stored token; raw sink "
-                                     "rows and keys coded before RoPE (sink, rope) do not fit that. Fix: coefficients=False")
+        if coefficients and rope is not None:
+            raise ConfigurationError("coefficients=True hands attention the stored keys as coefficient rows, which it reads "
+                                     "as they are; keys coded before RoPE (rope) must be rotated per position first. Fix: "
+                                     "a codec that codes keys after RoPE (kvcodec.load_shipped(keys_after_rope=True)), "
+                                     "or coefficients=False")
         super().__init__(layers=[SpillLayer(self, i) for i in range(num_layers)])  # each knows its cache (.keys)
         self._settings = dict(mode=mode, codecs=codecs, chunk_tokens=chunk_tokens, max_tokens=max_tokens,
                               prefetch=prefetch, keep_decoded=keep_decoded, contiguous=contiguous,
@@ -645,14 +651,17 @@ class SpillCache(Cache):
             return CoefficientKV(rows_k, rows_v, proj_k.coefficient_weights(), proj_v.coefficient_weights(),
                                  k_new, v_new)
         slot = self._slots[fetch.slot]
-        r, n = layer.recent, k_new.shape[0]
+        # the slot's plain rows: the raw sink rows (placed there by the fetch), the recent window, the new rows
+        sink, r, n = layer.sink, layer.recent, k_new.shape[0]
         if r:
-            slot.k[:r].copy_(layer.recent_k[:r])
-            slot.v[:r].copy_(layer.recent_v[:r])
-        slot.k[r:r + n].copy_(k_new)
-        slot.v[r:r + n].copy_(v_new)
-        return CoefficientKV(slot.ck[:stored * wk].view(stored, wk), slot.cv[:stored * wv].view(stored, wv),
-                             proj_k.coefficient_weights(), proj_v.coefficient_weights(), slot.k[:r + n], slot.v[:r + n])
+            slot.k[sink:sink + r].copy_(layer.recent_k[:r])
+            slot.v[sink:sink + r].copy_(layer.recent_v[:r])
+        slot.k[sink + r:sink + r + n].copy_(k_new)
+        slot.v[sink + r:sink + r + n].copy_(v_new)
+        coded = stored - sink
+        return CoefficientKV(slot.ck[:coded * wk].view(coded, wk), slot.cv[:coded * wv].view(coded, wv),
+                             proj_k.coefficient_weights(), proj_v.coefficient_weights(), slot.k[:sink + r + n],
+                             slot.v[:sink + r + n], sink)
 
     def reset(self) -> None:
         self.drain()
@@ -1125,8 +1134,9 @@ class SpillCache(Cache):
         codecs = [codec_k, codec_v] * len(layer.blobs)
         wk, wv = self._widths(layer_idx)
         outs = []
-        if self.coefficients:  # the decoder's rows are the output: no reconstruction, no scratch
-            for a, m in layer.chunks():
+        if self.coefficients:  # the decoder's rows are the output: no reconstruction, no scratch; coded tokens
+            for a, m in layer.chunks():  # start after the raw sink rows, coefficient rows at the slot's start
+                a -= layer.sink
                 outs += [slot.ck[a * wk:(a + m) * wk].view(m, wk), slot.cv[a * wv:(a + m) * wv].view(m, wv)]
             need = 0
         else:

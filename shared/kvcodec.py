@@ -616,13 +616,16 @@ SHIPPED_MODELS = ("smollm2",)  # the file-name stem of each model a codec file s
 SHIPPED_BUILD = "make kv-codec"  # rebuilds the shipped files from the text through PoC 05
 
 
-def shipped_path(model: str = "smollm2", target_pct: float = 0.3, prefix: int = 512) -> Path:
+def shipped_path(model: str = "smollm2", target_pct: float = 0.3, prefix: int = 512, *,
+                 keys_after_rope: bool = False) -> Path:
     """Where the codec file of `model` calibrated for +target_pct% perplexity at a `prefix`-token
-    cache lives in the repository (artifacts/kv_codec/), whether or not it is there."""
-    return SHIPPED_DIR / f"{model}_p{prefix}_target{target_pct:g}pct.safetensors"
+    cache lives in the repository (artifacts/kv_codec/), whether or not it is there; keys_after_rope:
+    the variant that codes keys as attention reads them (so attention can run on its coefficient rows)."""
+    return SHIPPED_DIR / f"{model}_p{prefix}_target{target_pct:g}pct{'_keys_after_rope' if keys_after_rope else ''}.safetensors"
 
 
-def load_shipped(model: str = "smollm2", target_pct: float = 0.3, prefix: int = 512) -> KVCodec:
+def load_shipped(model: str = "smollm2", target_pct: float = 0.3, prefix: int = 512, *,
+                 keys_after_rope: bool = False) -> KVCodec:
     """The KV codec the repository ships for `model`, calibrated (PoC 05's protocol) for a perplexity
     change of at most +target_pct% with a `prefix`-token cache, every layer's K and V coded:
 
@@ -635,7 +638,7 @@ def load_shipped(model: str = "smollm2", target_pct: float = 0.3, prefix: int = 
     if model not in SHIPPED_MODELS:
         raise ConfigurationError(f"model={model!r}: KV codec files ship for {', '.join(SHIPPED_MODELS)}; for another "
                                  "model fit one (fit_kv_codec, calibrate_scale) as pocs/05_downstream_quality.py does")
-    path = shipped_path(model, target_pct, prefix)
+    path = shipped_path(model, target_pct, prefix, keys_after_rope=keys_after_rope)
     if not path.is_file():
         held = sorted(p.name for p in SHIPPED_DIR.glob("*.safetensors")) if SHIPPED_DIR.is_dir() else []
         raise CodecFileMissing(
@@ -692,12 +695,13 @@ def _ship(args) -> None:
             kv.append([(t[f"layer{L}.k"], t[f"layer{L}.v"]) for L in range(len(t) // 2)])
     SHIPPED_DIR.mkdir(parents=True, exist_ok=True)
     for target in args.targets:
-        source = root / "data" / "kv_codec" / shipped_path(args.model, target, args.prefix).name
+        source = root / "data" / "kv_codec" / shipped_path(args.model, target, args.prefix,
+                                                           keys_after_rope=args.keys_after_rope).name
         if not source.is_file():
             raise CodecFileMissing(f"{source} is missing. Fix: `{SHIPPED_BUILD}` (PoC 05 writes it)")
         full = KVCodec.load(source)
         full.meta.setdefault("model", SMOLLM2_LABEL)  # files written before PoC 05 recorded the model
-        out = shipped_path(args.model, target, args.prefix)
+        out = shipped_path(args.model, target, args.prefix, keys_after_rope=args.keys_after_rope)
         full.save(out, synthesis=False, dtype=args.dtype)
         check = compare_decoding(full, KVCodec.load(out), kv)
         print(f"{out.relative_to(root)}: {out.stat().st_size / 1e6:.2f} MB ({source.stat().st_size / 1e6:.2f} MB "
@@ -723,6 +727,8 @@ if __name__ == "__main__":
     ship.add_argument("--prefix", type=int, default=512, help="cache length the codec was calibrated at")
     ship.add_argument("--targets", type=float, nargs="+", default=[0.3], help="perplexity targets, percent")
     ship.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="of the analysis matrices")
+    ship.add_argument("--keys-after-rope", action="store_true",
+                      help="the variant that codes keys after RoPE (PoC 05's part after_rope)")
     ship.add_argument("--check-chunks", type=int, default=8, help="captured chunks of real KV the check codes")
     ship.add_argument("--max-error-increase", type=float, default=0.01,
                       help="largest relative increase of the squared error over the full file's that is written")

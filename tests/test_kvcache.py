@@ -426,6 +426,50 @@ def test_gpu_attention_on_coefficient_rows_matches_attention_on_reconstructed_kv
     assert float((logits[True] - logits[False]).abs().max()) < 0.02 * scale
 
 
+def test_coefficient_kv_puts_the_raw_sink_rows_first_in_sequence_order():
+    from shared.kvcache import CoefficientKV
+
+    g = torch.Generator().manual_seed(0)
+    rows, weights = torch.randn(5, 8, generator=g), torch.randn(8, 6, generator=g)
+    raw = torch.randn(3 + 2, 6, generator=g)  # 3 sink rows, then 2 recent ones
+    kv = CoefficientKV(rows, rows, weights, weights, raw, raw, sink=3)
+    k, v = kv.reconstructed()
+    assert torch.equal(k[:3], raw[:3]) and torch.equal(k[3:8], rows @ weights) and torch.equal(k[8:], raw[3:])
+    assert torch.equal(k, v)
+
+
+def test_coefficient_rows_of_keys_coded_before_rope_are_refused(llama, prompt):
+    codec = fit_kv(llama, prefill_kv(llama, prompt), pre_rope=True)
+    with pytest.raises(ConfigurationError, match="keys coded before RoPE.*keys_after_rope=True"):
+        SpillCache.from_kv_codec(codec, llama, coefficients=True)
+
+
+@pytest.mark.gpu
+def test_gpu_kv_codec_with_keys_after_rope_attends_on_coefficient_rows():
+    """The KV codec's path with raw sink rows and keys coded after RoPE: attention on its coefficient rows
+    (the sink rows attended raw) gives what attention on its reconstructed KV gives."""
+    p17, shape, model, ids, kv, _ = small_decoder_on_gpu()
+    model.capture_graphs()
+    assert p17.KV_CODEC_KEYS_AFTER_ROPE
+    codec = p17.kv_codec_on_prompt(model, kv, "cuda")
+    assert not codec.pre_rope and codec.sink == p17.KV_SINK
+    logits = {}
+    for coefficients in (False, True):
+        cache = SpillCache.from_kv_codec(codec, num_layers=shape["layers"], chunk_tokens=4, contiguous=False,
+                                         coefficients=coefficients)
+        p17.fill(cache, kv, 512, shape["kv_heads"], "cuda")
+        assert p17.check_fetch(cache, kv, 512)["cos_min"] >= 0.999  # fetched_kv in sequence order
+        k, v = cache.fetched_kv(1)
+        sink = p17.KV_SINK
+        assert torch.equal(k[:sink], kv[1][0][:sink].cuda()) and torch.equal(v[:sink], kv[1][1][:sink].cuda())
+        for position in range(512, 520):  # flushes twice: coded rows, sink rows and the recent window attended
+            _, out = model.step(ids[position:position + 1].cuda(), position, cache)
+        logits[coefficients] = out.float()
+        cache.close()
+    scale = float(logits[False].abs().max())
+    assert float((logits[True] - logits[False]).abs().max()) < 0.02 * scale
+
+
 @pytest.mark.parametrize("mode", ["raw_fetch", "compressed_fetch"])
 @pytest.mark.parametrize("speculation", [{"assistant_model": "tiny"}, {"prompt_lookup_num_tokens": 3}])
 def test_assisted_and_prompt_lookup_decoding_run_on_the_cache(llama, prompt, codecs, mode, speculation):
@@ -495,8 +539,6 @@ def test_kv_codec_of_another_model_is_refused_when_the_cache_is_made(llama, prom
                                          rope_theta=500.0)).eval()
     with pytest.raises(ConfigurationError, match="rotary"):
         SpillCache.from_kv_codec(codec, other)
-    with pytest.raises(ConfigurationError, match="coefficients"):
-        SpillCache.from_kv_codec(codec, llama, coefficients=True)
 
 
 @pytest.mark.gpu
