@@ -10,6 +10,12 @@ ways, with the next layer's fetch queued on side CUDA streams while the current 
                     pinned host memory -> GPU -> decoded on the GPU
   gpu_resident      no fetch: the bound
 
+and compressed fetch in two more ways on the timing model: compressed_coefficients (the same blobs,
+attention run on the decoder's coefficient rows, no reconstruction) and compressed_kv_codec, the
+attention-aware KV codec's path (shared/kvcodec.py through SpillCache.from_kv_codec: raw sink rows, keys
+coded after RoPE so that attention runs on its coefficient rows too, its steps set for the ratio the
+shipped setting reaches on SmolLM2). The SmolLM2 rows below measure that setting's quality.
+
 Two models:
 - Timing only: a Llama-shaped decoder with RANDOM bf16 weights in a 32B-class shape (64 layers,
   hidden 5120, 40 query heads, 8 KV heads of 128, MLP 27648, the shape of Qwen2.5-32B; vocab 32000),

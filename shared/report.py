@@ -670,6 +670,17 @@ def host_round_trip() -> str | None:
             + "\n\n" + _source(df, "15_p2p_multi_gpu"))
 
 
+def _kv_codec_path(timing) -> str:
+    """What PoC 17's compressed_kv_codec rows time: where its keys were coded, how its steps were set."""
+    rows = timing[timing["mode"] == "compressed_kv_codec"]
+    keys = rows.kv_codec_keys.dropna() if "kv_codec_keys" in rows else []
+    if not len(keys) or keys.iloc[0] == "before_rope":
+        return "raw sink rows, keys before RoPE"
+    ratio = rows.setting_ratio.dropna() if "setting_ratio" in rows else []
+    return ("raw sink rows, keys after RoPE, attention on its coefficient rows"
+            + (f"; steps for the {ratio.iloc[0]:.2f}x the setting reaches on SmolLM2" if len(ratio) else ""))
+
+
 def kv_spill() -> str | None:
     df = _csv("17_kv_spill_decode")
     if df is None:
@@ -694,10 +705,12 @@ def kv_spill() -> str | None:
                 value = v.get((mode, f"per_layer_{metric}_ms"))
                 return "-" if value is None or value != value else f"{value:.2f}"
 
+            kv_ratio = v.get(("compressed_kv_codec", "ratio"))
             rows.append([f"{int(context) // 1024}K" if context >= 1024 else int(context),
                          f"{tps['raw_fetch']:.2f}", f"{tps['compressed_fetch']:.2f}"]
                         + ([f"{coef:.2f}" if coef else "-"] if coefficient_mode else [])
-                        + ([f"{kv_path:.2f}" if kv_path else "-"] if kv_codec_mode else [])
+                        + ([f"{kv_path:.2f} ({kv_path / tps['raw_fetch']:.2f}x raw; ratio {kv_ratio:.2f}x)"
+                            if kv_path else "-"] if kv_codec_mode else [])
                         + [f"{tps['gpu_resident']:.2f}", f"**{best / tps['raw_fetch']:.2f}x**",
                            f"{v[('raw_fetch', 'fetched_bytes_per_step')] / 1e9:.2f} / "
                            f"{v[('compressed_fetch', 'fetched_bytes_per_step')] / 1e9:.2f}",
@@ -714,7 +727,7 @@ def kv_spill() -> str | None:
         profiled = "per_layer_layer_ms" in set(timing.metric)
         header = (["context", "raw_fetch tok/s", "compressed_fetch tok/s"]
                   + (["compressed, attention on coefficients tok/s"] if coefficient_mode else [])
-                  + (["KV codec's path (raw sink rows, keys before RoPE) tok/s"] if kv_codec_mode else [])
+                  + ([f"KV codec's path ({_kv_codec_path(timing)}) tok/s"] if kv_codec_mode else [])
                   + ["gpu_resident tok/s (bound)", "best compressed / raw", "GB fetched per step (raw / compressed)",
                      "ratio", "KV cos"]
                   + (["raw: ms per layer / its copy", "compressed: ms per layer / copy / decode"]
