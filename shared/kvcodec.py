@@ -633,8 +633,10 @@ def load_shipped(model: str = "smollm2", target_pct: float = 0.3, prefix: int = 
         blob = codec.encode(k_rows, layer=3, kind="k", start=0); k_hat = codec.decode(blob)
 
     Its meta names the model (`model`), the target (`target_ppl_change`, a fraction, and
-    `operating_point`) and the calibration. Raises CodecFileMissing, naming the make target that
-    rebuilds the file, when it is not in this checkout."""
+    `operating_point`) and the calibration. keys_after_rope=True: the variant that codes keys as
+    attention reads them (no rotation at decode; attention can run on its coefficient rows,
+    SpillCache(coefficients=True)), shipped for +0.3%. Raises CodecFileMissing, naming the make target
+    that rebuilds the file, when it is not in this checkout."""
     if model not in SHIPPED_MODELS:
         raise ConfigurationError(f"model={model!r}: KV codec files ship for {', '.join(SHIPPED_MODELS)}; for another "
                                  "model fit one (fit_kv_codec, calibrate_scale) as pocs/05_downstream_quality.py does")
