@@ -1031,6 +1031,8 @@ def _llm_panels(llm_df: pd.DataFrame) -> list[tuple[str, list[tuple[str, dict]]]
     style = {c: dict(color="0.5", ls=":", marker="^", lw=1.5) for c in shipped}
     style.update({c: dict(color="#000000", ls="-", marker="o", lw=2.4) for c in best})
     style.update({c: dict(color="#D55E00", ls="none", marker="*", ms=12, lw=1.5) for c in calibrated})
+    style.update({c: dict(color="#D55E00", ls="none", marker="P", ms=10, lw=1.5)  # keys after RoPE
+                  for c in calibrated if c.startswith(AFTER_ROPE)})
     peer_colors = [c for c in PANEL_COLORS if c != "#D55E00"]
     for i, c in enumerate(peers):
         single = (llm_df.curve == c).sum() == 1
