@@ -44,7 +44,7 @@ H2D copy take API_TURNS turns, so that the host's drifts fall on the codec and t
 turn a call runs once timed apart (the metrics *_gbps_after_copy: the first call after the other calls,
 which follows a copy that left the SMs idle) and then API_BLOCK times in a row (encode_gbps /
 decode_gbps: the median of those, a call in steady use); encode_gbps_queued: API_QUEUE encodes queued
-with encode_many(..., sync=False), then each one's result() (a pipeline's steady state), checked equal
+with encode_many_async, then each one's result() (a pipeline's steady state), checked equal
 to the synchronous call's bytes first. Every round trip is checked for cos >= 0.999
 first, and up to 16 MB the GPU decode is compared with the CPU decoder's. Repeated encodes and decodes of
 up to pipeline.GRAPH_MAX_BYTES (1 GiB) replay a CUDA graph (columns encode_graph, decode_graph; metrics
@@ -384,7 +384,7 @@ API_BATCH_TOKENS = 1024       # tokens of each batched tensor ([1024, 192]: one 
 API_TURNS = 6                 # turns per point; each turn times encode, D2H copy, decode, H2D copy in a row
 API_BLOCK = 4                 # timed calls of each in a turn (median over turns), after one timed apart
 API_WARMUP_S = 2.0            # seconds of GEMMs before the first size, so the GPU runs at its full clock
-API_QUEUE = 8                 # encode calls queued with sync=False before their results are read (a pipeline's steady state)
+API_QUEUE = 8                 # encode_many_async calls queued before their results are read (a pipeline's steady state)
 API_BATCH_LANES = [None, 256]  # lane tokens of the batched rows: the default (512 for [1024, 192]), and shorter lanes
 API_SHORT_LANES_MB = (4, 128)  # single tensors of these sizes also run with 256-token lanes
 
@@ -410,7 +410,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
     from shared import pipeline
     from shared.basis import fit_basis
     from shared.metrics import quality
-    from shared.pipeline import TensorCodec, encode_many
+    from shared.pipeline import TensorCodec, encode_many_async
     from shared.rdquant import calibrate_step
 
     calib, test, desc = api_source()
@@ -474,7 +474,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
         m0, m1, m2 = graphs_made(lambda: codec.encode(x), lambda: codec.decode(blob, device="cuda"))
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         flat = x.view(-1).view(torch.uint8)
-        queued = queued_encodes(lambda: encode_many([codec], [x], sync=False), blob)
+        queued = queued_encodes(lambda: encode_many_async([codec], [x]), blob)
         t, t1 = in_turns({"enc": lambda: codec.encode(x), "enc_queued": queued,
                           "d2h": lambda: pinned.copy_(flat, non_blocking=True),
                           "dec": lambda: codec.decode(blob, device="cuda"),
@@ -515,10 +515,10 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
 
 
 def queued_encodes(encode_queued, want):
-    """A function that queues API_QUEUE encodes (encode_queued: one encode_many(..., sync=False),
+    """A function that queues API_QUEUE encodes (encode_queued: one encode_many_async call,
     no host synchronization) and then reads each one's result(): a pipeline's steady state, where
     the host readies a call while the GPU codes the ones before it. Checked first: the second such
-    call makes the sync=False graph, and every queued result equals `want` (the synchronous call's
+    call makes encode_many_async's graph, and every queued result equals `want` (the synchronous call's
     containers, a blob or a list of them)."""
     import torch
 
@@ -531,7 +531,7 @@ def queued_encodes(encode_queued, want):
     for _ in range(3):
         for got in queued():
             if len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want)):
-                raise SystemExit("a queued encode (sync=False) wrote other bytes than the synchronous call")
+                raise SystemExit("a queued encode (encode_many_async) wrote other bytes than the synchronous call")
     return queued
 
 
@@ -555,7 +555,7 @@ def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, 
     """API_BATCH tensors of one step, one codec each, in one call per direction."""
     from shared.metrics import quality
     from shared import pipeline
-    from shared.pipeline import TensorCodec, decode_many, encode_many
+    from shared.pipeline import TensorCodec, decode_many, encode_many, encode_many_async
 
     codecs = [TensorCodec(basis, backend="rans", lane_tokens=lane_tokens) for _ in range(API_BATCH)]
     xs = [test_t[(torch.arange(API_BATCH_TOKENS) + 97 * i) % len(test_t)].cuda() for i in range(API_BATCH)]
@@ -570,7 +570,7 @@ def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, 
     m0, m1, m2 = graphs_made(lambda: encode_many(codecs, xs), lambda: decode_many(codecs, blobs, device="cuda"))
     flat = torch.cat([a.view(-1) for a in xs]).view(torch.uint8)
     pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    queued = queued_encodes(lambda: encode_many(codecs, xs, sync=False), blobs)
+    queued = queued_encodes(lambda: encode_many_async(codecs, xs), blobs)
     t, t1 = in_turns({"enc": lambda: encode_many(codecs, xs), "enc_queued": queued,
                       "d2h": lambda: pinned.copy_(flat, non_blocking=True),
                       "dec": lambda: decode_many(codecs, blobs, device="cuda"),
@@ -767,17 +767,17 @@ def plot_api(df, name: str = "09_backend_bench_api"):
             ax.plot(g.tensor_mb, g.value, "o-" if default else "o:", color="#0072B2" if default else "#56B4E9",
                     label=f"TensorCodec.encode / .decode (one tensor a call, lane tokens {lane}, {ratios('api', lane)})"
                           + (f" [some sizes: {earlier}]" if earlier else ""))
-        if direction == "encode":  # encode_many(sync=False) calls queued, then their results: a pipeline's steady state
+        if direction == "encode":  # encode_many_async calls queued, then their results: a pipeline's steady state
             q = rows[(rows.path == "api") & (rows.metric == "encode_gbps_queued")]
             q = q[q.lane_tokens.astype(str) == "default"] if "lane_tokens" in q else q
             if len(q):
                 ax.plot(q.sort_values("tensor_mb").tensor_mb, q.sort_values("tensor_mb").value, "o--", color="#E69F00",
-                        label=f"one tensor a call, {API_QUEUE} calls queued (sync=False) before their results are read")
+                        label=f"one tensor a call, {API_QUEUE} calls queued (encode_many_async) before their results are read")
             qb = rows[(rows.path == "api_batched") & (rows.metric == "encode_gbps_queued")]
             qb = qb[qb.lane_tokens.astype(str) == "default"] if "lane_tokens" in qb else qb
             if len(qb):
                 ax.plot(qb.tensor_mb, qb.value, "D", mfc="none", color="#009E73", ms=11,
-                        label=f"the 60-tensor list, {API_QUEUE} calls queued (sync=False)")
+                        label=f"the 60-tensor list, {API_QUEUE} calls queued (encode_many_async)")
         ax.plot(pcie.tensor_mb, pcie.value, "s--", color="#D55E00",
                 label="pinned PCIe copy (device->host beside encode, host->device beside decode)")
         ax.plot(pcie.tensor_mb, API_TARGET_PCIE * pcie.value, ":", color="#D55E00", lw=1.2,

@@ -648,28 +648,38 @@ def _on_stream(stream):
     return torch.cuda.stream(stream)
 
 
-def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
+def encode_many(codecs, tensors, stream=None) -> Sequence:
     """Code tensors[i] with codecs[i] (e.g. every layer's K and V of one step, each layer's codec
-    holding its basis and step): one blob per tensor, each decodable and checked alone. CUDA
-    tensors on the compute codec are coded on their GPU, tensors of one shape together in one
-    launch per kernel, with one host synchronization for the whole list, and come back as uint8
-    CUDA tensors (views into one buffer); the rest as bytes. When every tensor is coded on a GPU,
-    the result is a rans_cuda.Containers: a sequence of those views, each made when first
-    indexed, whose `buffer` and `spans` a transport can send whole and decode_many reads directly.
+    holding its basis and step): a sequence of one blob per tensor, each decodable and checked
+    alone. CUDA tensors on the compute codec are coded on their GPU, tensors of one shape together
+    in one launch per kernel, with one host synchronization for the whole list, and come back as
+    uint8 CUDA tensors (views into one buffer); the rest as bytes. When every tensor is coded on a
+    GPU, the sequence is a rans_cuda.Containers: those views, each made when first indexed, whose
+    `buffer` and `spans` a transport can send whole and decode_many reads directly.
 
     stream: a torch.cuda.Stream to queue the GPU work on (it first waits for the current stream,
     which made the inputs); the host synchronization then waits for that stream alone.
-    sync=False (every tensor a CUDA tensor on the compute codec): no host synchronization at all;
-    returns a rans_cuda.PendingEncode whose buffer and spans (start, length of each container,
-    on the device) can be sent as they are, and whose result() gives the blobs, waiting for that
-    call's work alone (not for calls queued after it). Calls queued this way run back to back on
-    the GPU while the host prepares the next or reads an earlier one's result (a pipeline's steady
-    state); keep each call's inputs unchanged until its work has run.
+    encode_many_async is the same call without the host synchronization.
 
     A list of codecs and shapes seen again (a decode step's KV, a pipeline stage's activations)
     of up to GRAPH_MAX_BYTES is replayed as one CUDA graph: one launch for every kernel, inputs
-    read in place, the blobs copied out of the graph's buffers (sync=False: one graph per list
-    for that mode, its outputs copied out on the stream)."""
+    read in place, the blobs copied out of the graph's buffers."""
+    return _encode_many(codecs, tensors, stream, sync=True)
+
+
+def encode_many_async(codecs, tensors, stream=None) -> "rans_cuda.PendingEncode":
+    """encode_many without any host synchronization (every tensor a CUDA tensor on the compute
+    codec): a rans_cuda.PendingEncode whose buffer and spans (start, length of each container, on the
+    device) can be sent as they are, and whose result() gives the blobs, waiting for this call's work
+    alone (not for calls queued after it). Calls queued this way run back to back on the GPU while the
+    host prepares the next or reads an earlier one's result (a pipeline's steady state); keep each
+    call's inputs unchanged until its work has run. A list seen again replays a CUDA graph of its own
+    (int32 symbols and escape room for every value, as the eager call codes them), its outputs copied
+    out on the stream."""
+    return _encode_many(codecs, tensors, stream, sync=False)
+
+
+def _encode_many(codecs, tensors, stream, sync: bool):
     if len(codecs) != len(tensors):
         raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
     if not tensors:
@@ -681,8 +691,8 @@ def encode_many(codecs, tensors, stream=None, sync: bool = True) -> list:
     # the common case (every tensor on a GPU, every codec a compute codec) without a Python loop over the list
     everything = all(map(_SYMBOLS, codecs)) and all(getattr(x, "is_cuda", False) for x in tensors)
     if not sync and not everything:
-        raise ConfigurationError("sync=False needs every tensor on a GPU and every codec a compute codec "
-                                 "(backend='rans'); encode the others with sync=True")
+        raise ConfigurationError("encode_many_async needs every tensor on a GPU and every codec a compute codec "
+                                 "(backend='rans'); encode the others with encode_many")
     if everything:
         cs, xs = list(codecs), list(tensors)
     else:
@@ -808,12 +818,12 @@ def _graph_key(codecs, xs):
         return None
 
 
-_QUEUED = "queued"  # first field of the key of a graph that encode_many(sync=False) replays
+_QUEUED = "queued"  # first field of the key of a graph that encode_many_async replays
 
 
 def _mode_key(key, sync: bool):
-    """The graph key of encode_many with sync=False: the same list's key marked, since that graph
-    codes as the eager sync=False path does (int32 symbols, escape room for every value: no
+    """The graph key of encode_many_async: the same list's key marked, since that graph
+    codes as the eager encode_many_async does (int32 symbols, escape room for every value: no
     container needs coding again once queued) and copies its outputs out on the stream."""
     return key if sync or key is None else (_QUEUED,) + key
 
@@ -868,7 +878,7 @@ class _EncodeGraph:
     slots it writes before each replay (PendingEncode.copy_out). run() (sync=True) gives the
     replay a buffer the size of the last call's containers and an eighth more, reads the summary
     after one synchronization, and returns containers in that buffer (copied from the graph's own
-    on the host where they outgrew it); queue() (sync=False, a key made by _mode_key) gives it
+    on the host where they outgrew it); queue() (encode_many_async, a key made by _mode_key) gives it
     buffers of worst-case room and returns at once. The projection reads each call's inputs where
     they are, through a table of their addresses, copied to the GPU with the slots: no input is
     copied into the graph (at 256 MB that copy cost 155 us on an NVIDIA H200), but one the kernel
@@ -951,7 +961,7 @@ class _EncodeGraph:
         return self.staging[i].copy_(x).data_ptr()
 
     def queue(self, xs):
-        """encode_many(sync=False) by the graph: a rans_cuda.PendingEncode whose buffer, spans and
+        """encode_many_async by the graph: a rans_cuda.PendingEncode whose buffer, spans and
         flags are copies of the replay's own (on the stream, after it), so later calls may replay
         the graph before its result() is read. The inputs are read in place: keep them unchanged
         until the queued work has run."""

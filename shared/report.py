@@ -440,7 +440,7 @@ def api_speed() -> str | None:
             + f"\n\nTensor: {source}; step calibrated for cos >= 0.999 (every row checked before timing). "
             + "Encode: `TensorCodec.encode(x_cuda)` -> the container in GPU memory; decode: "
             + "`TensorCodec.decode(blob, device=\"cuda\")` of it; batched: `encode_many` / `decode_many`. "
-            + f"Wall clock of the call a user makes, {timing}; calls queued: `encode_many(..., sync=False)` "
+            + f"Wall clock of the call a user makes, {timing}; calls queued: `encode_many_async` "
             + "called several times, then each one's `result()` (the time per call of a pipeline's steady state, "
             + "where the host readies a call while the GPU codes the ones before it). Repeated calls replay a CUDA graph, whose "
             + "buffers stay on the GPU (last column; - : no graph). " + _source(df, "09_backend_bench"))

@@ -618,9 +618,9 @@ def test_encode_many_equals_single_calls_and_names_the_corrupt_blob():
 def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     """The third call of one list of codecs and shapes replays a CUDA graph: the same bytes as the
     eager calls, new inputs give new blobs, and earlier blobs stay as they were. On a side stream
-    the same bytes; with sync=False the containers sit at their spans in the pending buffer."""
+    the same bytes; with encode_many_async the containers sit at their spans in the pending buffer."""
     from shared import pipeline
-    from shared.pipeline import decode_many, encode_many
+    from shared.pipeline import decode_many, encode_many, encode_many_async
     from shared.rdquant import calibrate_step
 
     rows = torch.from_numpy(low_rank(4096, 64, seed=3)).to(torch.bfloat16)
@@ -641,13 +641,13 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     on_side = encode_many(codecs, first, stream=side)
     side.synchronize()
     assert all(torch.equal(x, y) for x, y in zip(on_side, eager[0]))
-    pending = encode_many(codecs, first, sync=False)
+    pending = encode_many_async(codecs, first)
     spans = pending.spans.tolist()
     assert all(torch.equal(pending.buffer[a:a + n], y) for (a, n), y in zip(spans, eager[0]))
     assert not pending.flags.any()
-    # sync=False again: its own graph (int32 symbols, as the eager path), calls queued back to back
+    # encode_many_async again: its own graph (int32 symbols, as the eager path), calls queued back to back
     # without a synchronization, each pending keeping its own copy of the containers
-    queued = [encode_many(codecs, xs, sync=False) for xs in (first, second, first, second, second)]
+    queued = [encode_many_async(codecs, xs) for xs in (first, second, first, second, second)]
     assert sum(isinstance(v, pipeline._EncodeGraph) and k[0] == pipeline._QUEUED
                for k, v in pipeline._GRAPHS.items()) == 1
     assert len({p.buffer.data_ptr() for p in queued}) == len(queued)
@@ -655,15 +655,15 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
         assert all(torch.equal(p.buffer[a:a + n], y) for (a, n), y in zip(p.spans.tolist(), want))
         assert all(torch.equal(x, y) for x, y in zip(p.result(), want))
     # a queued call's result() waits for that call's work alone: not for a second of GPU work queued after it
-    pending = encode_many(codecs, second, sync=False)
+    pending = encode_many_async(codecs, second)
     torch.cuda._sleep(2_000_000_000)  # GPU clock cycles, about a second
     t0 = time.perf_counter()
     got = pending.result()
     waited = time.perf_counter() - t0
     assert waited < 0.5, f"result() waited {waited:.2f} s for work queued after its call"
     assert all(torch.equal(x, y) for x, y in zip(got, eager[1]))
-    with pytest.raises(ConfigurationError, match="sync=False"):
-        encode_many([TensorCodec(basis, backend="rans")], [first[0].cpu()], sync=False)
+    with pytest.raises(ConfigurationError, match="encode_many_async needs every tensor on a GPU"):
+        encode_many_async([TensorCodec(basis, backend="rans")], [first[0].cpu()])
     # the graph reads inputs in place: ones it cannot (a transposed view, an address off 16 bytes)
     # are copied into buffers it keeps for them, to the same bytes
     strided = [x.t().contiguous().t() for x in first]
