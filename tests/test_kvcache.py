@@ -287,6 +287,29 @@ def test_decoder_steps_agree_with_its_prefill(mode):
     assert cache.get_seq_length() == 24
 
 
+def test_timing_model_kv_codec_codes_at_the_ratio_it_is_given():
+    """PoC 17 times the KV codec's path at the ratio its setting reaches on SmolLM2: the random model's
+    steps are scaled until the prompt's entropy gives that ratio, and the cache's stored bytes come within
+    10% of it (container headers and tables on top of the entropy); keys after RoPE, sink rows raw."""
+    p17 = poc17()
+    shape = p17.SHAPE_CPU
+    model = p17.RandomDecoder(shape, "cpu", torch.float32, max_positions=2100)
+    ids = torch.randint(0, shape["vocab"], (2048,), generator=torch.Generator().manual_seed(0))
+    kv, _ = model.prefill(ids, progress=False)
+    scales = []
+    for ratio in (3.0, 6.0):
+        codec = p17.kv_codec_on_prompt(model, kv, "cpu", ratio)
+        assert not codec.pre_rope and codec.sink == p17.KV_SINK
+        cache = SpillCache.from_kv_codec(codec, num_layers=shape["layers"], chunk_tokens=64)
+        p17.fill(cache, kv, 2048, shape["kv_heads"])
+        measured = 2 * shape["layers"] * model.kv_dim * 2 * 2048 / cache.stored_bytes()
+        assert abs(measured / ratio - 1) < 0.10, (ratio, measured)
+        k, _ = cache.fetched_kv(0)
+        assert torch.equal(k[:p17.KV_SINK], kv[0][0][:p17.KV_SINK])
+        scales.append(codec.scale)
+    assert scales[0] < scales[1]  # a higher ratio: coarser steps
+
+
 # ---------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
