@@ -556,13 +556,13 @@ def llm_prefix_rows(res, model, tokenizer, prefix: int, spec: dict, fit: Fit, pa
                 **settings)
         calib_chunks = text_windows(tokenizer, *spec["calib"])
         calib = Scorer(model, calib_chunks, prefix_kv(model, calib_chunks, prefix), f"calib_p{prefix}")
-        calibrated_rows(res, codec, calib, held, coder, TARGETS[:1] if quick else targets, prefix, settings,
+        calibrated_rows(res, codec, calib, held, coder, targets[:1] if quick else targets, prefix, settings,
                         spec["calib"])
     if "after_rope" in parts and main:  # the operating points again with keys coded after RoPE
         codec = fit.codec(AFTER_ROPE)
         calib_chunks = text_windows(tokenizer, *spec["calib"])
         calib = Scorer(model, calib_chunks, prefix_kv(model, calib_chunks, prefix), f"calib_p{prefix}")
-        calibrated_rows(res, codec, calib, held, kv_coder(codec, held.kv[0][0][0]), TARGETS[:1] if quick else targets,
+        calibrated_rows(res, codec, calib, held, kv_coder(codec, held.kv[0][0][0]), targets[:1] if quick else targets,
                         prefix, settings, spec["calib"], variant=AFTER_ROPE, part="after_rope")
 
 
@@ -970,16 +970,20 @@ def llm_parts(part: str) -> list[str]:
 
 
 def save(res: ResultsWriter, domains: list[str], prefixes: list[int] | None = None,
-         parts: list[str] | None = None) -> None:
+         parts: list[str] | None = None, targets: list[float] | None = None) -> None:
     """Write the CSV, keeping the rows this run did not measure: other domains, and for the LLM the
-    rows of other prefixes and other parts (so runs split by --prefixes / --part merge into one CSV);
-    the ratio-at-target rows are recomputed from every LLM row then in the CSV."""
+    rows of other prefixes and other parts, and the calibrated rows of targets not calibrated again
+    (so runs split by --prefixes / --part / --targets merge into one CSV); the ratio-at-target rows
+    are recomputed from every LLM row then in the CSV."""
     new = res.frame()
     if res.path.exists():
         old = pd.read_csv(res.path, dtype={"poc": str})
         keep = ~old.domain.isin(domains)
         if "llm" in domains and prefixes is not None and {"prefix", "part"} <= set(old.columns):
             replaced = old.prefix.isin(prefixes) & old.part.isin(parts or llm_parts("all"))
+            if targets is not None and "target" in old:
+                other = old.target.notna() & ~old.target.apply(lambda t: any(abs(t - x) < 1e-12 for x in targets))
+                replaced &= ~other
             keep |= (old.domain == "llm") & (old.metric != "ratio_at_ppl_change") & ~replaced
         new = pd.concat([old[keep], new])
     new = new[new.metric != "ratio_at_ppl_change"]
@@ -1224,6 +1228,6 @@ if __name__ == "__main__":
     elif not args.plot_only:
         domains = [args.only] if args.only else ["llm", "diffusion"]
         res = run(args.quick, domains, args)
-        save(res, domains, args.prefixes, llm_parts(args.part))
+        save(res, domains, args.prefixes, llm_parts(args.part), [t / 100 for t in args.targets] if args.targets else None)
         print(f"done in {elapsed()}")
     plot()

@@ -603,14 +603,15 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
         + (("compressed_kv_codec",) if KV_CODEC_PATH else ())
     kv_codec = kv_codec_columns = None
     if KV_CODEC_PATH:
-        ratio = setting_ratio()
-        kv_codec = kv_codec_on_prompt(model, kv, device, ratio)
+        smollm2_ratio = setting_ratio()
+        kv_codec = kv_codec_on_prompt(model, kv, device, smollm2_ratio)
         keys = "after RoPE" if KV_CODEC_KEYS_AFTER_ROPE else "before RoPE"
         kv_codec_columns = dict(codec=f"KV codec path: {KV_SINK} sink tokens raw, keys coded {keys}, " + (
             f"steps {kv_codec.scale:.3g} x those at cos {SEARCH_COS} for the ratio the setting calibrated for "
-            f"+{KV_CODEC_TARGET:g}% reaches on SmolLM2 ({ratio:.2f}x, PoC 05)" if ratio else
+            f"+{KV_CODEC_TARGET:g}% reaches on SmolLM2 ({smollm2_ratio:.2f}x, PoC 05)" if smollm2_ratio else
             f"steps at cos {SEARCH_COS} (no PoC 05 row of the setting: run `make kv-codec`)"),
-            kv_codec_keys=keys.replace(" ", "_").lower(), setting_ratio=ratio)
+            kv_codec_keys=keys.replace(" ", "_").lower(), setting_ratio=smollm2_ratio,
+            kv_codec_coefficients=bool(graphs and KV_CODEC_KEYS_AFTER_ROPE))
         print(f"  {kv_codec_columns['codec']}")
     hbm = hbm_gbps(device) if on_cuda else None
     if hbm:
@@ -960,9 +961,12 @@ def kv_codec_legend(timing) -> str:
     keys = rows.kv_codec_keys.dropna() if "kv_codec_keys" in rows else []
     if not len(keys) or keys.iloc[0] == "before_rope":
         return "the KV codec's path (raw sink rows,\nkeys coded before RoPE)"
-    ratio = rows.setting_ratio.dropna() if "setting_ratio" in rows else []
-    return ("the KV codec (raw sink rows, keys after RoPE,\nattention on its coefficient rows" +
-            (f"; at its SmolLM2\nratio, {ratio.iloc[0]:.2f}x)" if len(ratio) else ")"))
+    stored = rows[rows.metric == "ratio"].value
+    graphed = rows.kv_codec_coefficients.dropna() if "kv_codec_coefficients" in rows else []
+    on_rows = not len(graphed) or str(graphed.iloc[0]) == "True"
+    return ("the KV codec (raw sink rows, keys after RoPE,\n" + ("attention on its coefficient rows" if on_rows else
+            "KV reconstructed") + (f"; coded at {stored.min():.1f}-{stored.max():.1f}x\nfor its SmolLM2 ratio)"
+                                   if len(stored) else ")"))
 
 
 def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
@@ -975,7 +979,8 @@ def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):
     styles = {"gpu_resident": ("s--", "#009E73", "GPU-resident (the bound)"),
               "compressed_coefficients": ("D-", "#CC79A7", "compressed fetch, attention on coefficient rows"),
               "compressed_fetch": ("o-", "#D55E00", "compressed fetch, KV reconstructed"),
-              "compressed_kv_codec": ("v:", "#E69F00", kv_codec_legend(timing)),
+              "compressed_kv_codec": ("v:", "#E69F00", kv_codec_legend(
+                  df[(df.loop == "own decode loop") & df.device.isin(set(timing.device))])),
               "raw_fetch": ("^-", "#0072B2", "raw fetch (pinned host -> GPU)")}
     for mode, (marker, color, label) in styles.items():
         part = timing[timing["mode"] == mode].sort_values("context")

@@ -646,7 +646,9 @@ def load_shipped(model: str = "smollm2", target_pct: float = 0.3, prefix: int = 
         raise CodecFileMissing(
             f"no shipped KV codec {path.name} in {SHIPPED_DIR} (this checkout holds "
             f"{', '.join(held) if held else 'none'}). Fix: `{SHIPPED_BUILD}` rebuilds the shipped files from the "
-            "text through PoC 05 (43 minutes on a 2-core CPU; KV_CODEC_TARGETS=\"0.3 1 5\" ships +5% too)")
+            "text through PoC 05 (" + ("the keys-after-RoPE files after the others, 25 more minutes on a 2-core CPU; "
+                                       "KV_CODEC_AFTER_ROPE_TARGETS=\"0.3 1\" ships +1% too)" if keys_after_rope else
+                                       "43 minutes on a 2-core CPU; KV_CODEC_TARGETS=\"0.3 1 5\" ships +5% too)"))
     return KVCodec.load(path)
 
 

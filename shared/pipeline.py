@@ -683,6 +683,8 @@ def _encode_many(codecs, tensors, stream, sync: bool):
     if len(codecs) != len(tensors):
         raise ConfigurationError(f"{len(codecs)} codecs for {len(tensors)} tensors: give one codec per tensor")
     if not tensors:
+        if not sync:
+            raise ConfigurationError("encode_many_async needs at least one tensor (it returns one PendingEncode)")
         return []
     if stream is None:  # a list seen before: its graph, before any other work (the key pins every check)
         plan = _GRAPHS.get(_mode_key(_graph_key(codecs, tensors), sync))

@@ -677,7 +677,9 @@ def _kv_codec_path(timing) -> str:
     if not len(keys) or keys.iloc[0] == "before_rope":
         return "raw sink rows, keys before RoPE"
     ratio = rows.setting_ratio.dropna() if "setting_ratio" in rows else []
-    return ("raw sink rows, keys after RoPE, attention on its coefficient rows"
+    graphed = rows.kv_codec_coefficients.dropna() if "kv_codec_coefficients" in rows else []
+    on_rows = not len(graphed) or str(graphed.iloc[0]) == "True"
+    return ("raw sink rows, keys after RoPE, " + ("attention on its coefficient rows" if on_rows else "KV reconstructed")
             + (f"; steps for the {ratio.iloc[0]:.2f}x the setting reaches on SmolLM2" if len(ratio) else ""))
 
 

@@ -553,6 +553,19 @@ def test_a_codec_given_a_new_basis_codes_with_it():
         codec.decode(first)
 
 
+def test_encode_many_async_refuses_what_it_cannot_queue():
+    """encode_many_async always returns one PendingEncode: an empty list, host tensors or a frame codec
+    are refused with the call that codes them instead."""
+    from shared.pipeline import encode_many, encode_many_async
+
+    assert list(encode_many([], [])) == []
+    with pytest.raises(ConfigurationError, match="at least one tensor"):
+        encode_many_async([], [])
+    basis = fit_basis([np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)], 16)
+    with pytest.raises(ConfigurationError, match="encode_many_async needs every tensor on a GPU"):
+        encode_many_async([TensorCodec(basis, backend="rans", step=0.1)], [torch.zeros(8, 16)])
+
+
 def test_encode_many_on_host_tensors_equals_single_calls():
     """encode_many / decode_many on CPU tensors (no GPU, or a CPU-only build of torch): the bytes
     single calls write, the tensors single decodes return; nothing asks CUDA a question it cannot

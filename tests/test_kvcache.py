@@ -302,7 +302,7 @@ def test_timing_model_kv_codec_codes_at_the_ratio_it_is_given():
         assert not codec.pre_rope and codec.sink == p17.KV_SINK
         cache = SpillCache.from_kv_codec(codec, num_layers=shape["layers"], chunk_tokens=64)
         p17.fill(cache, kv, 2048, shape["kv_heads"])
-        measured = 2 * shape["layers"] * model.kv_dim * 2 * 2048 / cache.stored_bytes()
+        measured = 2 * shape["layers"] * model.kv_dim * 2 * 2048 / cache.stored_bytes(value_bytes=2)
         assert abs(measured / ratio - 1) < 0.10, (ratio, measured)
         k, _ = cache.fetched_kv(0)
         assert torch.equal(k[:p17.KV_SINK], kv[0][0][:p17.KV_SINK])
