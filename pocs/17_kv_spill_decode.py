@@ -75,6 +75,7 @@ from transformers import LogitsProcessorList
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared import llm  # noqa: E402
 from shared.basis import fit_basis, fit_basis_torch  # noqa: E402
+from shared.codecs.rans import entropy_bound_bytes  # noqa: E402
 from shared.errors import BackendUnavailable, WeightsUnavailable  # noqa: E402
 from shared.kvcache import SpillCache, cache_kwarg, rows_to_states  # noqa: E402
 from shared.pipeline import TensorCodec  # noqa: E402
@@ -497,19 +498,14 @@ def setting_ratio(target_pct: float = None) -> float | None:
 
 def coded_bits(sampled, transforms, multiplier: float) -> float:
     """Bits the sampled rows' quantized coefficients take at their empirical entropy (per component: what
-    the rANS coder's tables reach, less their headers), every step times `multiplier`."""
+    the rANS coder's tables reach, less their headers; rans.entropy_bound_bytes), every step times
+    `multiplier`."""
     bits = 0.0
     for i, rows in enumerate(sampled):
         for kind, x in zip("kv", rows):
             t = transforms[(i, kind)]
             mean, A = (torch.as_tensor(a, device=x.device) for a in (t.mean, t.analysis))
-            symbols = torch.round((x - mean) @ A / (t.unit * multiplier)).to(torch.int64)
-            symbols -= symbols.min(0).values
-            span = int(symbols.max()) + 1
-            counts = torch.bincount((symbols + span * torch.arange(symbols.shape[1], device=x.device)).flatten(),
-                                    minlength=span * symbols.shape[1]).view(symbols.shape[1], span).double()
-            p = counts / symbols.shape[0]
-            bits += float(-(counts * torch.log2(p.clamp_min(1e-300))).sum())
+            bits += 8 * entropy_bound_bytes(torch.round((x - mean) @ A / (t.unit * multiplier)).to(torch.int32))
     return bits
 
 
