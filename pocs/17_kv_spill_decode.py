@@ -73,7 +73,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from shared import llm  # noqa: E402
+from shared import llm, report  # noqa: E402
 from shared.basis import fit_basis, fit_basis_torch  # noqa: E402
 from shared.codecs.rans import entropy_bound_bytes  # noqa: E402
 from shared.errors import BackendUnavailable, WeightsUnavailable  # noqa: E402
@@ -951,18 +951,15 @@ def save(res: ResultsWriter, measured: set[str]) -> None:
     print(f"wrote {path} ({len(new)} rows)")
 
 
-def kv_codec_legend(timing) -> str:
+def kv_codec_legend(rows) -> str:
     """The KV codec path's legend entry, from its rows: where its keys are coded and how its ratio was set."""
-    rows = timing[timing["mode"] == "compressed_kv_codec"]
-    keys = rows.kv_codec_keys.dropna() if "kv_codec_keys" in rows else []
-    if not len(keys) or keys.iloc[0] == "before_rope":
+    path = report.kv_codec_path(rows)
+    if not path["keys_after_rope"]:
         return "the KV codec's path (raw sink rows,\nkeys coded before RoPE)"
-    stored = rows[rows.metric == "ratio"].value
-    graphed = rows.kv_codec_coefficients.dropna() if "kv_codec_coefficients" in rows else []
-    on_rows = not len(graphed) or str(graphed.iloc[0]) == "True"
-    return ("the KV codec (raw sink rows, keys after RoPE,\n" + ("attention on its coefficient rows" if on_rows else
-            "KV reconstructed") + (f"; coded at {stored.min():.1f}-{stored.max():.1f}x\nfor its SmolLM2 ratio)"
-                                   if len(stored) else ")"))
+    stored = path["stored"]
+    return ("the KV codec (raw sink rows, keys after RoPE,\n"
+            + ("attention on its coefficient rows" if path["on_coefficients"] else "KV reconstructed")
+            + (f"; coded at {stored.min():.1f}-{stored.max():.1f}x\nfor its SmolLM2 ratio)" if len(stored) else ")"))
 
 
 def plot(csv: str = "17_kv_spill_decode", name: str = "17_kv_spill_decode"):

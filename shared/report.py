@@ -670,17 +670,29 @@ def host_round_trip() -> str | None:
             + "\n\n" + _source(df, "15_p2p_multi_gpu"))
 
 
+def kv_codec_path(rows) -> dict:
+    """What PoC 17's compressed_kv_codec rows (of one run) timed, from their columns: keys_after_rope,
+    on_coefficients (attention on its coefficient rows), setting_ratio (the SmolLM2 ratio its steps were
+    set for, or None) and stored (the ratios it coded at)."""
+    rows = rows[rows["mode"] == "compressed_kv_codec"]
+
+    def first(column):
+        values = rows[column].dropna() if column in rows else []
+        return values.iloc[0] if len(values) else None
+    after = first("kv_codec_keys") not in (None, "before_rope")
+    return dict(keys_after_rope=after, on_coefficients=after and str(first("kv_codec_coefficients")) != "False",
+                setting_ratio=first("setting_ratio"), stored=rows[rows.metric == "ratio"].value)
+
+
 def _kv_codec_path(timing) -> str:
     """What PoC 17's compressed_kv_codec rows time: where its keys were coded, how its steps were set."""
-    rows = timing[timing["mode"] == "compressed_kv_codec"]
-    keys = rows.kv_codec_keys.dropna() if "kv_codec_keys" in rows else []
-    if not len(keys) or keys.iloc[0] == "before_rope":
+    path = kv_codec_path(timing)
+    if not path["keys_after_rope"]:
         return "raw sink rows, keys before RoPE"
-    ratio = rows.setting_ratio.dropna() if "setting_ratio" in rows else []
-    graphed = rows.kv_codec_coefficients.dropna() if "kv_codec_coefficients" in rows else []
-    on_rows = not len(graphed) or str(graphed.iloc[0]) == "True"
-    return ("raw sink rows, keys after RoPE, " + ("attention on its coefficient rows" if on_rows else "KV reconstructed")
-            + (f"; steps for the {ratio.iloc[0]:.2f}x the setting reaches on SmolLM2" if len(ratio) else ""))
+    ratio = path["setting_ratio"]
+    return ("raw sink rows, keys after RoPE, "
+            + ("attention on its coefficient rows" if path["on_coefficients"] else "KV reconstructed")
+            + (f"; steps for the {ratio:.2f}x the setting reaches on SmolLM2" if ratio else ""))
 
 
 def kv_spill() -> str | None:
