@@ -547,6 +547,10 @@ def llm_prefix_rows(res, model, tokenizer, prefix: int, spec: dict, fit: Fit, pa
                 out = held.run(f"{codec.meta['hash']} scale {scale}", codec_method(codec.set_scale(scale), coder), n_abl)
                 row(res, name, f"{name}, scale {scale}", out, scale=scale, codec_hash=codec.meta["hash"],
                     part="ablation", **settings)
+    after_rope = "after_rope" in parts and main
+    if "best" in parts or after_rope:  # the calibration windows' prefix caches, captured once for both parts
+        calib_chunks = text_windows(tokenizer, *spec["calib"])
+        calib = Scorer(model, calib_chunks, prefix_kv(model, calib_chunks, prefix), f"calib_p{prefix}")
     if "best" in parts:
         codec = fit.codec(BEST)
         coder = kv_coder(codec, held.kv[0][0][0])
@@ -554,14 +558,10 @@ def llm_prefix_rows(res, model, tokenizer, prefix: int, spec: dict, fit: Fit, pa
             out = held.run(f"{codec.meta['hash']} scale {scale}", codec_method(codec.set_scale(scale), coder), n_abl)
             row(res, BEST, f"{BEST}, scale {scale}", out, scale=scale, codec_hash=codec.meta["hash"], part="best",
                 **settings)
-        calib_chunks = text_windows(tokenizer, *spec["calib"])
-        calib = Scorer(model, calib_chunks, prefix_kv(model, calib_chunks, prefix), f"calib_p{prefix}")
         calibrated_rows(res, codec, calib, held, coder, targets[:1] if quick else targets, prefix, settings,
                         spec["calib"])
-    if "after_rope" in parts and main:  # the operating points again with keys coded after RoPE
+    if after_rope:  # the operating points again with keys coded after RoPE
         codec = fit.codec(AFTER_ROPE)
-        calib_chunks = text_windows(tokenizer, *spec["calib"])
-        calib = Scorer(model, calib_chunks, prefix_kv(model, calib_chunks, prefix), f"calib_p{prefix}")
         calibrated_rows(res, codec, calib, held, kv_coder(codec, held.kv[0][0][0]), targets[:1] if quick else targets,
                         prefix, settings, spec["calib"], variant=AFTER_ROPE, part="after_rope")
 
