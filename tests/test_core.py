@@ -554,8 +554,8 @@ def test_a_codec_given_a_new_basis_codes_with_it():
 
 
 def test_encode_many_async_refuses_what_it_cannot_queue():
-    """encode_many_async always returns one PendingEncode: an empty list, host tensors or a frame codec
-    are refused with the call that codes them instead."""
+    """encode_many_async always returns one PendingEncode: an empty list is refused, and host tensors with
+    the call that codes them instead."""
     from shared.pipeline import encode_many, encode_many_async
 
     assert list(encode_many([], [])) == []
