@@ -47,7 +47,7 @@ decode_gbps: the median of those, a call in steady use); encode_gbps_queued: API
 with encode_many_async, then each one's result() (a pipeline's steady state), checked equal
 to the synchronous call's bytes first. Every round trip is checked for cos >= 0.999
 first, and up to 16 MB the GPU decode is compared with the CPU decoder's. Repeated encodes and decodes of
-up to pipeline.GRAPH_MAX_BYTES (1 GiB) replay a CUDA graph (columns encode_graph, decode_graph; metrics
+up to cuda_graphs.GRAPH_MAX_BYTES (1 GiB) replay a CUDA graph (columns encode_graph, decode_graph; metrics
 encode_graph_held / decode_graph_held: the GPU memory each graph keeps, per input byte).
 Sample output (an NVIDIA H200; GB/s of bf16):
     path              MB        T  ratio     cos  enc GB/s  dec GB/s  D2H GB/s  H2D GB/s  after a copy: enc / dec queued enc
@@ -407,7 +407,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
     saved() runs after each point (the CSV so far survives a run cut short)."""
     import time
 
-    from shared import pipeline
+    from shared import cuda_graphs, pipeline
     from shared.basis import fit_basis
     from shared.metrics import quality
     from shared.pipeline import TensorCodec, encode_many_async
@@ -468,7 +468,7 @@ def bench_api(res: ResultsWriter, torch, sizes_mb, saved=lambda: None):
         if q["cos_mean"] < API_TARGET_COS - 5e-4:
             raise SystemExit(f"round trip at {mb} MB gives cos {q['cos_mean']:.5f} < {API_TARGET_COS}")
         nbytes = x.numel() * 2
-        graph = nbytes <= pipeline.GRAPH_MAX_BYTES
+        graph = nbytes <= cuda_graphs.GRAPH_MAX_BYTES
         lanes = dict(lane_tokens=lane_tokens or "default", encode_graph=graph, decode_graph=graph)
         pipeline.drop_graphs()  # so the memory a graph holds is this size's alone
         m0, m1, m2 = graphs_made(lambda: codec.encode(x), lambda: codec.decode(blob, device="cuda"))
@@ -537,7 +537,7 @@ def queued_encodes(encode_queued, want):
 
 def graphs_made(encode, decode, calls: int = 3):
     """GPU memory allocated before, after `calls` encodes and after as many decodes: the second call of
-    each makes its CUDA graph (pipeline._second_call_graph), so the differences are what the graphs keep."""
+    each makes its CUDA graph (cuda_graphs.second_call_graph), so the differences are what the graphs keep."""
     import torch
 
     m0 = torch.cuda.memory_allocated()
@@ -554,7 +554,7 @@ def graphs_made(encode, decode, calls: int = 3):
 def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, lane_tokens):
     """API_BATCH tensors of one step, one codec each, in one call per direction."""
     from shared.metrics import quality
-    from shared import pipeline
+    from shared import cuda_graphs, pipeline
     from shared.pipeline import TensorCodec, decode_many, encode_many, encode_many_async
 
     codecs = [TensorCodec(basis, backend="rans", lane_tokens=lane_tokens) for _ in range(API_BATCH)]
@@ -577,7 +577,7 @@ def bench_api_batched(res, torch, basis, test_t, D, in_turns, graphs_made, add, 
                       "h2d": lambda: flat.copy_(pinned, non_blocking=True)})
     t_enc, t_dec, t_d2h, t_h2d = t["enc"], t["dec"], t["d2h"], t["h2d"]
     ratio = nbytes / sum(b.numel() for b in blobs)
-    graph = nbytes <= pipeline.GRAPH_MAX_BYTES
+    graph = nbytes <= cuda_graphs.GRAPH_MAX_BYTES
     kw = dict(tokens=API_BATCH_TOKENS, channels=D, tensors=API_BATCH, lane_tokens=lane_tokens or "default",
               encode_graph=graph, decode_graph=graph)
     add("api_batched", "encode_gbps", nbytes / t_enc / 1e9, "GB/s of bf16", mb, **kw)
@@ -627,7 +627,7 @@ def bench_profile(res: ResultsWriter, torch):
     """Rows path=profile, metric=kernel_us: each kernel's GPU time per eager API call."""
     from triton.testing import do_bench
 
-    from shared import pipeline
+    from shared import cuda_graphs
     from shared.basis import fit_basis
     from shared.pipeline import TensorCodec, decode_many, encode_many
     from shared.rdquant import calibrate_step
@@ -636,7 +636,7 @@ def bench_profile(res: ResultsWriter, torch):
     D = calib.shape[1]
     basis = calibrate_step(fit_basis([calib], k=D), [calib], API_TARGET_COS)
     test_t = torch.from_numpy(test).to(torch.bfloat16)
-    graphs, pipeline.GRAPH_MAX_BYTES = pipeline.GRAPH_MAX_BYTES, 0  # eager calls: every kernel launched
+    graphs, cuda_graphs.GRAPH_MAX_BYTES = cuda_graphs.GRAPH_MAX_BYTES, 0  # eager calls: every kernel launched
     try:
         def rows(times, direction, mb, **kw):
             for name, us in sorted(times.items(), key=lambda r: -r[1]):
@@ -668,7 +668,7 @@ def bench_profile(res: ResultsWriter, torch):
         rows(_kernel_times(torch, lambda: encode_many(codecs, xs), PROFILE_CALLS), "encode", mb, **kw)
         rows(_kernel_times(torch, lambda: decode_many(codecs, blobs, device="cuda"), PROFILE_CALLS), "decode", mb, **kw)
     finally:
-        pipeline.GRAPH_MAX_BYTES = graphs
+        cuda_graphs.GRAPH_MAX_BYTES = graphs
 
 
 # ---------------------------------------------------------------------------------------------

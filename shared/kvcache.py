@@ -63,7 +63,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .container import _host_bytes
 from .errors import BitstreamError, ConfigurationError, InvalidTensorError, TensorCodecError
-from .pipeline import StagedDecode, decode_many, encode_many
+from .batched import decode_many, encode_many
+from .cuda_graphs import StagedDecode
 
 MODES = ("raw_fetch", "compressed_fetch", "gpu_resident")
 SLOTS = 2  # staging slots: the layer in use and the one being fetched

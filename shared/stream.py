@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .batched import decode_many, encode_many
+from .codecs.base import require_cuda
 from .errors import ConfigurationError, InvalidTensorError, TransferError
 
 CHUNK_MB = 256.0      # original bytes per pipelined chunk of a compressed stream (MiB): the codec's GPU work
@@ -176,8 +178,6 @@ class HostStream:
         """(codecs, the GPU of tensors) after checking the list for this stream; raises naming the problem."""
         import torch
 
-        from .codecs.base import require_cuda
-
         require_cuda(f"HostStream.{call}")
         codecs = self.codecs if self.codecs is not None else [None] * len(tensors)
         if len(codecs) != len(tensors):
@@ -236,8 +236,6 @@ class HostStream:
                     xs = [tensors[p.index][p.start:p.stop] for p in ch.pieces]
                     with torch.cuda.stream(st["encode"]):
                         marks.at("encode", k, st["encode"], start=True)
-                        from .pipeline import encode_many
-
                         blobs = encode_many([codecs[p.index] for p in ch.pieces], xs)
                         marks.at("encode", k, st["encode"])
                     encoded[j].set()
@@ -310,8 +308,6 @@ class HostStream:
         for ch in plan_chunks(tensors, [c is not None for c in codecs], self.chunk_bytes):
             if ch.coded:
                 with torch.cuda.stream(st["encode"]):
-                    from .pipeline import encode_many
-
                     blobs = encode_many([codecs[p.index] for p in ch.pieces],
                                         [tensors[p.index][p.start:p.stop] for p in ch.pieces])
                 sources, n = [(blobs.buffer, 0, blobs.buffer.numel())], blobs.buffer.numel()
@@ -339,9 +335,7 @@ class HostStream:
         run behind the decoder. The results are ordered on the caller's current stream."""
         import torch
 
-        from .codecs.base import require_cuda
         from .codecs.rans_cuda import Containers
-        from .pipeline import decode_many
 
         require_cuda("HostStream.fetch")
         if not isinstance(copy, HostCopy):
@@ -405,8 +399,6 @@ class HostStream:
     @staticmethod
     def _decode(stream, ready, codecs, blobs, dst, k, marks, after=None):
         import torch
-
-        from .pipeline import decode_many
 
         if after is not None:  # the next chunk's encode has run: the SMs are this decode's
             after.wait()
@@ -644,8 +636,6 @@ class PeerStream:
         """Send tensors (a list; coded ones 2-D as the codec takes them) to the peer; returns the bytes moved."""
         import torch
 
-        from .pipeline import encode_many
-
         tensors = list(tensors)
         n = len(tensors)
         if n > MAX_TENSORS:
@@ -705,8 +695,6 @@ class PeerStream:
         """The next list from the peer, checked whole before it is returned: on `device` (default: where the
         process group's messages live; coded tensors are decoded there)."""
         import torch
-
-        from .pipeline import decode_many
 
         dev = self._device()
         head = self._recv(torch.empty(HEAD_WORDS, dtype=torch.int64, device=dev), "head").tolist()

@@ -632,7 +632,7 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     """The third call of one list of codecs and shapes replays a CUDA graph: the same bytes as the
     eager calls, new inputs give new blobs, and earlier blobs stay as they were. On a side stream
     the same bytes; with encode_many_async the containers sit at their spans in the pending buffer."""
-    from shared import pipeline
+    from shared import cuda_graphs
     from shared.pipeline import decode_many, encode_many, encode_many_async
     from shared.rdquant import calibrate_step
 
@@ -642,7 +642,7 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     first = [rows[1024 + 256 * i:1024 + 256 * (i + 1)].cuda() for i in range(6)]
     second = [x.flip(0).contiguous() for x in first]
     eager = [encode_many(codecs, xs) for xs in (first, second)]  # the second call captures the graph
-    assert any(isinstance(v, pipeline._EncodeGraph) for v in pipeline._GRAPHS.values())
+    assert any(isinstance(v, cuda_graphs.EncodeGraph) for v in cuda_graphs.ENCODE_GRAPHS.values())
     replayed = [encode_many(codecs, xs) for xs in (first, second)]
     for a, b in zip(eager, replayed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -661,8 +661,8 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     # encode_many_async again: its own graph (int32 symbols, as the eager path), calls queued back to back
     # without a synchronization, each pending keeping its own copy of the containers
     queued = [encode_many_async(codecs, xs) for xs in (first, second, first, second, second)]
-    assert sum(isinstance(v, pipeline._EncodeGraph) and k[0] == pipeline._QUEUED
-               for k, v in pipeline._GRAPHS.items()) == 1
+    assert sum(isinstance(v, cuda_graphs.EncodeGraph) and k[0] == cuda_graphs.QUEUED
+               for k, v in cuda_graphs.ENCODE_GRAPHS.items()) == 1
     assert len({p.buffer.data_ptr() for p in queued}) == len(queued)
     for p, want in zip(queued, [eager[0], eager[1], eager[0], eager[1], eager[1]]):
         assert all(torch.equal(p.buffer[a:a + n], y) for (a, n), y in zip(p.spans.tolist(), want))
@@ -683,25 +683,25 @@ def test_encode_many_replays_a_graph_on_a_stream_and_without_a_sync():
     flat = torch.cat([first[0].reshape(-1)[:1]] + [x.reshape(-1) for x in first])  # each at 2 bytes past 16
     shifted = [flat[1 + i * x.numel():1 + (i + 1) * x.numel()].view(x.shape) for i, x in enumerate(first)]
     for xs in (strided, shifted):
-        assert not pipeline._EncodeGraph.readable(xs)
+        assert not cuda_graphs.EncodeGraph.readable(xs)
         assert all(torch.equal(x, y) for x, y in zip(encode_many(codecs, xs), eager[0]))
     # float16 inputs are rounded to bf16 as the graph reads them: the bytes of their eager calls
     halves = [x.half() for x in first]
     eager_half = [encode_many(codecs, halves) for _ in range(2)]
     assert all(torch.equal(x, y) for x, y in zip(encode_many(codecs, halves), eager_half[0]))
-    assert sum(isinstance(v, pipeline._EncodeGraph) for v in pipeline._GRAPHS.values()) >= 2
+    assert sum(isinstance(v, cuda_graphs.EncodeGraph) for v in cuda_graphs.ENCODE_GRAPHS.values()) >= 2
     # one tensor of the list beyond int16 (the graph's symbols): coded again eagerly with int32
     # symbols for its codec alone, the graph dropped; the graph made next keeps int32 for that codec
     loud = first[:2] + [first[2] * 10000] + first[3:]
     wide = [TensorCodec(basis, backend="rans") for _ in range(6)]
     wide[2]._wide_symbols = True
     want = encode_many(wide, loud)
-    graph = pipeline._GRAPHS.get(pipeline._graph_key(codecs, first))
-    assert isinstance(graph, pipeline._EncodeGraph)
+    graph = cuda_graphs.ENCODE_GRAPHS.get(cuda_graphs.graph_key(codecs, first))
+    assert isinstance(graph, cuda_graphs.EncodeGraph)
     for _ in range(4):
         assert all(torch.equal(x, y) for x, y in zip(encode_many(codecs, loud), want))
     assert [c._wide_symbols for c in codecs] == [False, False, True, False, False, False]
-    assert pipeline._GRAPHS.get(pipeline._graph_key(codecs, first)) is not graph
+    assert cuda_graphs.ENCODE_GRAPHS.get(cuda_graphs.graph_key(codecs, first)) is not graph
 
 
 @pytest.mark.gpu
@@ -710,7 +710,7 @@ def test_decode_many_replays_a_graph_that_checks_each_container_on_the_gpu(monke
     eager path for new containers of the same codecs, earlier outputs untouched. A container with
     another step (a front the graph did not check) is decoded by the host path; a corrupt one
     still raises and names its index; a longer list or a host blob takes the host path."""
-    from shared import pipeline
+    from shared import cuda_graphs, pipeline
     from shared.pipeline import decode_many, encode_many
     from shared.rdquant import calibrate_step
 
@@ -722,9 +722,9 @@ def test_decode_many_replays_a_graph_that_checks_each_container_on_the_gpu(monke
     monkeypatch.setattr(pipeline, "GRAPH_MAX_BYTES", 0)  # no graphs: the host path's tensors
     eager = [[c.decode(b, device="cuda") for c, b in zip(codecs, bs)] for bs in blobs]
     monkeypatch.undo()
-    pipeline._DECODE_GRAPHS.clear()
+    cuda_graphs.DECODE_GRAPHS.clear()
     got = [decode_many(codecs, bs, device="cuda") for bs in blobs]  # the second call makes the graph
-    assert any(isinstance(v, pipeline._DecodeGraph) for v in pipeline._DECODE_GRAPHS.values())
+    assert any(isinstance(v, cuda_graphs.DecodeGraph) for v in cuda_graphs.DECODE_GRAPHS.values())
     for a, b in zip(eager, got):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     again = decode_many(codecs, blobs[0], device="cuda")
@@ -744,14 +744,14 @@ def test_decode_many_replays_a_graph_that_checks_each_container_on_the_gpu(monke
     assert all(torch.equal(mixed[i], eager[1][i]) for i in (0, 1, 3, 4, 5))
     for _ in range(2):  # the graph is made again from the new list
         decode_many(codecs, blobs[2], device="cuda")
-    assert any(isinstance(v, pipeline._DecodeGraph) for v in pipeline._DECODE_GRAPHS.values())
+    assert any(isinstance(v, cuda_graphs.DecodeGraph) for v in cuda_graphs.DECODE_GRAPHS.values())
     # containers holding values beyond int16 (the graph's symbols): the int16 graph refuses them (the
     # host path decodes them), then the graph made from them decodes into int32
     loud = encode_many(codecs, [x * 10000 for x in calls[0]])
     want = [c.decode(b, device="cuda") for c, b in zip(codecs, loud)]
     for _ in range(3):
         assert all(torch.equal(x, y) for x, y in zip(decode_many(codecs, loud, device="cuda"), want))
-    graphs = [v for v in pipeline._DECODE_GRAPHS.values() if isinstance(v, pipeline._DecodeGraph)]
+    graphs = [v for v in cuda_graphs.DECODE_GRAPHS.values() if isinstance(v, cuda_graphs.DecodeGraph)]
     assert len(graphs) == 1 and not graphs[0].dec.narrow
     bad = blobs[3][4].clone()
     bad[len(bad) // 2] ^= 0x20

@@ -842,11 +842,11 @@ def test_decode_graphs_are_keyed_only_for_containers_on_one_gpu():
     list, so those lists always take the host path."""
     import torch
 
-    from shared import pipeline
+    from shared import cuda_graphs
 
     codecs = [object(), object()]
     for blobs in ([torch.zeros(64, dtype=torch.uint8)] * 2, [bytes(64)] * 2, [np.zeros(64, np.uint8)] * 2, []):
-        assert pipeline._decode_graph_key(codecs, blobs, "cuda", 1 << 20) is None
+        assert cuda_graphs.decode_graph_key(codecs, blobs, "cuda", 1 << 20) is None
 
 
 def test_a_graph_keeps_the_cached_tensors_it_was_captured_with():
@@ -950,7 +950,7 @@ def test_triton_interpreter_scaled_decode_and_gemm_match_the_cpu_decoder():
     differs from its rows' is refused before anything runs (a wider K would write past them)."""
     run_interpreted('''
         import torch
-        from shared import pipeline
+        from shared import launches, pipeline
         from shared.basis import fit_basis
         from shared.container import unpack
         from shared.errors import BitstreamError
@@ -970,13 +970,13 @@ def test_triton_interpreter_scaled_decode_and_gemm_match_the_cpu_decoder():
             for i, b in enumerate(blobs):
                 header, chunks = unpack(b)
                 data = chunks["DATA"]
-                jobs.append(pipeline.DecodeJob(i, header, chunks["QPAR"],
+                jobs.append(launches.DecodeJob(i, header, chunks["QPAR"],
                                                torch.frombuffer(bytearray(data), dtype=torch.uint8), data[:64], None,
                                                None))
             return jobs
 
         out = [None] * 3
-        pipeline._decode_symbols_cuda(codecs, jobs_of(blobs), out)
+        launches.decode_symbols_cuda(codecs, jobs_of(blobs), out)
         for c, b, got in zip(codecs, blobs, out):
             want = c.decode(b).bfloat16().float()
             err = (got.float() - want).abs()
@@ -991,7 +991,7 @@ def test_triton_interpreter_scaled_decode_and_gemm_match_the_cpu_decoder():
         proj = loud._projection(24, "cpu")
         proj._bound = 1e-3
         try:
-            pipeline._decode_symbols_cuda([codecs[0], loud], jobs_of(blobs[:2]), [None, None])
+            launches.decode_symbols_cuda([codecs[0], loud], jobs_of(blobs[:2]), [None, None])
             raise SystemExit("a value past the bound decoded")
         except BitstreamError as e:
             assert "blob 1" in str(e), e
