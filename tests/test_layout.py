@@ -55,3 +55,15 @@ def test_no_import_circle_among_shared_modules():
     # packages import their own modules to re-export them; a circle through a package's __init__ alone is not one
     circles = [c for c in circles if not any(part in ("shared", "shared.codecs") for part in c.split(" -> "))]
     assert not circles, "import circles:\n" + "\n".join(sorted(set(circles))[:20])
+
+
+CODEC_LAYERS = ["shared.container", "shared.launches", "shared.cuda_graphs", "shared.batched", "shared.pipeline"]
+
+
+def test_codec_layers_import_downward_only():
+    """The codec's five modules (shared/launches.py says what each holds) import only those below them:
+    the batched calls take codec objects and call their methods, never the module of the codec classes."""
+    graph = import_graph()
+    for i, layer in enumerate(CODEC_LAYERS):
+        above = set(CODEC_LAYERS[i + 1:])
+        assert not graph[layer] & above, f"{layer} imports {sorted(graph[layer] & above)}, a layer above it"
