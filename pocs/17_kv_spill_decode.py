@@ -110,6 +110,7 @@ LANES_BY_COMPONENT = True                              # rANS lane groups of one
                                                        # prompt not in whole groups (4K) keeps the default order
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
 TIMED_SECONDS = 1.0                                    # aim of each timed loop, seconds
+PROFILE_STEPS = 3                                      # steps after the timed loop recorded layer by layer
 MIN_STEPS, MAX_STEPS = 3, 32                           # timed decode steps per (mode, context)
 BASIS_SAMPLE = 16384                                   # prompt tokens per layer K/V for its basis (evenly spaced)
 STEP_SAMPLE = 8192                                     # of those, tokens the step search sees
@@ -442,16 +443,45 @@ def timed_decode(model: RandomDecoder, cache, context: int, first_token: int):
 
 
 def profile_step(model: RandomDecoder, cache, token, position: int) -> dict:
-    """One more step with CUDA events: the median per layer of its span on the compute stream (from one
-    layer's start to the next's, waits for the fetch included), of its fetch's copy and of its decode."""
-    marks, cache.timeline = [], [] if cache.mode != "gpu_resident" else None
-    model.step(token, position, cache, marks=marks)
-    torch.cuda.synchronize(model.device)
-    spans = {"layer_ms": [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]}
-    for entry in cache.timeline_ms() if cache.timeline is not None else []:
-        spans.setdefault(f"{entry['stage']}_ms", []).append(entry["end_ms"] - entry["start_ms"])
-    cache.timeline = None
-    return {metric: float(np.median(values)) for metric, values in spans.items() if values}
+    """PROFILE_STEPS more steps with CUDA events (step_profile): where a step's time goes, layer by layer."""
+    steps = []
+    for _ in range(PROFILE_STEPS):
+        marks, cache.timeline = [], [] if cache.mode != "gpu_resident" else None
+        sync(model.device)
+        start = time.perf_counter()
+        token, _ = model.step(token, position, cache, marks=marks)
+        torch.cuda.synchronize(model.device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+        position += 1
+        stages = {}
+        for entry in cache.timeline_ms() if cache.timeline is not None else []:
+            stages.setdefault(entry["stage"], []).append(entry["end_ms"] - entry["start_ms"])
+        steps.append(({"layer": [a.elapsed_time(b) for a, b in zip(marks, marks[1:])], **stages}, wall_ms))
+        cache.timeline = None
+    return step_profile(steps)
+
+
+def step_profile(steps) -> dict:
+    """Profiled steps [({stage: [ms per layer]}, host wall ms of the step)] -> metrics: each stage's median
+    over layers and steps (per_layer_<stage>_ms; "layer" is a layer's span on the compute stream, from its
+    start to the next's, waits for the fetch included), the layer spans' 90th percentile and maximum, the
+    slowest layer's index (in the step holding the maximum), and the steps' median GPU time (the layer
+    spans' sum) against their host wall time: where the wall time is longer, the host, not the GPU, paced
+    the step."""
+    out = {}
+    for stage in dict.fromkeys(k for spans, _ in steps for k in spans):
+        values = [v for spans, _ in steps for v in spans.get(stage, [])]
+        if values:
+            out[f"per_layer_{stage}_ms"] = float(np.median(values))
+    layers = [spans["layer"] for spans, _ in steps if spans.get("layer")]
+    if layers:
+        every = np.concatenate(layers)
+        worst = max(layers, key=max)
+        out.update(per_layer_layer_p90_ms=float(np.percentile(every, 90)), per_layer_layer_max_ms=float(every.max()),
+                   slowest_layer=float(int(np.argmax(worst))),
+                   profiled_step_gpu_ms=float(np.median([sum(x) for x in layers])),
+                   profiled_step_wall_ms=float(np.median([wall for _, wall in steps])))
+    return out
 
 
 def hbm_gbps(device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -667,8 +697,8 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             res.add(metric="fetched_bytes_per_step", value=fetched, unit="bytes", **row)
             res.add(metric="fetch_gb_per_s", value=fetched * rate / 1e9, unit="GB/s", **row)
             res.add(metric="fill_s", value=fill_s, unit="s", **row)
-            for metric, value in profile.items():  # one profiled step: medians over its layers
-                res.add(metric=f"per_layer_{metric}", value=value, unit="ms", **row)
+            for metric, value in profile.items():  # the profiled steps (step_profile)
+                res.add(metric=metric, value=value, unit="layer" if metric == "slowest_layer" else "ms", **row)
             if mode == "gpu_resident" and hbm:
                 read = model.param_bytes() + kv_bf16_per_token * context  # bytes one step reads, at least
                 res.add(metric="hbm_fraction", value=read * rate / 1e9 / hbm, unit="fraction", **row)
@@ -686,7 +716,12 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
                     res.add(metric="logits_match_resident", value=float(same), unit="bool", **row)
                     note += ", logits = gpu_resident's bit for bit" if same else f", logits within {diff:.2g}"
             if profile:
-                note += "; per layer " + ", ".join(f"{k.removesuffix('_ms')} {v:.3f} ms" for k, v in profile.items())
+                note += "; per layer " + ", ".join(f"{k.removeprefix('per_layer_').removesuffix('_ms')} {v:.3f} ms"
+                                                   for k, v in profile.items() if k.startswith("per_layer_"))
+                if "profiled_step_gpu_ms" in profile:
+                    note += (f"; profiled step {profile['profiled_step_gpu_ms']:.1f} ms on the GPU, "
+                             f"{profile['profiled_step_wall_ms']:.1f} ms wall, slowest layer "
+                             f"{int(profile['slowest_layer'])}")
             tqdm.write(f"  {context:>6} tokens  {mode:<23} {rate:8.2f} tokens/s ({n_steps} steps, "
                        f"{fetched / 1e9:.3f} GB fetched per step)  {note}")
             cache.close()

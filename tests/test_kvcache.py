@@ -287,6 +287,21 @@ def test_decoder_steps_agree_with_its_prefill(mode):
     assert cache.get_seq_length() == 24
 
 
+def test_step_profile_says_which_layer_and_whether_the_host_paced_the_step():
+    """PoC 17's profile of decode steps: medians per stage over layers and steps, the slowest layer found
+    in the step that holds it, and the steps' GPU time (the layer spans' sum) beside their wall time."""
+    p17 = poc17()
+    steps = [({"layer": [1.0, 1.0, 5.0], "copy": [0.5, 0.5, 0.5]}, 9.0),
+             ({"layer": [1.0, 1.2, 1.0], "copy": [0.5, 0.6, 0.5]}, 12.0),
+             ({"layer": [1.0, 1.0, 1.1]}, 10.0)]
+    out = p17.step_profile(steps)
+    assert out["per_layer_layer_ms"] == 1.0 and out["per_layer_copy_ms"] == 0.5
+    assert out["per_layer_layer_max_ms"] == 5.0 and out["slowest_layer"] == 2
+    assert out["profiled_step_gpu_ms"] == 3.2 and out["profiled_step_wall_ms"] == 10.0
+    assert "per_layer_decode_ms" not in out
+    assert p17.step_profile([({}, 4.0)]) == {}
+
+
 def test_timing_model_kv_codec_codes_at_the_ratio_it_is_given():
     """PoC 17 times the KV codec's path at the ratio its setting reaches on SmolLM2: the random model's
     steps are scaled until the prompt's entropy gives that ratio, and the cache's stored bytes come within
