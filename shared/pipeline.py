@@ -17,7 +17,9 @@ batched calls, which live below it:
   batched.py      encode_many / encode_many_async / decode_many: which path a list takes
   pipeline.py     FrameCodec, ComputeCodec and the TensorCodec facade (this file)
 
-Each imports only those above it; the lower ones take codec objects and call their methods.
+Each imports only the modules listed before it; launches, cuda_graphs and batched take codec objects
+and call their methods. The CUDA-graph knobs (GRAPH_MAX_BYTES: 0 turns graphs off) are set on
+shared.cuda_graphs; setting one here raises ConfigurationError.
 
 The header names everything the receiver needs: shape, dtype, basis content hash and K,
 quantizer kind and bits, codec id and settings, frame layout, and whether the codec's output
@@ -28,6 +30,8 @@ The basis itself is a per-model artifact and travels separately (PoC 07 measures
 from __future__ import annotations
 
 import math
+import sys
+import types
 from typing import NamedTuple
 
 import numpy as np
@@ -564,3 +568,18 @@ class ComputeCodec(TensorCodec):
                 lanes_by_component=self.lane_order(*joined.shape)).cpu().numpy().tobytes()
         header, qpar = self._symbols_header((tokens, first[1]), first[0], RDQuantizer.from_bytes(first[2]))
         return pack(header, {"QPAR": qpar, "DATA": data})
+
+
+class _PipelineModule(types.ModuleType):
+    """shared.pipeline as a module that refuses, naming the right one, a CUDA-graph knob set on it: the knobs
+    live in shared.cuda_graphs, and an assignment here would silently change nothing."""
+
+    def __setattr__(self, name, value):
+        if name in _GRAPH_KNOBS:
+            raise ConfigurationError(f"shared.pipeline.{name} is not read: the CUDA-graph knobs live in "
+                                     f"shared.cuda_graphs. Fix: shared.cuda_graphs.{name} = {value!r}")
+        super().__setattr__(name, value)
+
+
+_GRAPH_KNOBS = frozenset({"GRAPH_MAX_BYTES", "GRAPH_PLANS", "COPY_OUT_SLACK"})
+sys.modules[__name__].__class__ = _PipelineModule

@@ -719,7 +719,7 @@ def test_decode_many_replays_a_graph_that_checks_each_container_on_the_gpu(monke
     codecs = [TensorCodec(basis, backend="rans") for _ in range(6)]
     calls = [[rows[1024 + 256 * i + 7 * c:1024 + 256 * (i + 1) + 7 * c].cuda() for i in range(6)] for c in range(4)]
     blobs = [encode_many(codecs, xs) for xs in calls]
-    monkeypatch.setattr(pipeline, "GRAPH_MAX_BYTES", 0)  # no graphs: the host path's tensors
+    monkeypatch.setattr(cuda_graphs, "GRAPH_MAX_BYTES", 0)  # no graphs: the host path's tensors
     eager = [[c.decode(b, device="cuda") for c, b in zip(codecs, bs)] for bs in blobs]
     monkeypatch.undo()
     cuda_graphs.DECODE_GRAPHS.clear()
@@ -822,3 +822,16 @@ def test_join_keeps_every_symbol_and_refuses_what_does_not_join():
     damaged[len(damaged) // 2] ^= 0x10
     with pytest.raises(BitstreamError):
         codec.join([parts[0], bytes(damaged)])
+
+
+def test_a_cuda_graph_knob_set_on_pipeline_is_refused_naming_cuda_graphs():
+    """The graph knobs live in shared.cuda_graphs; setting one on shared.pipeline (where they once were)
+    would change nothing, so it raises naming the module to set instead; other attributes set as usual."""
+    from shared import cuda_graphs, pipeline
+
+    with pytest.raises(ConfigurationError, match="shared.cuda_graphs.GRAPH_MAX_BYTES = 0"):
+        pipeline.GRAPH_MAX_BYTES = 0
+    assert not hasattr(pipeline, "GRAPH_MAX_BYTES") and cuda_graphs.GRAPH_MAX_BYTES > 0
+    pipeline.SAMPLE_TOKENS, before = 7, pipeline.SAMPLE_TOKENS
+    assert pipeline.SAMPLE_TOKENS == 7
+    pipeline.SAMPLE_TOKENS = before
