@@ -431,14 +431,25 @@ def timed_decode(model: RandomDecoder, cache, context: int, first_token: int):
     one = time.perf_counter() - start
     steps = int(min(MAX_STEPS, max(MIN_STEPS, round(TIMED_SECONDS / max(one, 1e-6)))))
     bytes_before = cache.stats.fetched_bytes
+    # an event at each step's start (no host wait): one slow step among a second's few shows as a maximum
+    # far above the median, which the mean rate alone hides
+    on_cuda = torch.device(device).type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if on_cuda else None
     sync(device)
     start = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
+        if events:
+            events[i].record()
         token, logits = model.step(token, position, cache)
         position += 1
+    if events:
+        events[-1].record()
     sync(device)
     elapsed = time.perf_counter() - start
     profile = profile_step(model, cache, token, position) if model.graphs is not None else {}
+    if events:
+        spans = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+        profile.update(timed_step_median_ms=float(np.median(spans)), timed_step_max_ms=float(max(spans)))
     return steps / elapsed, steps, (cache.stats.fetched_bytes - bytes_before) / steps, check_logits, profile
 
 
@@ -718,6 +729,9 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             if profile:
                 note += "; per layer " + ", ".join(f"{k.removeprefix('per_layer_').removesuffix('_ms')} {v:.3f} ms"
                                                    for k, v in profile.items() if k.startswith("per_layer_"))
+                if "timed_step_max_ms" in profile:
+                    note += (f"; timed steps: median {profile['timed_step_median_ms']:.1f} ms, "
+                             f"slowest {profile['timed_step_max_ms']:.1f} ms")
                 if "profiled_step_gpu_ms" in profile:
                     note += (f"; profiled step {profile['profiled_step_gpu_ms']:.1f} ms on the GPU, "
                              f"{profile['profiled_step_wall_ms']:.1f} ms wall, slowest layer "
