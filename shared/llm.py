@@ -70,12 +70,6 @@ class PerplexityResult(NamedTuple):
 
 # ---------------------------------------------------------------- loading
 
-def _dtype_kwarg(dtype: torch.dtype) -> dict:
-    import transformers
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
-
-
 def _offline() -> bool:
     flags = (os.environ.get(name, "").strip().lower() for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     return any(flag in ("1", "true", "yes", "on") for flag in flags)
@@ -113,7 +107,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str):
         raise BackendUnavailable(f"loading {path.name} needs the `gguf` package. Fix: pip install gguf")
     kwargs = dict(gguf_file=path.name, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs, **_dtype_kwarg(dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs, dtype=dtype)
     return model.to(device).eval(), tokenizer
 
 
@@ -179,7 +173,7 @@ def load_causal_lm(model_id_or_path: str, *, dtype: torch.dtype = torch.float32,
     for i, local_only in enumerate(attempts):
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
-            model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local_only, **_dtype_kwarg(dtype))
+            model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local_only, dtype=dtype)
             break
         except OSError as error:  # what transformers raises for "not cached / cannot connect / no files"
             if i + 1 < len(attempts):
@@ -271,7 +265,7 @@ def capture_kv(model, chunks: torch.Tensor, store: CaptureStore | str, *, progre
     [T, kv_heads * head_dim] in the model's dtype, one capture "chunk{i:03d}" per chunk.
     A complete store with the same metadata (model, chunks, text source) is reused as it is."""
     store = store if isinstance(store, CaptureStore) else CaptureStore(store)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     meta = {
         "model": model_label(model),
@@ -374,7 +368,7 @@ def cache_from_rows(model, kv_rows: list[tuple[torch.Tensor, torch.Tensor]]):
     dtype and device (K post-RoPE, as the cache holds it)."""
     from transformers import DynamicCache
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = model.config.get_text_config()
     heads = config.num_key_value_heads
     param = next(model.parameters())
     cache = DynamicCache(config=model.config)
