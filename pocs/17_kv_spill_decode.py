@@ -108,6 +108,8 @@ LANE_TOKENS = 256                                      # rANS lane length: a lay
 LANES_BY_COMPONENT = True                              # rANS lane groups of one component's token chunks (a warp reads
                                                        # one table; TensorCodec(lanes_by_component=)); same size; a
                                                        # prompt not in whole groups (4K) keeps the default order
+DECODE_PRIORITY = -1                                   # the decode stream's CUDA priority (-1 high: its blocks go
+                                                       # to the SMs before the dense layer's beside it)
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
 TIMED_SECONDS = 1.0                                    # aim of each timed loop, seconds
 PROFILE_STEPS = 3                                      # steps after the timed loop recorded layer by layer
@@ -628,6 +630,7 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             print(f"  CUDA graphs not used ({type(error).__name__}: {error}); the step runs eagerly")
     common = dict(model=label, shape=str(shape), layers=shape["layers"], dtype=str(dtype).removeprefix("torch."),
                   chunk_tokens=CHUNK_TOKENS, lane_tokens=LANE_TOKENS, lanes_by_component=LANES_BY_COMPONENT,
+                  decode_priority=DECODE_PRIORITY,
                   cuda_graphs=graphs, bases="fitted on the model's own prompt KV (in-sample)",
                   target_cos=TARGET_COS, loop=DRIVERS["timing"],
                   fetch_path="pinned host memory -> GPU over PCIe" if on_cuda else
@@ -673,11 +676,12 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             if mode == "compressed_kv_codec":
                 cache = SpillCache.from_kv_codec(kv_codec, num_layers=shape["layers"], lane_tokens=LANE_TOKENS,
                                                  lanes_by_component=LANES_BY_COMPONENT,
-                                                 coefficients=graphs and not kv_codec.pre_rope, **sizes)
+                                                 coefficients=graphs and not kv_codec.pre_rope,
+                                                 decode_priority=DECODE_PRIORITY, **sizes)
             else:
                 cache = SpillCache(shape["layers"], "compressed_fetch" if compressed else mode,
                                    codecs=codecs if compressed else None, coefficients=mode == "compressed_coefficients",
-                                   **sizes)
+                                   decode_priority=DECODE_PRIORITY if compressed else 0, **sizes)
             start = time.perf_counter()
             fill(cache, kv, context, shape["kv_heads"], device)
             sync(device)
