@@ -39,8 +39,7 @@ computes on the current stream. Nothing waits on the host per layer: each decode
 in pinned flags, read once per step, at the last layer's update (one synchronization), and a corrupt
 container raises BitstreamError there, naming its layer and chunk, before that step's attention output
 is returned. The plans are made at a layer's first fetch after a flush (the host checks the containers'
-headers then) and replayed until its next flush. `decode_priority` is the decode stream's CUDA priority
-(torch's scale: 0 the default, -1 high): a decode and the layer computing beside it share the SMs.
+headers then) and replayed until its next flush.
 On a CPU the same code runs synchronously (stored blobs decoded by the numpy coder; `keep_decoded`, on by
 default there, decodes each blob once and keeps the result, which gives attention the same values as
 decoding at every step).
@@ -112,10 +111,10 @@ def rows_to_states(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.view(tokens, heads, channels // heads).permute(1, 0, 2).unsqueeze(0)
 
 
-def _stream_apart(device, taken: set, priority: int = 0):
-    """A stream from torch's pool (of that priority) whose CUDA stream is none of `taken` (raw handles)."""
+def _stream_apart(device, taken: set):
+    """A stream from torch's pool whose CUDA stream is none of `taken` (raw handles)."""
     for _ in range(2 * 32 + 1):
-        stream = torch.cuda.Stream(device, priority=priority)
+        stream = torch.cuda.Stream(device)
         if stream.cuda_stream not in taken:
             return stream
     raise TensorCodecError("no CUDA stream apart from the compute and capture streams in torch's stream pool")
@@ -409,8 +408,7 @@ class SpillCache(Cache):
     def __init__(self, num_layers: int, mode: str = "raw_fetch", *, codecs=None, chunk_tokens: int = 1024,
                  max_tokens: int | None = None, prefetch: bool = True, keep_decoded: bool | None = None,
                  contiguous: bool = True, coefficients: bool = False, store_prompt: bool = True,
-                 staged: bool = True, sink: int = 0, rope=None, merge_chunks: bool = True,
-                 decode_priority: int = 0):
+                 staged: bool = True, sink: int = 0, rope=None, merge_chunks: bool = True):
         if mode not in MODES:
             import difflib
 
@@ -442,8 +440,7 @@ class SpillCache(Cache):
         self._settings = dict(mode=mode, codecs=codecs, chunk_tokens=chunk_tokens, max_tokens=max_tokens,
                               prefetch=prefetch, keep_decoded=keep_decoded, contiguous=contiguous,
                               coefficients=coefficients, store_prompt=store_prompt, staged=staged, sink=sink,
-                              rope=rope, merge_chunks=merge_chunks,
-                              decode_priority=decode_priority)  # what fork() makes its twin with
+                              rope=rope, merge_chunks=merge_chunks)  # what fork() makes its twin with
         if coefficients and not staged:
             raise ConfigurationError("coefficients=True needs the staged decode (staged=True)")
         self.sink, self.rope = int(sink), rope
@@ -452,7 +449,6 @@ class SpillCache(Cache):
         self.mode, self.codecs = mode, codecs
         self.chunk_tokens, self.max_tokens = int(chunk_tokens), max_tokens
         self.merge_chunks = bool(merge_chunks)
-        self.decode_priority = int(decode_priority)
         self.prefetch_enabled, self.keep_decoded, self.contiguous = prefetch, keep_decoded, contiguous
         self.device = None
         self.stats = _Stats()
@@ -789,8 +785,7 @@ class SpillCache(Cache):
                 taken.add(default_capture.cuda_stream)
             self._copy_stream = _stream_apart(self.device, taken)
             if self.mode == "compressed_fetch":
-                self._decode_stream = _stream_apart(self.device, taken | {self._copy_stream.cuda_stream},
-                                                    self.decode_priority)
+                self._decode_stream = _stream_apart(self.device, taken | {self._copy_stream.cuda_stream})
                 self._pool = torch.cuda.graph_pool_handle()
 
     def _pin(self) -> bool:

@@ -370,18 +370,6 @@ def test_gpu_compressed_fetch_through_staged_decodes(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_priority_sets_the_decode_stream_and_changes_no_token():
-    model = tiny_llama("cuda").to(torch.bfloat16)
-    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
-    kv = prefill_kv(model, ids)
-    codecs = make_codecs([(k.float().cpu(), v.float().cpu()) for k, v in kv])
-    caches = [SpillCache(2, "compressed_fetch", codecs=codecs, chunk_tokens=CHUNK, decode_priority=p) for p in (0, -1)]
-    outs = [generate(model, ids, cache) for cache in caches]
-    assert torch.equal(outs[0], outs[1])
-    assert caches[0]._decode_stream.priority == 0 and caches[1]._decode_stream.priority < 0  # lower is higher
-
-
-@pytest.mark.gpu
 def test_gpu_corrupt_stored_container_is_named_by_the_step_that_read_it():
     model = tiny_llama("cuda").to(torch.bfloat16)  # bf16: the staged decode's path
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
