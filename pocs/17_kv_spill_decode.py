@@ -46,13 +46,14 @@ Command:   make poc-17 PYTHON=python3                (an NVIDIA GPU: both models
            python pocs/17_kv_spill_decode.py --quick  (CI: SmolLM2 on a small text, a tiny random model)
            python pocs/17_kv_spill_decode.py --plot-only
 Writes:    results/17_kv_spill_decode.csv, figures/17_kv_spill_decode.png
-Sample output (a 2-core CPU machine; SmolLM2 at full size, --only quality):
-    SmolLM2: 30 layers; bases and steps from 4 calibration chunks of 1024 tokens (step 0.006292..0.3822); 4 other chunks evaluated
-      raw_fetch: fetched KV bit-exact; perplexity 12.4027 vs DynamicCache 12.4027 (+0.000%)
-      compressed_fetch: KV cos 0.99918 (min over layers/K/V 0.99903), ratio 3.86x of bf16; perplexity 12.4027 -> 12.3762 (-0.214%), next-token agreement 0.9618
-      generate() compressed_fetch     2.7 tokens/s  free-running greedy output first differs from DynamicCache's at token 3 of 128 (2 flushes per layer)
-      raw_fetch: greedy-output agreement 1.0000 over 128 steps of DynamicCache's greedy output (1 prompts)
-      compressed_fetch: greedy-output agreement 0.9766 over 128 steps of DynamicCache's greedy output (1 prompts)
+Sample output (a 2-core CPU machine; SmolLM2 at full size, --only quality, 11 min):
+    SmolLM2: 30 layers; bases and steps from 4 calibration chunks of 1024 tokens (step 0.006292..0.3822); chunks 40..55 evaluated; the shipped KV codec (...)
+      raw_fetch: fetched KV bit-exact; perplexity 9.7119 vs DynamicCache 9.7119 (+0.000%)
+      per-layer PCA at cos 0.999: KV cos 0.99918 (min over layers/K/V 0.99884), ratio 3.80x of bf16; perplexity 9.7119 -> 9.7484 (+0.376% +- 0.178), next-token agreement 0.9610
+      attention-aware KV codec calibrated for +0.3% (scale 0.407, sink 4, keys after RoPE): KV cos 0.98730 (min over layers/K/V 0.95686), ratio 6.16x of bf16; perplexity 9.7119 -> 9.7361 (+0.250% +- 0.083), next-token agreement 0.9763
+      generate() compressed_kv_codec    15.2 tokens/s  free-running greedy output first differs from DynamicCache's at token 3 of 128 (2 flushes per layer)
+      raw_fetch: greedy-output agreement 1.0000 over 896 steps of DynamicCache's greedy output (7 prompts)
+      compressed_kv_codec: greedy-output agreement 0.9766 over 896 steps of DynamicCache's greedy output (7 prompts)
 (the same machine, --quick: the timing model's CPU smoke, host-to-host copies, not a fetch measurement)
          512 tokens  raw_fetch          476.74 tokens/s (32 steps, 0.002 GB fetched per step)  fetched KV bit-exact, logits = gpu_resident's bit for bit
          512 tokens  compressed_fetch   167.80 tokens/s (32 steps, 0.000 GB fetched per step)  ratio 3.36x, cos 0.99920 (min 0.99920)
@@ -108,8 +109,6 @@ LANE_TOKENS = 256                                      # rANS lane length: a lay
 LANES_BY_COMPONENT = True                              # rANS lane groups of one component's token chunks (a warp reads
                                                        # one table; TensorCodec(lanes_by_component=)); same size; a
                                                        # prompt not in whole groups (4K) keeps the default order
-DECODE_PRIORITY = -1                                   # the decode stream's CUDA priority (-1 high: its blocks go
-                                                       # to the SMs before the dense layer's beside it)
 WARMUP_STEPS = 2                                       # untimed decode steps per (mode, context)
 TIMED_SECONDS = 1.0                                    # aim of each timed loop, seconds
 PROFILE_STEPS = 3                                      # steps after the timed loop recorded layer by layer
@@ -126,7 +125,7 @@ TIMING_BUDGET_S = 420                                  # the timing model's whol
                                                        # fit (from the last one's time x its growth) is skipped
 
 # -- the quality model (SmolLM2) ------------------------------------------------------------------------
-CAL_CHUNKS, EVAL_CHUNKS, TOKENS, PREFIX = 4, 4, 1024, 512   # calibration / evaluated chunks of text, tokens
+CAL_CHUNKS, EVAL_CHUNKS, TOKENS, PREFIX = 4, 16, 1024, 512  # calibration / evaluated chunks of text, tokens
 EVAL_FROM = 40                                         # first evaluated chunk: past the text the shipped KV codec
                                                        # was fitted (chunks 0-7) and calibrated (8-39) on
 GEN_TOKENS, GEN_CHUNK = 128, 64                        # greedy tokens generated; chunk_tokens while generating
@@ -630,7 +629,6 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             print(f"  CUDA graphs not used ({type(error).__name__}: {error}); the step runs eagerly")
     common = dict(model=label, shape=str(shape), layers=shape["layers"], dtype=str(dtype).removeprefix("torch."),
                   chunk_tokens=CHUNK_TOKENS, lane_tokens=LANE_TOKENS, lanes_by_component=LANES_BY_COMPONENT,
-                  decode_priority=DECODE_PRIORITY,
                   cuda_graphs=graphs, bases="fitted on the model's own prompt KV (in-sample)",
                   target_cos=TARGET_COS, loop=DRIVERS["timing"],
                   fetch_path="pinned host memory -> GPU over PCIe" if on_cuda else
@@ -676,12 +674,11 @@ def timing_rows(res: ResultsWriter, device: str, quick: bool) -> None:
             if mode == "compressed_kv_codec":
                 cache = SpillCache.from_kv_codec(kv_codec, num_layers=shape["layers"], lane_tokens=LANE_TOKENS,
                                                  lanes_by_component=LANES_BY_COMPONENT,
-                                                 coefficients=graphs and not kv_codec.pre_rope,
-                                                 decode_priority=DECODE_PRIORITY, **sizes)
+                                                 coefficients=graphs and not kv_codec.pre_rope, **sizes)
             else:
                 cache = SpillCache(shape["layers"], "compressed_fetch" if compressed else mode,
                                    codecs=codecs if compressed else None, coefficients=mode == "compressed_coefficients",
-                                   decode_priority=DECODE_PRIORITY if compressed else 0, **sizes)
+                                   **sizes)
             start = time.perf_counter()
             fill(cache, kv, context, shape["kv_heads"], device)
             sync(device)
@@ -899,6 +896,11 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
         res.add(metric="perplexity", value=ppl[mode], unit="ppl", **row)
         res.add(metric="perplexity_dynamic_cache", value=ppl["dynamic"], unit="ppl", **row)
         res.add(metric="ppl_change_pct", value=change, unit="%", **row)
+        # its standard error over the evaluated chunks (paired: each chunk's NLL against DynamicCache's on it)
+        paired = np.subtract(nll[mode], nll["dynamic"])
+        change_se = 100 * np.exp(paired.mean()) * paired.std(ddof=1) / np.sqrt(len(paired)) if len(paired) > 1 else None
+        if change_se is not None:
+            res.add(metric="ppl_change_se_pct", value=float(change_se), unit="%", **row)
         res.add(metric="top1_agreement", value=agree, unit="fraction", **row)
         if mode in variants:
             ratio = raw_bytes[mode] / coded_bytes[mode]
@@ -907,7 +909,8 @@ def quality_rows(res: ResultsWriter, device: str, quick: bool) -> bool:
             res.add(metric="ratio", value=ratio, unit="x", **row)
             print(f"  {row['codec']}: KV cos {np.mean(cos[mode]):.5f} (min over layers/K/V {np.min(cos[mode]):.5f}), "
                   f"ratio {ratio:.2f}x of bf16; perplexity {ppl['dynamic']:.4f} -> {ppl[mode]:.4f} "
-                  f"({change:+.3f}%), next-token agreement {agree:.4f}")
+                  f"({change:+.3f}%" + (f" +- {change_se:.3f}" if change_se is not None else "") +
+                  f"), next-token agreement {agree:.4f}")
         else:
             res.add(metric="fetch_exact", value=1.0, unit="bool", **row)
             print(f"  raw_fetch: fetched KV bit-exact; perplexity {ppl[mode]:.4f} vs DynamicCache {ppl['dynamic']:.4f} "
