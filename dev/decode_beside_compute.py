@@ -25,12 +25,12 @@ stream has priority; the two do not share the SMs, and priority changes the laye
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import symbol_lookup  # noqa: E402
+from staged_decode_sizes import timed  # noqa: E402  (CUDA events, median)
 from shared.pipeline import StagedDecode  # noqa: E402
 
 CONTEXTS = [32768, 65536]    # tokens of one layer's K and V
@@ -81,19 +81,9 @@ def decode_plan(context: int, stream):
     return plan, layer, coeff, reference
 
 
-def timed(run) -> float:
-    """Median ms a layer over REPEATS passes of run(), each pass LAYERS layers, CUDA events around it."""
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / LAYERS)
-    return float(np.median(times))
+def per_layer(run) -> float:
+    """Median ms a layer over REPEATS passes of run(), each pass LAYERS layers."""
+    return timed(run, REPEATS) / LAYERS
 
 
 def main() -> None:
@@ -147,17 +137,17 @@ def main() -> None:
             for s in (compute, decode, copy):
                 main.wait_stream(s)
 
-        t_dense = timed(dense_only)
+        t_dense = per_layer(dense_only)
         torch.cuda.synchronize()
         with torch.cuda.stream(streams["default"][1]):  # the stream its graph was captured for
-            t_decode = timed(decode_only)
-        copy_ms = timed(lambda: [landing[:layer.total].copy_(layer.host, non_blocking=True) for _ in range(LAYERS)])
+            t_decode = per_layer(decode_only)
+        copy_ms = per_layer(lambda: [landing[:layer.total].copy_(layer.host, non_blocking=True) for _ in range(LAYERS)])
         print(f"{device}: {context} tokens, ratio {2 * context * KV_DIM * 2 / layer.total:.2f}x; per layer: dense "
               f"{t_dense:.3f} ms ({dense_bytes / t_dense / 1e6:.0f} GB/s of weights), decode {t_decode:.3f} ms, "
               f"copy {copy_ms:.3f} ms; their sum {t_dense + t_decode:.3f}, max {max(t_dense, t_decode, copy_ms):.3f}",
               flush=True)
         for name in streams:
-            ms = timed(lambda: pipelined(name))
+            ms = per_layer(lambda: pipelined(name))
             plans[name][0].check()
             print(f"    pipelined, {name:13s}: {ms:.3f} ms a layer", flush=True)
         for name, (plan, _, coeff, reference) in plans.items():

@@ -38,10 +38,11 @@ def rows(T: int, seed: int) -> torch.Tensor:
     return ((torch.randn(T, D, generator=g, device="cuda") * scale) @ mix * 8).to(torch.bfloat16)
 
 
-def timed(fn) -> float:
+def timed(fn, repeats: int = REPEATS) -> float:
+    """Median ms of fn() over `repeats` calls after one untimed call (CUDA events on the current stream)."""
     fn()
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
