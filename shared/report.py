@@ -770,9 +770,10 @@ def kv_spill() -> str | None:
             def get(metric, fmt):
                 value = v.get(("compressed_fetch", name, metric))
                 return "-" if value is None or value != value else format(value, fmt)
+            se = get("ppl_change_se_pct", ".3f")
             rows.append([name if name not in ("", "nan") else "compressed_fetch", get("ratio", ".2f") + "x",
                          f"{get('cos', '.5f')} ({get('cos_min', '.5f')})", f"**{get('ppl_change_pct', '+.3f')}%**"
-                         + ("" if get("ppl_change_se_pct", ".3f") == "-" else f" ± {get('ppl_change_se_pct', '.3f')}%"),
+                         + ("" if se == "-" else f" ± {se}%"),
                          get("top1_agreement", ".4f"), get("agreement", ".4f"), get("first_divergence", ".0f"),
                          get("tokens_per_s", ".1f")])
         if rows:
@@ -784,8 +785,10 @@ def kv_spill() -> str | None:
                 "SmolLM2-135M through transformers' forward and generate() with the cache, each compressed setting "
                 f"against DynamicCache (perplexity {base:.4f}) on text chunks "
                 f"{chunks.iloc[0] if len(chunks) else '(see the CSV)'} of the evaluation text, which neither codec "
-                "was fitted or calibrated on (± a standard error over the chunks, paired with DynamicCache's); "
-                "greedy-output agreement along DynamicCache's greedy output"
+                "was fitted or calibrated on"
+                + (" (± a standard error over the chunks, paired with DynamicCache's)"
+                   if any(metric == "ppl_change_se_pct" for (_, _, metric) in v) else "")
+                + "; greedy-output agreement along DynamicCache's greedy output"
                 + (f" ({int(lm.prompts.dropna().max())} prompts x {int(lm.steps.dropna().max())} steps)"
                    if "prompts" in lm and lm.prompts.notna().any() and "steps" in lm else "") + ":\n\n"
                 + _table(rows, ["codec", "ratio", "KV cos (worst layer)", "perplexity change", "next-token agreement",
